@@ -1,0 +1,181 @@
+"""Any causal LM whose config declares `base_model_pp_plan` (llama, mistral, qwen2/3, gemma, phi3,
+olmo, gpt_neox, ...) as [embedding, L decoder layers, final norm, LM head]: L + 3 layers.
+
+What travels between stages: (hidden (B, T, H) float, attention_mask (B, T) int64). Every block
+rebuilds its 4-D mask with HF's own mask function for its layer type (so eager, sdpa and flex
+agree with HF) and recomputes rotary cos/sin from the model's rotary module; nothing but those
+two fixed-shape tensors is sent. The decoder layers are HF's own modules.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.source import LiveSource
+from models.spec import PipelineSpec, causal_lm_loss
+from toolkit.errors import ConfigError
+
+# config attributes that change the base model's forward outside its sub-modules: not replicated.
+_UNSUPPORTED = ("embedding_multiplier", "scale_emb", "mup_embedding_multiplier")
+
+
+class EmbedStage(nn.Module):
+    """Layer 0: (input_ids, attention_mask) -> (hidden (B, T, H), attention_mask)."""
+
+    def __init__(self, source, names):
+        super().__init__()
+        self.parts = nn.ModuleList(source.module(n) for n in names)  # embed_tokens[, emb_dropout]
+
+    def forward(self, inputs):
+        x, attention_mask = inputs[0], inputs[1]
+        for part in self.parts:
+            x = part(x)
+        return x, attention_mask
+
+
+class DecoderBlock(nn.Module):
+    """One HF decoder layer: (hidden, mask2d) -> (hidden, mask2d), mask and rotary built here."""
+
+    def __init__(self, source, layer_name, rotary_name, config, layer_idx):
+        super().__init__()
+        self.layer = source.module(layer_name)
+        self.rotary = source.module(rotary_name) if rotary_name else None
+        self.config = config
+        self.mask_fn = _mask_function(config, layer_idx)
+
+    def forward(self, inputs):
+        hidden, attention_mask = inputs
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                            cache=None, position_ids=position_ids)
+        rope = self.rotary(hidden, position_ids) if self.rotary is not None else None  # (cos, sin)
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+        return (out[0] if isinstance(out, tuple) else out), attention_mask
+
+
+class FinalNorm(nn.Module):
+    """Layer L+1: (hidden, mask2d) -> normed hidden (B, T, H); the mask is not needed after this."""
+
+    def __init__(self, source, names):
+        super().__init__()
+        self.parts = nn.ModuleList(source.module(n) for n in names)
+
+    def forward(self, inputs):
+        x = inputs[0]
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
+class LogitTransform:
+    """What a CausalLM forward does to logits after the head: softcap (gemma2/3), scaling."""
+
+    def __init__(self, config):
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.multiply = getattr(config, "logit_scale", None)  # cohere
+        self.divide = getattr(config, "logits_scaling", None)  # granite
+
+    def __call__(self, logits):
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class LMHead(nn.Module):
+    """Layer L+2 when untied: hidden (B, T, H) -> logits (B, T, V)."""
+
+    def __init__(self, source, name, transform):
+        super().__init__()
+        self.head = source.module(name, allow_missing=False)
+        self.transform = transform
+
+    def forward(self, hidden):
+        return self.transform(self.head(hidden))
+
+
+class TiedLogits:
+    """forward_fn of the tied head: logits from the embedding module's weight."""
+
+    def __init__(self, transform, bias=None):
+        self.transform = transform
+
+    def __call__(self, embed_stage, hidden):
+        return self.transform(F.linear(hidden, embed_stage.parts[0].weight))
+
+
+def build_generic(source, config) -> PipelineSpec:
+    """The L + 3 layer list of a pp-plan causal LM held by `source` (live model or directory)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    names = _module_names(source.skeleton, config)
+    pre, blocks, post, head, rotary = names
+    transform = LogitTransform(config)
+    tied = _is_tied(source.skeleton, pre[0], head)
+    if tied:
+        first = TiedLayerSpec("embed", EmbedStage, source, pre, tied_weight_attr=["parts.0.weight"])
+        last = TiedLayerSpec("embed", EmbedStage, source, pre, forward_fn=TiedLogits(transform),
+                             tied_weight_attr=["parts.0.weight"])
+    else:
+        first, last = LayerSpec(EmbedStage, source, pre), LayerSpec(LMHead, source, head, transform)
+    layers = [first]
+    layers += [LayerSpec(DecoderBlock, source, name, rotary, config, i) for i, name in enumerate(blocks)]
+    layers += [LayerSpec(FinalNorm, source, post), last]
+    hf_names = [pre] + [[b] for b in blocks] + [post, pre if tied else [head]]
+    return PipelineSpec(
+        layers=layers, loss_fn=causal_lm_loss, kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
+        config=config, task="causal-lm", tied={"embed": [0, len(layers) - 1]} if tied else {},
+        param_counts=[_numel(source.skeleton, n) for n in hf_names], hf_names=hf_names)
+
+
+def _module_names(model, config):
+    """(pre-layer names, block names, post-layer names, head name, rotary name) in the HF model."""
+    prefix = model.base_model_prefix
+    plan = list(getattr(config, "base_model_pp_plan", None) or {})
+    if "layers" not in plan:
+        raise ConfigError(f"model_type {config.model_type!r}: config has no base_model_pp_plan with "
+                          "'layers', so dstk cannot split it generically (supported: pp-plan causal LMs, gpt2, bert)")
+    bad = [a for a in _UNSUPPORTED if getattr(config, a, None) not in (None, 1, 1.0)]
+    if bad or getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"model_type {config.model_type!r}: {bad or 'encoder-decoder'} changes the model's "
+                          "forward outside its layers; dstk's generic wrapper would compute something else")
+    if model.get_output_embeddings() is None:
+        raise ConfigError(f"{type(model).__name__} has no LM head: pass a *ForCausalLM model or use task='causal-lm'")
+    cut = plan.index("layers")
+    base = model.get_submodule(prefix)
+    blocks = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
+    rotary = next((f"{prefix}.{n}" for n, m in base.named_children() if "Rotary" in type(m).__name__), None)
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    return ([f"{prefix}.{k}" for k in plan[:cut]], blocks, [f"{prefix}.{k}" for k in plan[cut + 1:]], head, rotary)
+
+
+def _mask_function(config, layer_idx):
+    """HF's mask builder for this layer: causal, sliding-window or chunked (from config.layer_types)."""
+    from transformers import masking_utils as mu
+
+    by_type = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
+               "chunked_attention": mu.create_chunked_causal_mask}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # mistral, phi3: one window for all layers, or none
+        sliding = getattr(config, "sliding_window", None) is not None
+        return mu.create_sliding_window_causal_mask if sliding else mu.create_causal_mask
+    if layer_types[layer_idx] not in by_type:
+        raise ConfigError(f"model_type {config.model_type!r}: layer {layer_idx} is {layer_types[layer_idx]!r}, "
+                          f"not attention ({sorted(by_type)}); recurrent/linear layers keep state dstk cannot send")
+    return by_type[layer_types[layer_idx]]
+
+
+def _is_tied(model, embed_name, head_name) -> bool:
+    """Whether the LM head's weight is the input embedding's weight (tie_word_embeddings)."""
+    return model.get_submodule(head_name).weight is model.get_submodule(embed_name).weight
+
+
+def _numel(model, names) -> int:
+    return sum(p.numel() for n in names for p in model.get_submodule(n).parameters() if p.requires_grad)
+
+
+def live_source(model) -> LiveSource:
+    return LiveSource(model)

@@ -1,0 +1,68 @@
+"""The result of wrapping a model (`PipelineSpec`) and the losses the last stage computes.
+
+Losses take what the pipeline's last layer returns and the labels the data iterator yields:
+causal LM: logits (B, T, V) and labels (B, T) with -100 ignored, shifted by one inside (as HF);
+masked LM: logits (B, T, V), labels (B, T), not shifted; classification: logits (B, C), labels (B,).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("embed", "block", "norm", "head")
+
+
+@dataclass
+class PipelineSpec:
+    """A HF model as a pipeline layer list. `layers, loss_fn = spec` unpacks it.
+
+    layers: entries for deepspeed.pipe.PipelineModule (nn.Module, LayerSpec or TiedLayerSpec).
+    loss_fn: loss_fn(outputs, labels) -> scalar tensor.
+    kinds: per layer, one of KINDS, so a partitioner can attach costs.
+    tied: tie key -> indices of the layers sharing that module, e.g. {"embed": [0, 14]}.
+    param_counts: trainable parameters per layer, counted without building any layer
+        (a tied module counts at every index it appears, as DeepSpeed counts it).
+    hf_names: per layer, the HF module names it holds (for checkpoint conversion).
+    """
+
+    layers: list
+    loss_fn: Callable
+    kinds: list
+    config: object
+    task: str
+    tied: dict = field(default_factory=dict)
+    param_counts: list = field(default_factory=list)
+    hf_names: list = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter((self.layers, self.loss_fn))
+
+    def __post_init__(self):
+        if len(self.kinds) != len(self.layers):
+            raise ValueError(f"{len(self.kinds)} kinds for {len(self.layers)} layers")
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of token t+1 given tokens <= t; labels -100 are ignored."""
+    shift_logits = logits[:, :-1, :].float()  # (B, T-1, V)
+    shift_labels = labels[:, 1:]  # (B, T-1)
+    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
+                           shift_labels.reshape(-1).to(shift_logits.device), ignore_index=-100)
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the positions whose label is not -100 (BERT's MLM loss)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy for (B, C) logits and (B,) class labels; MSE when C == 1 (regression), as HF."""
+    if logits.size(-1) == 1:
+        return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
+    return F.cross_entropy(logits.float(), labels.reshape(-1))

@@ -1,0 +1,210 @@
+"""Transformer architectures as plain numbers: built-ins with published dimensions, or a local
+HF directory's config.json read with `json` (no transformers import, so `dstk partition` is fast).
+
+    arch = load_arch("llama-3.2-1b")           # a built-in
+    arch = load_arch("path/to/hf_model")       # a directory holding config.json
+    arch.num_params()                          # unique parameters (tied weights counted once)
+
+`to_hf_config(arch)` (imports transformers) builds the matching HF config; the tests build the
+HF model from it on the meta device and check that `num_params()` equals the real count.
+"""
+
+import difflib
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from toolkit.errors import ConfigError, UnusableInput
+
+# Model types whose MLP is a plain up -> act -> down (no gate) and whose norms are LayerNorm.
+NON_GATED_TYPES = {"gpt2", "bert", "gpt_neox", "phi", "starcoder2", "gpt_bigcode", "falcon", "opt", "gptj"}
+LAYERNORM_TYPES = NON_GATED_TYPES
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The dimensions the cost model needs. Derived fields are filled in `__post_init__`."""
+
+    name: str
+    model_type: str  # HF model_type: "gpt2", "bert", "llama", "qwen2", ...
+    hidden: int  # h: width of the residual stream
+    layers: int  # L: decoder (or encoder) blocks
+    heads: int  # attention (query) heads
+    intermediate: int  # I: MLP inner width
+    vocab: int  # V
+    max_positions: int  # longest sequence the model accepts
+    kv_heads: int = 0  # key/value heads (GQA); 0 means = heads
+    head_dim: int = 0  # 0 means hidden // heads
+    tied: bool = False  # input embedding and LM head share one matrix
+    norm: str = "rmsnorm"  # "rmsnorm" (weight only) or "layernorm" (weight + bias)
+    gated_mlp: bool = True  # gate_proj * act(up_proj) -> down_proj (Llama) vs fc -> act -> proj
+    qkv_bias: bool = False  # biases on the q, k, v projections (GPT-2, BERT, Qwen2)
+    out_bias: bool = False  # biases on the attention output and MLP projections (GPT-2, BERT)
+    learned_positions: bool = False  # a (max_positions, h) position table (GPT-2, BERT); else rotary
+    type_vocab: int = 0  # BERT token-type embeddings
+    extra: dict = field(default_factory=dict, compare=False)  # config keys kept for to_hf_config
+
+    def __post_init__(self):
+        for key in ("hidden", "layers", "heads", "intermediate", "vocab", "max_positions"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"architecture {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if not self.kv_heads:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"architecture {self.name!r}: heads({self.heads}) is not a multiple of kv_heads({self.kv_heads})")
+
+    @property
+    def is_encoder(self) -> bool:
+        """BERT-style: layer list [embeddings, L encoder layers, head] (no separate final norm)."""
+        return self.model_type == "bert"
+
+    @property
+    def num_pipeline_layers(self) -> int:
+        """Entries in the pipeline layer list: L+3 for causal LMs, L+2 for BERT."""
+        return self.layers + (2 if self.is_encoder else 3)
+
+    def num_params(self) -> int:
+        """Unique parameters of the HF model (tied matrices once). Summed from the cost model."""
+        from toolkit.costs import layer_params  # costs imports arch: import here to avoid a cycle
+
+        return sum(count for _, count, tied in layer_params(self) if not tied)
+
+
+def _gpt2(name, hidden, layers, heads):
+    return Arch(name, "gpt2", hidden, layers, heads, 4 * hidden, 50257, 1024, tied=True, norm="layernorm",
+                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True)
+
+
+def _llama(name, model_type, hidden, layers, heads, kv_heads, intermediate, vocab, max_positions, **kw):
+    return Arch(name, model_type, hidden, layers, heads, intermediate, vocab, max_positions, kv_heads=kv_heads, **kw)
+
+
+def _bert(name, hidden, layers, heads, intermediate, vocab=30522):
+    return Arch(name, "bert", hidden, layers, heads, intermediate, vocab, 512, tied=True, norm="layernorm",
+                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=2)
+
+
+# Published dimensions (the models' config.json on the HF hub).
+BUILTINS = {a.name: a for a in [
+    _gpt2("gpt2", 768, 12, 12),
+    _gpt2("gpt2-medium", 1024, 24, 16),
+    _gpt2("gpt2-large", 1280, 36, 20),
+    _gpt2("gpt2-xl", 1600, 48, 25),
+    _llama("llama-3.2-1b", "llama", 2048, 16, 32, 8, 8192, 128256, 131072, head_dim=64, tied=True),
+    _llama("llama-3.2-3b", "llama", 3072, 28, 24, 8, 8192, 128256, 131072, head_dim=128, tied=True),
+    _llama("llama-3-8b", "llama", 4096, 32, 32, 8, 14336, 128256, 8192),
+    _llama("llama-2-7b", "llama", 4096, 32, 32, 32, 11008, 32000, 4096),
+    _llama("mistral-7b", "mistral", 4096, 32, 32, 8, 14336, 32000, 32768),
+    _llama("qwen2.5-0.5b", "qwen2", 896, 24, 14, 2, 4864, 151936, 32768, tied=True, qkv_bias=True),
+    _llama("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 18944, 152064, 131072, qkv_bias=True),
+    _bert("bert-base", 768, 12, 12, 3072),
+    _bert("bert-large", 1024, 24, 16, 4096),
+    # Tiny ones for tests: same code paths, seconds on a CPU.
+    replace(_gpt2("tiny-gpt2", 64, 4, 4), vocab=512, max_positions=256),
+    _llama("tiny-llama", "llama", 64, 4, 4, 2, 176, 512, 256),
+    _bert("tiny-bert", 64, 4, 4, 128, vocab=512),
+]}
+ALIASES = {"gpt2-small": "gpt2", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
+           "llama-1b": "llama-3.2-1b", "llama-3b": "llama-3.2-3b", "llama-8b": "llama-3-8b",
+           "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b"}
+
+
+def load_arch(name_or_path: str) -> Arch:
+    """A built-in name (see BUILTINS, ALIASES) or a local HF directory (or its config.json)."""
+    key = str(name_or_path).lower()
+    if key in BUILTINS or key in ALIASES:
+        return BUILTINS[ALIASES.get(key, key)]
+    path = Path(name_or_path)
+    if path.exists():
+        config_file = path / "config.json" if path.is_dir() else path
+        return arch_from_config(_read_json(config_file), name=path.name or str(path))
+    raise _unknown(str(name_or_path))
+
+
+def _unknown(name: str) -> ConfigError:
+    names = sorted(BUILTINS) + sorted(ALIASES)
+    close = difflib.get_close_matches(name.lower().rsplit("/", 1)[-1], names, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    if "/" in name or name.startswith("."):
+        return UnusableInput(f"model {name!r}: no such directory (dstk reads local HF directories only; "
+                             f"the hub is not contacted).{hint} Built-ins: {', '.join(sorted(BUILTINS))}")
+    return ConfigError(f"unknown model {name!r}: not a built-in architecture and no such directory.{hint} "
+                       f"Built-ins: {', '.join(sorted(BUILTINS))}")
+
+
+def _read_json(config_file: Path) -> dict:
+    if not config_file.is_file():
+        raise UnusableInput(f"{config_file}: no such file (a HF model directory holds config.json)")
+    try:
+        return json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UnusableInput(f"{config_file}: not valid JSON ({exc})") from exc
+
+
+def arch_from_config(cfg: dict, name: str) -> Arch:
+    """An Arch from a HF config.json dict: GPT-2 and BERT by their own keys, else the Llama-style keys."""
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise ConfigError(f"{name}/config.json has no 'model_type'; is it a HF model directory?")
+
+    def need(key):
+        if cfg.get(key) is None:
+            raise ConfigError(f"{name}/config.json (model_type {model_type!r}) has no {key!r}")
+        return cfg[key]
+
+    if model_type == "gpt2":
+        h = need("n_embd")
+        return Arch(name, "gpt2", h, need("n_layer"), need("n_head"), cfg.get("n_inner") or 4 * h, need("vocab_size"),
+                    need("n_positions"), tied=cfg.get("tie_word_embeddings", True), norm="layernorm",
+                    gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, extra=cfg)
+    common = dict(hidden=need("hidden_size"), layers=need("num_hidden_layers"), heads=need("num_attention_heads"),
+                  intermediate=need("intermediate_size"), vocab=need("vocab_size"),
+                  max_positions=need("max_position_embeddings"), extra=cfg)
+    if model_type == "bert":
+        return Arch(name, "bert", tied=cfg.get("tie_word_embeddings", True), norm="layernorm", gated_mlp=False,
+                    qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=cfg.get("type_vocab_size", 2),
+                    **common)
+    plain = model_type in NON_GATED_TYPES
+    return Arch(name, model_type, kv_heads=cfg.get("num_key_value_heads") or 0, head_dim=cfg.get("head_dim") or 0,
+                tied=bool(cfg.get("tie_word_embeddings", False)),
+                norm="layernorm" if model_type in LAYERNORM_TYPES else "rmsnorm", gated_mlp=not plain,
+                qkv_bias=plain or bool(cfg.get("attention_bias", model_type == "qwen2")), out_bias=plain,
+                **common)
+
+
+def to_hf_config(arch: Arch):
+    """The transformers config of an Arch (imports transformers: seconds; opt-in, tests and profiling)."""
+    import transformers
+
+    if arch.extra:  # read from a directory: hand back exactly what config.json said
+        kwargs = {k: v for k, v in arch.extra.items() if k != "model_type"}
+        return transformers.AutoConfig.for_model(arch.model_type, **kwargs)
+    if arch.model_type == "gpt2":
+        return transformers.GPT2Config(n_embd=arch.hidden, n_layer=arch.layers, n_head=arch.heads,
+                                       n_inner=arch.intermediate, vocab_size=arch.vocab,
+                                       n_positions=arch.max_positions, tie_word_embeddings=arch.tied)
+    kwargs = dict(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+                  intermediate_size=arch.intermediate, vocab_size=arch.vocab,
+                  max_position_embeddings=arch.max_positions, tie_word_embeddings=arch.tied)
+    if arch.model_type == "bert":
+        return transformers.BertConfig(type_vocab_size=arch.type_vocab, **kwargs)
+    if arch.model_type == "llama":
+        kwargs["attention_bias"] = arch.qkv_bias
+    return transformers.AutoConfig.for_model(arch.model_type, num_key_value_heads=arch.kv_heads,
+                                             head_dim=arch.head_dim, **kwargs)
+
+
+def build_hf_model(arch: Arch, device: str = "meta"):
+    """The HF model (*ForCausalLM, or BertForMaskedLM) with random weights on `device`; "meta" allocates
+    nothing. Imports torch and transformers: opt-in (tests, profiling, benchmarks)."""
+    import torch
+    import transformers
+
+    config = to_hf_config(arch)
+    with torch.device(device):
+        if arch.model_type == "bert":
+            return transformers.BertForMaskedLM(config)
+        return transformers.AutoModelForCausalLM.from_config(config)

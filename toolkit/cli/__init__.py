@@ -1,0 +1,81 @@
+"""The `dstk` command. Sub-commands are loaded lazily: `dstk --help` imports none of them.
+
+Each entry maps a command name to "module:attribute" and the one-line help shown by `--help`,
+so listing commands never imports a command module (and so never torch or deepspeed).
+"""
+
+import importlib
+import sys
+
+import click
+
+from toolkit import __version__
+from toolkit.errors import ConfigError, UnusableInput
+
+COMMANDS = {
+    "generate-config": ("toolkit.cli.generate:generate_config", "Generate a DeepSpeed config for a topology."),
+    "validate": ("toolkit.cli.validate:validate", "Validate DeepSpeed config files (schema and rules)."),
+    "schema": ("toolkit.cli.schema:schema", "Print the JSON Schema of DeepSpeed configs."),
+    "partition": ("toolkit.cli.partition:partition", "Split a model's layers into pipeline stages."),
+    "parity": ("toolkit.cli.parity:parity", "Check a wrapped model computes what the HF model computes."),
+    "plan": ("toolkit.cli.plan:plan", "Estimate memory and speed of every layout; recommend one."),
+    "schedule": ("toolkit.cli.schedule:schedule", "Draw DeepSpeed's 1F1B pipeline schedule."),
+    "train": ("toolkit.cli.train:train", "Train a HF model (run on every rank by the launcher)."),
+    "export": ("toolkit.cli.export:export", "Convert a DeepSpeed checkpoint to a HF directory."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported only when invoked (or their own --help is asked)."""
+
+    def list_commands(self, ctx):
+        return [name for name, (target, _) in COMMANDS.items() if _module_exists(target)]
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module_name, attr = COMMANDS[name][0].split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def _module_exists(target: str) -> bool:
+    """Whether a command's module is present, checked without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec(target.split(":")[0]) is not None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dstk")
+def cli():
+    """dstk: DeepSpeed configs, pipelines and plans that agree with each other.
+
+    \b
+    dstk generate-config --strategy hybrid --world-size 8 --pp 4 --mbs 2 --gbs 64 -o ds.json
+    dstk validate ds.json --world-size 8
+    """
+
+
+def main(argv=None):
+    """Console entry point: library errors become one line on stderr and an exit code."""
+    try:
+        rv = cli.main(args=argv, prog_name="dstk", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except UnusableInput as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)

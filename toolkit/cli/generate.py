@@ -1,0 +1,96 @@
+"""`dstk generate-config`: options -> a DeepSpeed config that fits the topology, or a clear refusal.
+
+Help text for options that map to one DeepSpeed key comes from the schema's descriptions.
+"""
+
+import click
+
+from toolkit.config import options as opts
+from toolkit.config.schema import describe
+
+
+def _betas(ctx, param, value):
+    try:
+        b1, b2 = (float(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected two numbers like 0.9,0.999, got {value!r}") from None
+    return (b1, b2)
+
+
+def _choice(values):
+    return click.Choice(values, case_sensitive=False)
+
+
+@click.command("generate-config")
+@click.option("--strategy", type=_choice(opts.STRATEGIES), help="dp: replicate; pp: one replica split in stages; hybrid: dp x pp. Inferred when omitted.")
+@click.option("--world-size", type=int, metavar="N", help="Total processes (GPUs). Default: --nodes x --gpus-per-node, else --pp.")
+@click.option("--nodes", type=int, metavar="N", help="Nodes (with --gpus-per-node) instead of --world-size.")
+@click.option("--gpus-per-node", type=int, metavar="N", help="GPUs per node (with --nodes).")
+@click.option("--pp", type=int, default=1, show_default=True, metavar="N", help=describe("pipeline.stages"))
+@click.option("--partition-method", default="compute", show_default=True, metavar="METHOD", help=describe("pipeline.partition_method"))
+@click.option("--mbs", type=int, default=1, show_default=True, metavar="N", help=describe("train_micro_batch_size_per_gpu"))
+@click.option("--gbs", type=int, metavar="N", help=describe("train_batch_size") + " Derived from --gas when omitted.")
+@click.option("--gas", type=int, metavar="N", help=describe("gradient_accumulation_steps") + " Derived from --gbs when omitted.")
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help=describe("zero_optimization.stage"))
+@click.option("--precision", type=_choice(opts.PRECISIONS), help="Training precision (default fp32).")
+@click.option("--bf16", is_flag=True, help="Same as --precision bf16.")
+@click.option("--fp16", is_flag=True, help="Same as --precision fp16.")
+@click.option("--loss-scale", type=float, default=0.0, show_default=True, help=describe("fp16.loss_scale"))
+@click.option("--initial-scale-power", type=int, default=16, show_default=True, help=describe("fp16.initial_scale_power"))
+@click.option("--loss-scale-window", type=int, default=1000, show_default=True, help=describe("fp16.loss_scale_window"))
+@click.option("--hysteresis", type=int, default=2, show_default=True, help=describe("fp16.hysteresis"))
+@click.option("--min-loss-scale", type=float, default=1.0, show_default=True, help=describe("fp16.min_loss_scale"))
+@click.option("--optimizer", type=_choice(opts.OPTIMIZERS), default="AdamW", show_default=True, help=describe("optimizer.type"))
+@click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate.")
+@click.option("--betas", default="0.9,0.999", show_default=True, callback=_betas, metavar="B1,B2", help="Adam/AdamW/Lamb betas.")
+@click.option("--eps", type=float, default=1e-8, show_default=True, help="Optimizer epsilon.")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="Weight decay.")
+@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
+@click.option("--scheduler", type=_choice(opts.SCHEDULERS), default="none", show_default=True, help=describe("scheduler.type"))
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Warm-up steps (OneCycle: steps of the rising half).")
+@click.option("--total-steps", type=int, help="Total training steps (WarmupDecayLR, WarmupCosineLR).")
+@click.option("--warmup-min-lr", type=float, default=0.0, show_default=True, help="Learning rate at step 0 (OneCycle: the cycle's minimum).")
+@click.option("--grad-clip", "gradient_clipping", type=float, default=1.0, show_default=True, help=describe("gradient_clipping") + " 0 turns it off.")
+@click.option("--offload-optimizer", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help=describe("zero_optimization.offload_optimizer.device"))
+@click.option("--offload-param", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help=describe("zero_optimization.offload_param.device"))
+@click.option("--nvme-path", metavar="DIR", help=describe("zero_optimization.offload_param.nvme_path"))
+@click.option("--activation-checkpointing/--no-activation-checkpointing", default=False, show_default=True, help="Recompute activations in the backward pass (pipeline: every layer).")
+@click.option("--monitor", "monitors", multiple=True, type=_choice(opts.MONITORS), help="Log to tensorboard / csv / wandb (repeatable).")
+@click.option("--monitor-dir", default="runs/monitor", show_default=True, help=describe("tensorboard.output_path"))
+@click.option("--job-name", default="dstk", show_default=True, help=describe("tensorboard.job_name"))
+@click.option("--steps-per-print", type=int, default=10, show_default=True, help=describe("steps_per_print"))
+@click.option("--hf", is_flag=True, help='Write "auto" where the HF Trainer / Accelerate fill values (pp = 1 only).')
+@click.option("--cpu", is_flag=True, help="CPU-only machines: torch's Adam (no JIT-built ops), no fp16, no offload.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomically) instead of stdout.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
+def generate_config(output, force, bf16, fp16, **kwargs):
+    """Generate a DeepSpeed config whose batch numbers fit the topology.
+
+    \b
+    dstk generate-config --strategy hybrid --world-size 8 --pp 4 --mbs 2 --gbs 64 --zero 1 --bf16 -o ds.json
+    """
+    from toolkit.config.generate import build_config, dumps, write_config
+
+    kwargs["precision"] = _precision(kwargs["precision"], bf16, fp16)
+    kwargs["optimizer"] = _canonical(kwargs["optimizer"], opts.OPTIMIZERS)
+    kwargs["scheduler"] = _canonical(kwargs["scheduler"], opts.SCHEDULERS)
+    kwargs["monitors"] = tuple(m.lower() for m in kwargs["monitors"])
+    kwargs["gradient_clipping"] = kwargs["gradient_clipping"] or None
+    cfg = build_config(opts.GenerateOptions(**kwargs))
+    if output:
+        write_config(cfg, output, force=force)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(dumps(cfg), nl=False)
+
+
+def _precision(precision, bf16, fp16) -> str:
+    asked = {p for p, on in ((precision, precision), ("bf16", bf16), ("fp16", fp16)) if on}
+    if len(asked) > 1:
+        raise click.UsageError(f"precisions {' and '.join(sorted(asked))} are exclusive (DeepSpeed asserts fp16 and "
+                               "bf16 are not both enabled); pick one")
+    return asked.pop().lower() if asked else "fp32"
+
+
+def _canonical(value: str, names) -> str:
+    return next(n for n in names if n.lower() == value.lower())

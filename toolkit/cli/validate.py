@@ -1,0 +1,60 @@
+"""`dstk validate FILE...`: schema and cross-field rules; every problem with its JSON path.
+
+Exit code: 0 all valid (warnings allowed), 1 some file invalid, 2 some file unusable.
+"""
+
+import json
+
+import click
+
+from toolkit.config.problems import ERROR, has_errors
+
+VALID, INVALID, UNUSABLE = 0, 1, 2
+STATUS = {VALID: "valid", INVALID: "invalid", UNUSABLE: "unusable"}
+
+
+def check_file(path: str, world_size=None, pp=None, strict=False) -> dict:
+    """One file -> a report dict: status code, problems (schema first, then rules)."""
+    from toolkit.config.loader import read_config
+    from toolkit.config.rules import check_rules
+    from toolkit.config.validate import check_schema
+    from toolkit.errors import UnusableInput
+
+    try:
+        cfg, problems = read_config(path)
+    except UnusableInput as exc:
+        return {"path": path, "code": UNUSABLE, "problems": [{"path": "$", "message": str(exc), "severity": ERROR}]}
+    problems = list(problems) + check_schema(cfg, strict=strict) + check_rules(cfg, world_size=world_size, pp=pp)
+    code = INVALID if has_errors(problems) else VALID
+    return {"path": path, "code": code, "problems": [p.to_dict() for p in problems]}
+
+
+def _print_human(report: dict) -> None:
+    errors = sum(p["severity"] == ERROR for p in report["problems"])
+    others = len(report["problems"]) - errors
+    summary = STATUS[report["code"]] + (f": {errors} error(s)" if errors else "") + (f", {others} note(s)/warning(s)" if others else "")
+    click.echo(f"{report['path']}: {summary}", err=report["code"] != VALID)
+    for p in report["problems"]:
+        click.echo(f"  {p['severity']}: {p['path']}: {p['message']}", err=report["code"] != VALID)
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True))
+@click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Check batch arithmetic for N processes.")
+@click.option("--pp", type=click.IntRange(min=1), metavar="N", help="Pipeline stages (default: pipeline.stages in the file, else 1).")
+@click.option("--strict", is_flag=True, help='Refuse "auto" values (only the HF Trainer/Accelerate fills them).')
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
+def validate(files, world_size, pp, strict, as_json):
+    """Validate DeepSpeed config FILES: all problems, each with its JSON path.
+
+    Exit 0 if valid (warnings allowed), 1 if invalid, 2 if a file cannot be read as a config.
+    """
+    reports = [check_file(f, world_size=world_size, pp=pp, strict=strict) for f in files]
+    if as_json:
+        out = {"valid": all(r["code"] == VALID for r in reports),
+               "files": [dict(r, status=STATUS[r["code"]]) for r in reports]}
+        click.echo(json.dumps(out, indent=2))
+    else:
+        for report in reports:
+            _print_human(report)
+    click.get_current_context().exit(max(r["code"] for r in reports))

@@ -1,0 +1,1 @@
+"""DeepSpeed JSON configs: the schema, reading, validation, rules across fields, generation."""

@@ -1,0 +1,134 @@
+"""GenerateOptions -> a DeepSpeed config dict, and writing it safely.
+
+The dict carries the topology in its `pipeline` section (stages, partition_method), so every later
+step (validate, partition, train) reads the same numbers from the file.
+"""
+
+import json
+import os
+import tempfile
+
+from toolkit.config.options import GenerateOptions
+from toolkit.errors import ConfigError
+
+AUTO = "auto"  # filled by the HF Trainer / Accelerate, never by DeepSpeed itself
+
+
+def build_config(o: GenerateOptions) -> dict:
+    """Check the options (all problems at once) and build the config dict."""
+    topo, batch = o.check()
+    auto = (lambda value: AUTO) if o.hf else (lambda value: value)
+    cfg = {
+        "train_batch_size": auto(batch.gbs),
+        "train_micro_batch_size_per_gpu": auto(batch.mbs),
+        "gradient_accumulation_steps": auto(batch.gas),
+        "steps_per_print": o.steps_per_print,
+        "wall_clock_breakdown": False,
+    }
+    if o.gradient_clipping:
+        cfg["gradient_clipping"] = auto(o.gradient_clipping)
+    cfg.update(_precision(o))
+    cfg["zero_optimization"] = _zero(o)
+    if o.optimizer != "none":
+        cfg["optimizer"] = _optimizer(o, auto)
+    if o.scheduler != "none":
+        cfg["scheduler"] = _scheduler(o, auto)
+    cfg["pipeline"] = {"stages": topo.pp, "partition_method": o.partition_method}
+    if o.activation_checkpointing:
+        cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False,
+                                           "cpu_checkpointing": False}
+        cfg["pipeline"]["activation_checkpoint_interval"] = 1
+    cfg.update(_monitors(o))
+    cfg.update(o.extra)
+    return cfg
+
+
+def _precision(o: GenerateOptions) -> dict:
+    if o.hf:  # the Trainer sets these from its --bf16 / --fp16 flags
+        return {"bf16": {"enabled": AUTO}, "fp16": {"enabled": AUTO}} if o.precision != "fp32" else {}
+    if o.precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if o.precision == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale": o.loss_scale, "initial_scale_power": o.initial_scale_power,
+                         "loss_scale_window": o.loss_scale_window, "hysteresis": o.hysteresis,
+                         "min_loss_scale": o.min_loss_scale}}
+    return {}
+
+
+def _zero(o: GenerateOptions) -> dict:
+    zero = {"stage": o.zero}
+    for key, device in (("offload_optimizer", o.offload_optimizer), ("offload_param", o.offload_param)):
+        if device != "none":
+            zero[key] = {"device": device, "pin_memory": True}
+            if device == "nvme":
+                zero[key]["nvme_path"] = o.nvme_path
+    if o.zero >= 2:
+        zero.update({"overlap_comm": True, "contiguous_gradients": True})
+    if o.hf and o.zero == 3:
+        zero.update({"reduce_bucket_size": AUTO, "stage3_prefetch_bucket_size": AUTO,
+                     "stage3_param_persistence_threshold": AUTO})
+    return zero
+
+
+def _optimizer(o: GenerateOptions, auto) -> dict:
+    if o.optimizer == "SGD":
+        params = {"lr": auto(o.lr), "momentum": o.momentum, "weight_decay": auto(o.weight_decay)}
+    elif o.optimizer == "Adagrad":
+        params = {"lr": auto(o.lr), "eps": auto(o.eps), "weight_decay": auto(o.weight_decay)}
+    else:  # Adam, AdamW, Lamb
+        params = {"lr": auto(o.lr), "betas": auto(list(o.betas)), "eps": auto(o.eps),
+                  "weight_decay": auto(o.weight_decay)}
+    if o.cpu and o.optimizer in ("Adam", "AdamW"):
+        params["torch_adam"] = True  # torch's own Adam: no FusedAdam JIT build (~100 s on CPU)
+    return {"type": o.optimizer, "params": params}
+
+
+def _scheduler(o: GenerateOptions, auto) -> dict:
+    if o.scheduler == "OneCycle":  # rises from warmup_min_lr to lr over warmup_steps, then falls back
+        params = {"cycle_min_lr": o.warmup_min_lr, "cycle_max_lr": o.lr, "cycle_first_step_size": o.warmup_steps}
+        return {"type": "OneCycle", "params": params}
+    if o.scheduler == "WarmupCosineLR":  # ratios of the optimizer's lr
+        params = {"warmup_num_steps": auto(o.warmup_steps), "total_num_steps": auto(o.total_steps),
+                  "warmup_min_ratio": o.warmup_min_lr / o.lr, "cos_min_ratio": 0.0001}
+        return {"type": "WarmupCosineLR", "params": params}
+    params = {"warmup_min_lr": auto(o.warmup_min_lr), "warmup_max_lr": auto(o.lr),
+              "warmup_num_steps": auto(o.warmup_steps)}
+    if o.scheduler == "WarmupDecayLR":
+        params["total_num_steps"] = auto(o.total_steps)
+    return {"type": o.scheduler, "params": params}
+
+
+def _monitors(o: GenerateOptions) -> dict:
+    sections = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb"}
+    out = {}
+    for name in o.monitors:
+        if name == "wandb":
+            out["wandb"] = {"enabled": True, "project": o.job_name}
+        else:
+            out[sections[name]] = {"enabled": True, "output_path": o.monitor_dir, "job_name": o.job_name}
+    return out
+
+
+def dumps(cfg: dict) -> str:
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def write_config(cfg: dict, path: str, force: bool = False) -> None:
+    """Write atomically (temp file + rename): a crash never leaves half a file, and an existing file
+    is replaced only with force."""
+    if os.path.isdir(path):
+        raise ConfigError(f"-o {path} is a directory; give a file name such as {os.path.join(path, 'ds_config.json')}")
+    if os.path.exists(path) and not force:
+        raise ConfigError(f"{path} exists; pass --force to overwrite it")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"cannot write {path}: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(dumps(cfg))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

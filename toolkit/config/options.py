@@ -1,0 +1,213 @@
+"""What `dstk generate-config` is asked for: one typed object, checked as a whole.
+
+`GenerateOptions.check()` collects EVERY problem before raising (like litgpt's validate_args), each
+naming the flag, the numbers and the fix. `toolkit.config.generate.build_config` turns a checked
+object into a DeepSpeed config dict.
+"""
+
+from dataclasses import dataclass, field
+
+from toolkit.errors import ConfigError
+from toolkit.topology import Batch, Topology, solve_batch
+
+STRATEGIES = ("dp", "pp", "hybrid")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("AdamW", "Adam", "SGD", "Lamb", "Adagrad", "none")
+SCHEDULERS = ("none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+MONITORS = ("tensorboard", "csv", "wandb")
+PARTITION_METHODS = ("compute", "memory", "profile", "parameters", "uniform")
+
+
+@dataclass
+class GenerateOptions:
+    # topology
+    strategy: str | None = None  # dp / pp / hybrid; inferred from pp and dp when None
+    world_size: int | None = None  # total processes (GPUs); or nodes * gpus_per_node
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    pp: int = 1  # pipeline stages
+    partition_method: str = "compute"  # how layers are split into stages (or "type:REGEX")
+    # batch: gbs = mbs * gas * dp; one of gbs / gas may be None and is derived
+    mbs: int = 1
+    gbs: int | None = None
+    gas: int | None = None
+    # memory and precision
+    zero: int = 0
+    precision: str = "fp32"
+    loss_scale: float = 0.0  # fp16 only; 0 = dynamic loss scaling
+    initial_scale_power: int = 16  # fp16 dynamic scaling starts at 2**power
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    nvme_path: str | None = None
+    activation_checkpointing: bool = False
+    # optimization
+    optimizer: str = "AdamW"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum: float = 0.0  # SGD only
+    scheduler: str = "none"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    warmup_min_lr: float = 0.0
+    gradient_clipping: float | None = 1.0
+    # logging
+    monitors: tuple[str, ...] = ()
+    monitor_dir: str = "runs/monitor"
+    job_name: str = "dstk"
+    steps_per_print: int = 10
+    # modes
+    hf: bool = False  # write "auto" where the HF Trainer / Accelerate fill values
+    cpu: bool = False  # avoid ops that need a JIT build on CPU-only machines
+    extra: dict = field(default_factory=dict)
+
+    def topology(self) -> Topology:
+        return Topology(self.resolved_world_size(), self.pp)
+
+    def resolved_world_size(self) -> int:
+        if self.world_size is not None:
+            return self.world_size
+        if self.nodes is not None and self.gpus_per_node is not None:
+            return self.nodes * self.gpus_per_node
+        return self.pp  # pure pipeline: one process per stage
+
+    def batch(self) -> Batch:
+        return solve_batch(self.topology().dp, self.mbs, self.gbs, self.gas)
+
+    def check(self) -> tuple[Topology, Batch]:
+        """Every rule at once; raises one ConfigError listing all problems."""
+        problems = []
+        topo = batch = None
+        problems += _check_sizes(self)
+        if not problems:
+            try:
+                topo = self.topology()
+                batch = self.batch()
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if topo is not None:
+            problems += _check_strategy(self, topo)
+        problems += _check_memory(self)
+        problems += _check_precision(self)
+        problems += _check_optimization(self)
+        if problems:
+            bullet = "\n  - "
+            raise ConfigError(f"{len(problems)} problem(s):{bullet}{bullet.join(problems)}" if len(problems) > 1 else problems[0])
+        return topo, batch
+
+
+def _positive(name, value, minimum=1):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        return [f"{name} must be an integer >= {minimum}, got {value!r}"]
+    return []
+
+
+def _check_sizes(o: GenerateOptions) -> list[str]:
+    problems = []
+    for flag, value in (("--world-size", o.world_size), ("--nodes", o.nodes), ("--gpus-per-node", o.gpus_per_node),
+                        ("--pp", o.pp), ("--mbs", o.mbs), ("--gbs", o.gbs), ("--gas", o.gas)):
+        problems += _positive(flag, value)
+    problems += _positive("--steps-per-print", o.steps_per_print)
+    if (o.nodes is None) != (o.gpus_per_node is None):
+        problems.append("--nodes and --gpus-per-node go together; give both, or --world-size alone")
+    elif o.world_size is not None and o.nodes is not None and o.world_size != o.nodes * o.gpus_per_node:
+        problems.append(f"--world-size {o.world_size} != --nodes({o.nodes}) * --gpus-per-node({o.gpus_per_node}) = "
+                        f"{o.nodes * o.gpus_per_node}; give one or the other")
+    if o.strategy in ("dp", "hybrid") and o.world_size is None and o.nodes is None:
+        problems.append(f"--strategy {o.strategy} needs --world-size N (or --nodes and --gpus-per-node)")
+    return problems
+
+
+def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
+    problems = []
+    if o.strategy == "dp" and topo.pp != 1:
+        problems.append(f"--strategy dp means pp = 1, but --pp is {topo.pp}; use --strategy hybrid for dp x pp")
+    if o.strategy == "pp" and topo.dp != 1:
+        problems.append(f"--strategy pp means dp = 1, but world({topo.world_size}) / pp({topo.pp}) = dp({topo.dp}); "
+                        f"use --strategy hybrid, or --world-size {topo.pp}")
+    if o.strategy == "pp" and topo.pp == 1:
+        problems.append("--strategy pp needs --pp >= 2")
+    if o.strategy == "hybrid" and (topo.pp == 1 or topo.dp == 1):
+        problems.append(f"--strategy hybrid needs pp > 1 and dp > 1, got {topo.describe()}; "
+                        f"use --strategy {'dp' if topo.pp == 1 else 'pp'} or change --pp/--world-size")
+    if o.hf and topo.pp > 1:
+        problems.append(f"--hf (HF Trainer/Accelerate) cannot drive a pipeline; got pp={topo.pp}. Drop --hf or use --pp 1")
+    if o.zero >= 2 and topo.pp > 1:
+        problems.append(f"--zero {o.zero} with pp={topo.pp}: DeepSpeed's PipelineEngine refuses ZeRO stage 2/3; "
+                        f"use --zero 1 (or 0) with pipelines, or --pp 1")
+    method = o.partition_method
+    if method not in PARTITION_METHODS and not method.startswith("type:"):
+        problems.append(f"--partition-method {method!r} is not one of {', '.join(PARTITION_METHODS)} or type:REGEX")
+    return problems
+
+
+def _check_memory(o: GenerateOptions) -> list[str]:
+    problems = []
+    if o.zero not in (0, 1, 2, 3):
+        problems.append(f"--zero must be 0, 1, 2 or 3, got {o.zero}")
+    for flag, device in (("--offload-optimizer", o.offload_optimizer), ("--offload-param", o.offload_param)):
+        if device not in OFFLOAD_DEVICES:
+            problems.append(f"{flag} must be one of {', '.join(OFFLOAD_DEVICES)}, got {device!r}")
+    if o.offload_param != "none" and o.zero != 3:
+        problems.append(f"--offload-param {o.offload_param} needs --zero 3 (got --zero {o.zero}); "
+                        "DeepSpeed offloads parameters only in stage 3")
+    if o.offload_optimizer != "none" and o.zero < 1:
+        problems.append(f"--offload-optimizer {o.offload_optimizer} needs --zero >= 1 (got --zero 0); "
+                        "DeepSpeed silently ignores it at stage 0")
+    if "nvme" in (o.offload_optimizer, o.offload_param) and not o.nvme_path:
+        problems.append("offloading to nvme needs --nvme-path DIR (a fast local disk)")
+    if o.cpu and "none" != o.offload_optimizer:
+        problems.append(f"--cpu with --offload-optimizer {o.offload_optimizer}: offload uses DeepSpeedCPUAdam, "
+                        "an op built by JIT (minutes); drop one of them")
+    return problems
+
+
+def _check_precision(o: GenerateOptions) -> list[str]:
+    problems = []
+    if o.precision not in PRECISIONS:
+        problems.append(f"--precision must be one of {', '.join(PRECISIONS)}, got {o.precision!r}")
+    if o.cpu and o.precision == "fp16":
+        problems.append("--cpu with fp16: DeepSpeed's CPU accelerator rejects fp16 on most CPUs; use --precision bf16 or fp32")
+    fp16_only = {"--loss-scale": (o.loss_scale, 0.0), "--initial-scale-power": (o.initial_scale_power, 16),
+                 "--loss-scale-window": (o.loss_scale_window, 1000), "--hysteresis": (o.hysteresis, 2),
+                 "--min-loss-scale": (o.min_loss_scale, 1.0)}
+    if o.precision != "fp16":
+        changed = [flag for flag, (value, default) in fp16_only.items() if value != default]
+        if changed:
+            problems.append(f"{', '.join(changed)} only apply to fp16 (precision is {o.precision}); add --precision fp16 or drop them")
+    elif o.loss_scale < 0:
+        problems.append(f"--loss-scale must be >= 0 (0 = dynamic), got {o.loss_scale}")
+    return problems
+
+
+def _check_optimization(o: GenerateOptions) -> list[str]:
+    problems = []
+    if o.optimizer not in OPTIMIZERS:
+        problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
+    if o.cpu and o.optimizer == "Lamb":
+        problems.append("--cpu with --optimizer Lamb: Lamb (FusedLamb) is not implemented on DeepSpeed's CPU backend; use AdamW")
+    if o.lr <= 0:
+        problems.append(f"--lr must be > 0, got {o.lr}")
+    if not all(0 <= b < 1 for b in o.betas):
+        problems.append(f"--betas must both be in [0, 1), got {o.betas}")
+    if o.scheduler not in SCHEDULERS:
+        problems.append(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {o.scheduler!r}")
+    if o.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and not o.total_steps and not o.hf:
+        problems.append(f"--scheduler {o.scheduler} needs --total-steps N (the step at which the decay ends)")
+    if o.total_steps is not None and o.total_steps <= o.warmup_steps:
+        problems.append(f"--total-steps {o.total_steps} must exceed --warmup-steps {o.warmup_steps}")
+    if o.scheduler == "OneCycle" and o.warmup_steps < 1:
+        problems.append("--scheduler OneCycle needs --warmup-steps >= 1 (the length of the rising half of the cycle)")
+    if o.warmup_steps < 0:
+        problems.append(f"--warmup-steps must be >= 0, got {o.warmup_steps}")
+    if o.gradient_clipping is not None and o.gradient_clipping < 0:
+        problems.append(f"--grad-clip must be >= 0 (0 = off), got {o.gradient_clipping}")
+    bad_monitors = [m for m in o.monitors if m not in MONITORS]
+    if bad_monitors:
+        problems.append(f"--monitor {bad_monitors[0]!r} is not one of {', '.join(MONITORS)}")
+    return problems

@@ -1,0 +1,139 @@
+"""Write toolkit/config/schema.json from DeepSpeed's pydantic config models plus the hand-written sections.
+
+    python -m toolkit.config.schema_build            # rewrite schema.json (after a DeepSpeed upgrade)
+    python -m toolkit.config.schema_build --check    # exit 1 if schema.json is stale
+
+The pydantic sections (zero_optimization, fp16, bf16, monitors, compile, ...) are read from the
+installed DeepSpeed: names, aliases, types, bounds, defaults, and the attribute docstrings that
+DeepSpeed writes under each field. Everything else comes from schema_sections / schema_optim.
+This module imports deepspeed (inside functions): it is a build step, never part of `dstk validate`.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from toolkit.config import schema_optim, schema_sections
+from toolkit.config.schema_parts import AUTO_REF
+from toolkit.config.schema_pydantic import model_schema
+
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
+
+# Keys inside pydantic sections that the HF Trainer / Accelerate fill when they hold "auto".
+AUTO_KEYS = {
+    "zero_optimization": ["stage", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                          "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save"],
+    "zero_optimization.offload_optimizer": ["device", "nvme_path"],
+    "zero_optimization.offload_param": ["device", "nvme_path"],
+    "fp16": ["enabled"], "bf16": ["enabled"],
+}
+
+
+def pydantic_sections() -> dict:
+    """Top-level key -> (pydantic model class, description). Imports deepspeed."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.inference.config import WeightQuantConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.config import HybridEngineConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return {
+        "zero_optimization": (DeepSpeedZeroConfig, "ZeRO: partition optimizer state (1), gradients (2) "
+                              "and parameters (3) across data-parallel ranks; offload to CPU/NVMe."),
+        "fp16": (DeepSpeedFP16Config, "fp16 mixed precision with loss scaling."),
+        "bf16": (DeepSpeedBF16Config, "bfloat16 mixed precision."),
+        "bfloat16": (DeepSpeedBF16Config, "Deprecated spelling of \"bf16\" (read only when bf16 is absent)."),
+        "tensorboard": (TensorBoardConfig, "TensorBoard monitor."),
+        "wandb": (WandbConfig, "Weights & Biases monitor."),
+        "csv_monitor": (CSVConfig, "CSV file monitor."),
+        "comet": (CometConfig, "Comet monitor."),
+        "comms_logger": (CommsLoggerConfig, "Log every collective call (present: enabled by DeepSpeed)."),
+        "compile": (CompileConfig, "torch.compile / DeepCompile settings."),
+        "hybrid_engine": (HybridEngineConfig, "Hybrid training/inference engine (RLHF)."),
+        "tensor_parallel": (TPTrainingConfig, "Automatic tensor parallelism for training (AutoTP)."),
+        "weight_quantization": (WeightQuantConfig, "Weight quantization (inference config model)."),
+    }
+
+
+def timers_section() -> dict:
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+
+    return {"type": "object", "description": "Timers (utils/config.py); only \"throughput\" is read.",
+            "additionalProperties": False,
+            "properties": {"throughput": model_schema(DeepSpeedThroughputTimerConfig, "Throughput timer.")}}
+
+
+def removed_keys() -> tuple[dict, dict]:
+    """Keys DeepSpeed 0.19 refuses (top level, zero_optimization) -> its reason, without the URL."""
+    from deepspeed.runtime import config as ds_config
+
+    def short(messages):
+        return {key: msg.split(" See http")[0].strip() for key, msg in messages.items()}
+
+    return short(ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS), short(ds_config._REMOVED_ZERO_CONFIG_KEYS)
+
+
+def mark_auto(sections: dict) -> None:
+    """Let "auto" through (as anyOf with $defs/auto) at the keys the HF integration fills."""
+    for dotted, keys in AUTO_KEYS.items():
+        node = sections[dotted.split(".")[0]]
+        for part in dotted.split(".")[1:]:
+            node = node["properties"][part]
+        for key in keys:
+            prop = node["properties"][key]
+            body = {k: prop.pop(k) for k in list(prop) if k not in ("description", "default", "deprecated")}
+            prop["anyOf"] = [body, AUTO_REF]
+
+
+def build() -> dict:
+    import deepspeed
+
+    top = dict(schema_sections.top_level_scalars())
+    pyd = {key: model_schema(model, desc) for key, (model, desc) in pydantic_sections().items()}
+    pyd["bfloat16"]["deprecated"] = True
+    mark_auto(pyd)
+    optimizer, optimizer_defs = schema_optim.optimizer()
+    scheduler, scheduler_defs = schema_optim.scheduler()
+    removed_top, removed_zero = removed_keys()
+    pyd["zero_optimization"]["x-removed"] = removed_zero
+    top.update(pyd)
+    top.update({
+        "optimizer": optimizer, "scheduler": scheduler, "timers": timers_section(),
+        "pipeline": schema_sections.pipeline(),
+        "activation_checkpointing": schema_sections.activation_checkpointing(),
+        "flops_profiler": schema_sections.flops_profiler(), "checkpoint": schema_sections.checkpoint(),
+        "data_types": schema_sections.data_types(), "aio": schema_sections.aio(),
+        "torch_autocast": schema_sections.torch_autocast(), "autotuning": schema_sections.autotuning(),
+        "data_efficiency": schema_sections.data_efficiency(), **schema_sections.open_sections(),
+    })
+    auto = {"const": "auto", "description": "Filled in by the HF Trainer / Accelerate DeepSpeed "
+            "integration; DeepSpeed alone drops or rejects it."}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://dstk.invalid/schemas/deepspeed-config.schema.json",
+        "title": "DeepSpeed config", "type": "object",
+        "description": f"A DeepSpeed {deepspeed.__version__} training config as dstk checks it.",
+        "x-deepspeed-version": deepspeed.__version__,
+        "additionalProperties": False, "x-removed": removed_top,
+        "properties": top, "$defs": {"auto": auto, **optimizer_defs, **scheduler_defs},
+    }
+
+
+def main(argv=None) -> int:
+    text = json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+    if "--check" in (argv if argv is not None else sys.argv[1:]):
+        stale = SCHEMA_PATH.read_text(encoding="utf-8") != text
+        print(f"{SCHEMA_PATH} is {'STALE: rerun python -m toolkit.config.schema_build' if stale else 'up to date'}")
+        return 1 if stale else 0
+    SCHEMA_PATH.write_text(text, encoding="utf-8")
+    print(f"wrote {SCHEMA_PATH} ({len(text)} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Hand-written schema for `optimizer` and `scheduler`: their types and the params of each type.
+
+DeepSpeed passes `params` as keyword arguments to the optimizer / scheduler class, so a typo only
+fails at `deepspeed.initialize` (or never, for keys DeepSpeed pops itself). The key sets below are
+the union of the classes DeepSpeed may pick for a type (runtime/engine.py
+`_configure_basic_optimizer`: FusedAdam, DeepSpeedCPUAdam or torch.optim.Adam(W) for Adam/AdamW;
+FusedLamb; FusedLion / DeepSpeedCPULion; torch.optim.Adagrad / DeepSpeedCPUAdagrad) and
+runtime/lr_schedules.py. Used by `schema_build`.
+"""
+
+from toolkit.config.schema_parts import betas, count, flag, prop, real, section
+
+LR = real("Learning rate.", 1e-3, auto=True, minimum=0)
+EPS = real("Term added to the denominator for numerical stability.", 1e-8, auto=True, exclusiveMinimum=0)
+WEIGHT_DECAY = real("Weight decay (L2 penalty, decoupled in AdamW mode).", 0.0, auto=True, minimum=0)
+TORCH_FLAGS = {  # torch.optim implementation switches
+    "foreach": prop(["boolean", "null"], "torch: use the foreach implementation (null: auto).", None),
+    "maximize": flag("torch: maximise the objective instead of minimising."),
+    "capturable": flag("torch: allow CUDA graph capture."),
+    "differentiable": flag("torch: let autograd go through the optimizer step."),
+    "fused": prop(["boolean", "null"], "torch: use the fused implementation.", None),
+}
+
+
+def adam_params() -> dict:
+    return {
+        "lr": LR, "betas": betas("Adam (beta1, beta2).", auto=True), "eps": EPS, "weight_decay": WEIGHT_DECAY,
+        "bias_correction": flag("Apply Adam bias correction.", True),
+        "amsgrad": flag("AMSGrad variant (not supported by FusedAdam)."),
+        "adam_w_mode": flag("Decoupled weight decay (AdamW). Type Adam uses it too unless set false.", True),
+        "torch_adam": flag("Use torch.optim.Adam/AdamW instead of FusedAdam (no JIT build: use on CPU)."),
+        "fp32_optimizer_states": flag("DeepSpeedCPUAdam: keep moments in fp32.", True),
+        "set_grad_none": flag("FusedAdam: set gradients to None on zero_grad.", True),
+        "decoupled_weight_decay": flag("torch.optim.Adam: decoupled weight decay."),
+        **TORCH_FLAGS,
+    }
+
+
+def lamb_params() -> dict:
+    return {
+        "lr": LR, "betas": betas("Lamb (beta1, beta2).", auto=True), "eps": EPS, "weight_decay": WEIGHT_DECAY,
+        "bias_correction": flag("Apply bias correction.", True),
+        "eps_inside_sqrt": flag("Add eps inside the square root."),
+        "max_coeff": real("Upper bound of the trust ratio.", 10.0, minimum=0),
+        "min_coeff": real("Lower bound of the trust ratio.", 0.01, minimum=0),
+        "amsgrad": flag("Not supported by FusedLamb; must stay false."),
+    }
+
+
+def lion_params() -> dict:
+    return {
+        "lr": LR, "betas": betas("Lion (beta1, beta2).", (0.9, 0.99), auto=True), "weight_decay": WEIGHT_DECAY,
+        "set_grad_none": flag("Set gradients to None on zero_grad.", True),
+        "fp32_optimizer_states": flag("DeepSpeedCPULion: keep moments in fp32.", True),
+    }
+
+
+def adagrad_params() -> dict:
+    return {
+        "lr": LR, "eps": real("Stability term.", 1e-10, auto=True, exclusiveMinimum=0), "weight_decay": WEIGHT_DECAY,
+        "lr_decay": real("torch: learning-rate decay.", 0.0, minimum=0),
+        "initial_accumulator_value": real("torch: starting value of the accumulators.", 0.0, minimum=0),
+        "amsgrad": flag("DeepSpeedCPUAdagrad: AMSGrad variant."),
+        "fp32_optimizer_states": flag("DeepSpeedCPUAdagrad: keep state in fp32.", True),
+        **TORCH_FLAGS,
+    }
+
+
+def sgd_params() -> dict:
+    return {
+        "lr": LR, "weight_decay": WEIGHT_DECAY,
+        "momentum": real("Momentum factor.", 0.0, minimum=0),
+        "dampening": real("Dampening for momentum.", 0.0, minimum=0),
+        "nesterov": flag("Nesterov momentum."),
+        **TORCH_FLAGS,
+    }
+
+
+# type name(s) as DeepSpeed matches them -> params; DeepSpeed lower-cases its own optimizer names,
+# other names go to getattr(torch.optim, type) and are case-sensitive.
+OPTIMIZERS = {
+    "adam_params": (["Adam", "adam", "AdamW", "adamw", "ADAM", "ADAMW"], adam_params),
+    "lamb_params": (["Lamb", "lamb", "LAMB"], lamb_params),
+    "lion_params": (["Lion", "lion", "LION"], lion_params),
+    "adagrad_params": (["Adagrad", "adagrad", "ADAGRAD"], adagrad_params),
+    "sgd_params": (["SGD"], sgd_params),
+}
+OPEN_OPTIMIZERS = ["Muon", "muon", "MuAdam", "muadam", "MuAdamW", "muadamw", "MuSGD", "musgd",
+                   "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Adadelta", "Rprop", "Adafactor", "SparseAdam"]
+
+
+def optimizer() -> tuple[dict, dict]:
+    """The `optimizer` section and the `$defs` it refers to (one closed params object per type)."""
+    defs, rules, names = {}, [], list(OPEN_OPTIMIZERS)
+    for def_name, (types, params) in OPTIMIZERS.items():
+        defs[def_name] = section(f"params of optimizer type {types[0]}.", params())
+        rules.append(_if_type(types, def_name))
+        names += types
+    body = section("Optimizer DeepSpeed builds (omit it when the script passes its own optimizer).", {
+        "type": {"type": "string", "enum": names, "description": "Optimizer class: a DeepSpeed optimizer "
+                 "(Adam, AdamW, Lamb, Lion, Adagrad, Muon, ...; case-insensitive) or a torch.optim name."},
+        "params": {"type": "object", "description": "Keyword arguments of the optimizer class.", "default": {}},
+        "legacy_fusion": flag("Legacy fused fp16 optimizer path."),
+    }, required=["type"], allOf=rules)
+    return body, defs
+
+
+def _if_type(types: list, def_name: str) -> dict:
+    return {"if": {"properties": {"type": {"enum": types}}, "required": ["type"]},
+            "then": {"properties": {"params": {"$ref": f"#/$defs/{def_name}"}}}}
+
+
+def _warmup(total: bool) -> dict:
+    out = {
+        "warmup_min_lr": real("Learning rate at the start of warm-up.", 0.0, auto=True, minimum=0),
+        "warmup_max_lr": real("Learning rate at the end of warm-up.", 0.001, auto=True, minimum=0),
+        "warmup_num_steps": count("Warm-up steps (> 0).", 1000, minimum=1, auto=True),
+        "warmup_type": prop("string", "Warm-up curve.", "log", enum=["log", "linear"]),
+        "last_batch_iteration": prop("integer", "Index of the last batch (-1: start fresh).", -1, minimum=-1),
+    }
+    if total:
+        out["total_num_steps"] = count("Total training steps (decay ends here).", None, minimum=1, auto=True)
+    return out
+
+
+def _cosine() -> dict:
+    return {
+        "total_num_steps": count("Total training steps.", None, minimum=1, auto=True),
+        "warmup_min_ratio": real("Warm-up start as a fraction of the optimizer lr.", 0.0, minimum=0, maximum=1),
+        "warmup_num_steps": count("Warm-up steps (> 0).", 1000, minimum=1, auto=True),
+        "cos_min_ratio": real("Final lr as a fraction of the optimizer lr.", 0.0001, minimum=0, maximum=1),
+        "warmup_type": prop("string", "Warm-up curve.", "log", enum=["log", "linear"]),
+        "last_batch_iteration": prop("integer", "Index of the last batch (-1: start fresh).", -1, minimum=-1),
+    }
+
+
+def _one_cycle() -> dict:
+    steps = {k: prop(["integer", "null"], d, None, minimum=0) for k, d in [
+        ("cycle_second_step_size", "Steps of the decreasing half (null: same as the first)."),
+        ("cycle_second_stair_count", "Stairs in the decreasing half (null: same as the first).")]}
+    return {
+        "cycle_min_lr": real("Lowest lr of the cycle.", minimum=0, auto=True),
+        "cycle_max_lr": real("Highest lr of the cycle.", minimum=0, auto=True),
+        "decay_lr_rate": real("lr decay rate after the cycle.", 0.0, minimum=0),
+        "cycle_first_step_size": count("Steps of the increasing half.", 2000, minimum=1),
+        "cycle_first_stair_count": count("Stairs in the increasing half.", 0), **steps,
+        "decay_step_size": count("Decay interval after the cycle.", 0),
+        "cycle_momentum": flag("Cycle momentum inversely to lr.", True),
+        "cycle_min_mom": real("Lowest momentum.", 0.8, minimum=0),
+        "cycle_max_mom": real("Highest momentum.", 0.9, minimum=0),
+        "decay_mom_rate": real("Momentum decay after the cycle.", 0.0, minimum=0),
+        "last_batch_iteration": prop("integer", "Index of the last batch (-1: start fresh).", -1, minimum=-1),
+    }
+
+
+def _range_test() -> dict:
+    return {
+        "lr_range_test_min_lr": real("Starting lr.", 1e-3, minimum=0),
+        "lr_range_test_step_size": count("Steps between lr increases.", 2000, minimum=1),
+        "lr_range_test_step_rate": real("lr increase rate.", 1.0, minimum=0),
+        "lr_range_test_staircase": flag("Increase in stairs instead of continuously."),
+        "last_batch_iteration": prop("integer", "Index of the last batch (-1: start fresh).", -1, minimum=-1),
+    }
+
+
+SCHEDULERS = {
+    "WarmupLR": lambda: _warmup(total=False), "WarmupDecayLR": lambda: _warmup(total=True),
+    "WarmupCosineLR": _cosine, "OneCycle": _one_cycle, "LRRangeTest": _range_test,
+}
+REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ["total_num_steps"], "WarmupCosineLR": ["total_num_steps"],
+                             "OneCycle": ["cycle_min_lr", "cycle_max_lr"]}
+
+
+def scheduler() -> tuple[dict, dict]:
+    """The `scheduler` section and its `$defs`; torch.optim.lr_scheduler names keep open params."""
+    defs, rules = {}, []
+    for name, params in SCHEDULERS.items():
+        def_name = f"{name}_params"
+        defs[def_name] = section(f"params of scheduler {name} (runtime/lr_schedules.py).", params(),
+                                 required=REQUIRED_SCHEDULER_PARAMS.get(name, []))
+        rules.append(_if_type([name], def_name))
+    body = section("Learning-rate scheduler DeepSpeed builds from runtime/lr_schedules.py or "
+                   "torch.optim.lr_scheduler.", {
+                       "type": {"type": "string", "description": "Scheduler class name (case-sensitive): "
+                                "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a "
+                                "torch.optim.lr_scheduler class.", "pattern": "^[A-Z][A-Za-z]*$"},
+                       "params": {"type": "object", "description": "Keyword arguments of the scheduler.",
+                                  "default": {}},
+                   }, required=["type"], allOf=rules)
+    return body, defs

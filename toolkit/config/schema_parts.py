@@ -1,0 +1,58 @@
+"""Small constructors for JSON Schema fragments, shared by the hand-written schema sections.
+
+Used only by `schema_build` (which writes schema.json); nothing at run time imports this.
+"""
+
+AUTO_REF = {"$ref": "#/$defs/auto"}
+_NO_DEFAULT = object()
+
+
+def prop(type_, description, default=_NO_DEFAULT, auto=False, **constraints):
+    """One key: `type_` is a JSON type name or list of names; `constraints` are minimum, enum, ...
+
+    auto=True allows the string "auto" (a value the HF Trainer / Accelerate fills in) through an
+    anyOf with `$defs/auto`, so validation can tell "auto" apart from other strings.
+    """
+    body = {"type": type_, **constraints}
+    out = {"description": description}
+    if auto:
+        out["anyOf"] = [body, AUTO_REF]
+    else:
+        out.update(body)
+    if default is not _NO_DEFAULT:
+        out["default"] = default
+    return out
+
+
+def section(description, properties, closed=True, **extra):
+    """An object with a fixed key set (closed) or one DeepSpeed passes on as a whole (open)."""
+    out = {"type": "object", "description": description, "properties": properties}
+    out["additionalProperties"] = not closed
+    out.update(extra)
+    return out
+
+
+def flag(description, default=False, auto=False):
+    return prop("boolean", description, default, auto=auto)
+
+
+def count(description, default=_NO_DEFAULT, minimum=0, auto=False):
+    return prop("integer", description, default, auto=auto, minimum=minimum)
+
+
+def real(description, default=_NO_DEFAULT, auto=False, **constraints):
+    return prop("number", description, default, auto=auto, **constraints)
+
+
+def text(description, default=_NO_DEFAULT, **constraints):
+    return prop("string", description, default, **constraints)
+
+
+def enabled(what, default=False, auto=False):
+    return flag(f"Turn {what} on or off.", default, auto=auto)
+
+
+def betas(description, default=(0.9, 0.999), auto=False):
+    """A (beta1, beta2) pair, each in [0, 1)."""
+    item = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
+    return prop("array", description, list(default), auto=auto, items=item, minItems=2, maxItems=2)

@@ -1,0 +1,171 @@
+"""Per-layer costs of a transformer's pipeline layer list, from its dimensions alone (no torch).
+
+The layer list is the one models/ builds: [embed, block x L, norm, head] for causal LMs and
+[embed, block x L, head] for BERT. `layer_costs(arch, seq_len, mbs)` gives one LayerCost each.
+
+Notation: a micro-batch is B = mbs sequences of T = seq_len tokens, N = B*T tokens; h hidden,
+I intermediate, V vocab, a query heads, qd = a*head_dim, kd = kv_heads*head_dim.
+
+FLOPs (a multiply-add counts 2), per micro-batch, forward:
+  linear a -> b     2*N*a*b
+  block             2*N*h*(qd + 2*kd) + 2*N*qd*h            q, k, v and output projections
+                    + 4*B*T^2*qd                             QK^T and P@V over the full T x T matrix
+                                                            (eager / SDPA-math; flash kernels skip
+                                                            the masked half of a causal one)
+                    + (3 if gated else 2) * 2*N*h*I          MLP
+                    + 10*N*h + 5*B*a*T^2 + 4*N*I             two norms, softmax, activation (rough)
+  embed             0                                        a lookup
+  norm              5*N*h
+  head              2*N*h*V (+ 2*N*h*h BERT's transform)     logits
+                    + 5*N*V                                  log-softmax + NLL (rough)
+  backward          2 x forward (gradient of the input and of the weights), except the embedding,
+                    whose backward is a scatter-add of N*h gradients.
+Elementwise terms are rough and small next to the matmuls; on CPUs they cost more time than
+their FLOPs suggest (memory bound): the `profile` partition method measures instead.
+
+Memory, bytes (see PRECISIONS): model states = params * (param + grad + optimizer bytes); activations
+held per micro-batch between its forward and backward (no activation checkpointing), with
+e = bytes per activation element:
+  embed   8*N (token ids) (+ 2*e*N*h BERT's LayerNorm)
+  block   e*N*(4*h + 2*qd + 2*kd + (3 if gated else 2)*I)   norm in/out x2, q, k, v, attention out,
+                                                            MLP up (and gate) outputs, activation out
+          + e*B*a*T^2                                      softmax probabilities (none under flash)
+  norm    e*N*h
+  head    e*N*h + (e + 4)*N*V                              input, logits, fp32 log-softmax for the loss
+Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
+"""
+
+from dataclasses import dataclass
+
+from toolkit.arch import Arch
+from toolkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per activation element."""
+
+    param: int
+    grad: int
+    optim: int  # Adam: exp_avg + exp_avg_sq (8), plus an fp32 master copy (4) under mixed precision
+    act: int
+
+
+PRECISIONS = {"fp32": Precision(4, 4, 8, 4), "bf16": Precision(2, 2, 12, 2), "fp16": Precision(2, 2, 12, 2)}
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one entry of the pipeline layer list costs, per micro-batch."""
+
+    name: str  # "embed", "block.0", ..., "norm", "head"
+    kind: str  # "embed" | "block" | "norm" | "head" (models' spec.kinds)
+    typename: str  # class name that DeepSpeed's partition_method "type:REGEX" matches
+    params: int  # parameters the stage holding this layer stores (a tied head counts its copy)
+    tied_params: int  # how many of `params` are a copy of another layer's (tied embedding)
+    fwd_flops: float  # forward FLOPs per micro-batch
+    flops: float  # forward + backward FLOPs per micro-batch
+    state_bytes: int  # parameters + gradients + optimizer states (no ZeRO sharding)
+    act_bytes: int  # activations held per micro-batch in flight, until its backward
+
+    def memory(self, in_flight: int = 1) -> int:
+        """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
+        return self.state_bytes + in_flight * self.act_bytes
+
+
+def _norm(arch: Arch) -> int:
+    return (2 if arch.norm == "layernorm" else 1) * arch.hidden
+
+
+def _block_params(arch: Arch) -> int:
+    h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    attn = h * (qd + 2 * kd) + qd * h + arch.qkv_bias * (qd + 2 * kd) + arch.out_bias * h
+    up = 2 if arch.gated_mlp else 1  # gate and up, or fc
+    mlp = (up + 1) * h * i + arch.out_bias * (up * i + h)
+    return 2 * _norm(arch) + attn + mlp
+
+
+def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
+    """(name, params held, of which tied copies) per pipeline layer, matching HF's parameters."""
+    h, v = arch.hidden, arch.vocab
+    embed = v * h + arch.learned_positions * arch.max_positions * h
+    if arch.is_encoder:  # token types and a LayerNorm inside BERT's embeddings
+        embed += arch.type_vocab * h + _norm(arch)
+    rows = [("embed", embed, 0)] + [(f"block.{i}", _block_params(arch), 0) for i in range(arch.layers)]
+    if arch.is_encoder:  # BERT's MLM head: dense h->h, LayerNorm, decoder (tied) with its own bias
+        return rows + [("head", h * h + h + _norm(arch) + v * h + v, v * h if arch.tied else 0)]
+    return rows + [("norm", _norm(arch), 0), ("head", v * h, v * h if arch.tied else 0)]
+
+
+def _block_flops(arch: Arch, b: int, t: int) -> float:
+    n, h, i = b * t, arch.hidden, arch.intermediate
+    qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    proj = 2 * n * h * (qd + 2 * kd) + 2 * n * qd * h
+    attn = 4 * b * t * t * qd
+    mlp = (3 if arch.gated_mlp else 2) * 2 * n * h * i
+    elementwise = 10 * n * h + 5 * b * arch.heads * t * t + 4 * n * i
+    return proj + attn + mlp + elementwise
+
+
+def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
+    """Forward FLOPs of one layer for b sequences of t tokens (formulas in the module docstring)."""
+    n, h, v = b * t, arch.hidden, arch.vocab
+    if kind == "block":
+        return _block_flops(arch, b, t)
+    if kind == "norm":
+        return 5 * n * h
+    if kind == "head":
+        return 2 * n * h * v + arch.is_encoder * 2 * n * h * h + 5 * n * v
+    return 0.0  # embedding lookup
+
+
+def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int) -> int:
+    """Activation bytes held per micro-batch (formulas in the module docstring); e bytes per element."""
+    n, h = b * t, arch.hidden
+    if kind == "block":
+        qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+        per_token = 4 * h + 2 * qd + 2 * kd + (3 if arch.gated_mlp else 2) * arch.intermediate
+        return e * n * per_token + e * b * arch.heads * t * t
+    if kind == "norm":
+        return e * n * h
+    if kind == "head":
+        return e * n * h + (e + 4) * n * arch.vocab
+    return 8 * n + arch.is_encoder * 2 * e * n * h  # embed: int64 ids (+ BERT's LayerNorm)
+
+
+def _typename(arch: Arch, kind: str) -> str:
+    if kind == "block":
+        known = {"gpt2": "GPT2Block", "bert": "BertLayer"}
+        camel = "".join(part.capitalize() for part in arch.model_type.split("_"))
+        return known.get(arch.model_type, f"{camel}DecoderLayer")
+    return {"embed": "Embedding", "norm": "Norm", "head": "LMHead"}[kind]
+
+
+def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16") -> list[LayerCost]:
+    """One LayerCost per pipeline layer, for micro-batches of `mbs` sequences of `seq_len` tokens."""
+    check_shape(arch, seq_len, mbs)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    p = PRECISIONS[precision]
+    costs = []
+    for name, params, tied in layer_params(arch):
+        kind = name.split(".")[0]
+        fwd = _fwd_flops(arch, kind, mbs, seq_len)
+        total = fwd + 2 * mbs * seq_len * arch.hidden if kind == "embed" else 3 * fwd
+        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total,
+                               params * (p.param + p.grad + p.optim), _act_bytes(arch, kind, mbs, seq_len, p.act)))
+    return costs
+
+
+def check_shape(arch: Arch, seq_len: int, mbs: int) -> None:
+    for flag, value in (("--seq-len", seq_len), ("--mbs", mbs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+    if seq_len > arch.max_positions:
+        raise ConfigError(f"--seq-len {seq_len} exceeds {arch.name}'s max_positions ({arch.max_positions}); "
+                          f"use --seq-len {arch.max_positions} or less")
+
+
+def boundary_bytes(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16") -> int:
+    """Bytes of the hidden states one stage sends the next per micro-batch: (mbs, seq_len, h)."""
+    return mbs * seq_len * arch.hidden * PRECISIONS[precision].act
