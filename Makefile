@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dstk-installed
 
-.PHONY: demo test test-unit bench setup clean
+.PHONY: demo test test-unit bench setup presets clean
 
 setup: $(STAMP)
 
@@ -33,3 +33,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+presets: $(STAMP)
+	$(BIN)/python -m toolkit.config.presets

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.source import LiveSource
 from models.spec import PipelineSpec, causal_lm_loss
 from toolkit.errors import ConfigError
 
@@ -100,7 +99,7 @@ class LMHead(nn.Module):
 class TiedLogits:
     """forward_fn of the tied head: logits from the embedding module's weight."""
 
-    def __init__(self, transform, bias=None):
+    def __init__(self, transform):
         self.transform = transform
 
     def __call__(self, embed_stage, hidden):
@@ -175,7 +174,3 @@ def _is_tied(model, embed_name, head_name) -> bool:
 
 def _numel(model, names) -> int:
     return sum(p.numel() for n in names for p in model.get_submodule(n).parameters() if p.requires_grad)
-
-
-def live_source(model) -> LiveSource:
-    return LiveSource(model)

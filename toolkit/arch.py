@@ -70,7 +70,7 @@ class Arch:
         """Unique parameters of the HF model (tied matrices once). Summed from the cost model."""
         from toolkit.costs import layer_params  # costs imports arch: import here to avoid a cycle
 
-        return sum(count for _, count, tied in layer_params(self) if not tied)
+        return sum(held - tied for _, held, tied in layer_params(self))
 
 
 def _gpt2(name, hidden, layers, heads):

@@ -11,7 +11,6 @@ train_batch(). Every rank checks the config against the real world size before b
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +100,7 @@ def run(args: TrainArgs) -> dict:
         checkpoint.export(Path(args.out) / "checkpoints", out)
         summary["export"] = str(out)
     dist.barrier()
+    summary["rank0"] = dist.get_rank() == 0
     return summary
 
 

@@ -137,9 +137,6 @@ def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
                         f"use --strategy {'dp' if topo.pp == 1 else 'pp'} or change --pp/--world-size")
     if o.hf and topo.pp > 1:
         problems.append(f"--hf (HF Trainer/Accelerate) cannot drive a pipeline; got pp={topo.pp}. Drop --hf or use --pp 1")
-    if o.zero >= 2 and topo.pp > 1:
-        problems.append(f"--zero {o.zero} with pp={topo.pp}: DeepSpeed's PipelineEngine refuses ZeRO stage 2/3; "
-                        f"use --zero 1 (or 0) with pipelines, or --pp 1")
     method = o.partition_method
     if method not in PARTITION_METHODS and not method.startswith("type:"):
         problems.append(f"--partition-method {method!r} is not one of {', '.join(PARTITION_METHODS)} or type:REGEX")
@@ -153,6 +150,9 @@ def _check_memory(o: GenerateOptions) -> list[str]:
     for flag, device in (("--offload-optimizer", o.offload_optimizer), ("--offload-param", o.offload_param)):
         if device not in OFFLOAD_DEVICES:
             problems.append(f"{flag} must be one of {', '.join(OFFLOAD_DEVICES)}, got {device!r}")
+    if o.zero >= 2 and o.pp > 1:
+        problems.append(f"--zero {o.zero} with pp={o.pp}: DeepSpeed's PipelineEngine refuses ZeRO stage 2/3; "
+                        f"use --zero 1 (or 0) with pipelines, or --pp 1")
     if o.offload_param != "none" and o.zero != 3:
         problems.append(f"--offload-param {o.offload_param} needs --zero 3 (got --zero {o.zero}); "
                         "DeepSpeed offloads parameters only in stage 3")

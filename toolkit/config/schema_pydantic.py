@@ -72,12 +72,12 @@ def field_docs(model) -> dict:
 
 def field_schema(field, doc: str) -> dict:
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    out = {"description": doc}
-    if extra.get("deprecated"):
-        out["deprecated"] = True
+    doc = doc.replace("``", '"')
+    if extra.get("deprecated") and not doc.startswith("Deprecated"):
         new = extra.get("new_param")
-        out["description"] = f"Deprecated{f': use {new} instead' if new else ''}. {doc}".strip()
-    out.update(type_schema(field.annotation))
+        doc = f"Deprecated{f': use {new} instead' if new else ''}. {doc}".strip()
+    out = {"description": doc, **({"deprecated": True} if extra.get("deprecated") else {})}
+    out.update({k: v for k, v in type_schema(field.annotation).items() if k != "description"})
     for meta in field.metadata:  # annotated_types Gt/Ge/Lt/Le
         for attr, keyword in (("gt", "exclusiveMinimum"), ("ge", "minimum"), ("lt", "exclusiveMaximum"),
                               ("le", "maximum")):

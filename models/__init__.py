@@ -1,0 +1,41 @@
+"""HuggingFace models as DeepSpeed pipeline layer lists.
+
+    import models
+    spec = models.pipeline_layers("path/to/hf_dir")        # or a HF model, or a config
+    layers, loss_fn = spec                                  # straight into PipelineModule
+    module = models.build_pipeline_module(spec, num_stages=4, parts=[0, 5, 9, 13, 17])
+
+`pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None) -> PipelineSpec`
+    model: a HF PreTrainedModel (modules shared, not copied), a local HF directory (safetensors,
+    single or sharded: each LayerSpec, built on its owning stage only, reads its own tensors with
+    safe_open) or a PretrainedConfig (random weights). task: "causal-lm" (default for decoders),
+    "masked-lm" (default for bert) or "sequence-classification".
+`PipelineSpec`: .layers (nn.Module / LayerSpec / TiedLayerSpec), .loss_fn(outputs, labels),
+    .num_layers, .kinds (per layer "embed" | "block" | "norm" | "head"), .tied ({"embed": [0, n-1]}
+    when input and output embeddings are tied), .param_counts (per layer, no layer built),
+    .hf_names (per layer, the HF module/parameter names it holds), .config, .task.
+`build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
+    partition_method="parameters", **kw) -> deepspeed.pipe.PipelineModule`
+    parts (len num_stages + 1, 0 first, num_layers last) are used exactly, on every rank.
+
+Layer lists:
+    causal LMs (any config with base_model_pp_plan, and GPT-2): [embed, L blocks, final norm, head]
+    BERT: [embeddings, L encoder layers, head] (MLM head tied to the word embeddings, or
+    pooler + classifier for sequence classification).
+Tied input/output embeddings use TiedLayerSpec key "embed" (tied_weight_attr "parts.0.weight",
+BERT "embeddings.word_embeddings.weight"): with the head on another stage, that stage keeps a copy
+of the embedding module and DeepSpeed all-reduces the tied weight's gradient.
+
+Data, as the pipeline iterator yields it (fixed shapes across batches):
+    inputs = (input_ids, attention_mask[, token_type_ids]), (B, T) int64 each;
+    labels = (B, T) int64 with -100 ignored (causal LM: shifted inside loss_fn, as HF), or (B,).
+Between stages only (hidden (B, T, H) float, attention_mask (B, T) int64) travels; each block
+rebuilds its mask with HF's mask functions (causal, sliding window, padding) and recomputes rotary
+cos/sin, so results match HF under eager, sdpa or flex attention.
+"""
+
+from models.api import TASKS, pipeline_layers
+from models.pipeline import build_pipeline_module, check_parts
+from models.spec import KINDS, PipelineSpec
+
+__all__ = ["pipeline_layers", "build_pipeline_module", "check_parts", "PipelineSpec", "KINDS", "TASKS"]

@@ -1,0 +1,104 @@
+"""`pipeline_layers`: a HF model, a local HF directory or a config -> PipelineSpec."""
+
+import os
+
+from models.source import DirSource, LiveSource
+from models.spec import PipelineSpec
+from toolkit.errors import ConfigError, UnusableInput
+
+TASKS = ("causal-lm", "masked-lm", "sequence-classification")
+_AUTO = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+         "sequence-classification": "AutoModelForSequenceClassification"}
+
+
+def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None) -> PipelineSpec:
+    """Wrap a model as a pipeline layer list.
+
+    model_or_path_or_config: a HF PreTrainedModel (its modules are shared, not copied), a local
+    HF directory (each LayerSpec loads only its own tensors when built), or a PretrainedConfig
+    (a model with random weights is built from it).
+    task: "causal-lm", "masked-lm" or "sequence-classification"; inferred when None.
+    seq_len: checked against the config's max_position_embeddings when given.
+    """
+    source, config, task = _resolve(model_or_path_or_config, task)
+    if seq_len is not None and seq_len > getattr(config, "max_position_embeddings", seq_len):
+        raise ConfigError(f"seq_len {seq_len} > max_position_embeddings {config.max_position_embeddings} "
+                          f"of model_type {config.model_type!r}: use --seq-len <= {config.max_position_embeddings}")
+    return _build(source, config, task)
+
+
+def _build(source, config, task) -> PipelineSpec:
+    from models.bert import build_bert
+    from models.generic import build_generic
+    from models.gpt2 import build_gpt2
+
+    if config.model_type == "bert":
+        if task not in ("masked-lm", "sequence-classification"):
+            raise ConfigError(f"task {task!r} for bert: use 'masked-lm' or 'sequence-classification'")
+        return build_bert(source, config, task)
+    if task != "causal-lm":
+        raise ConfigError(f"task {task!r} for model_type {config.model_type!r}: only 'causal-lm' is wrapped "
+                          "for decoder models (bert supports 'masked-lm' and 'sequence-classification')")
+    if config.model_type == "gpt2":
+        return build_gpt2(source, config)
+    return build_generic(source, config)
+
+
+def _resolve(obj, task):
+    """(source, config, task) from a model, a directory or a config."""
+    from torch import nn
+
+    if isinstance(obj, nn.Module):
+        config = getattr(obj, "config", None)
+        if config is None:
+            raise ConfigError(f"{type(obj).__name__} is not a HF PreTrainedModel (no .config)")
+        return LiveSource(obj), config, task or _task_of_class(type(obj).__name__, config)
+    if isinstance(obj, (str, os.PathLike)):
+        return _resolve_dir(os.fspath(obj), task)
+    if hasattr(obj, "model_type"):  # a PretrainedConfig: random weights
+        task = task or _default_task(obj)
+        return LiveSource(_auto_class(task, obj).from_config(obj)), obj, task
+    raise ConfigError(f"cannot wrap a {type(obj).__name__}: pass a HF model, a local HF directory or a config")
+
+
+def _resolve_dir(path, task):
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise UnusableInput(f"{path}: no such directory (a local HF model directory with config.json is needed; "
+                            "the hub is not used)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UnusableInput(f"{path}: no config.json in this directory: not a HF model directory")
+    config = AutoConfig.from_pretrained(path)
+    task = task or _default_task(config)
+    return DirSource(path, _auto_class(task, config), config), config, task
+
+
+def _auto_class(task, config):
+    import transformers
+
+    if task not in _AUTO:
+        raise ConfigError(f"task {task!r} unknown: use one of {', '.join(TASKS)}")
+    auto = getattr(transformers, _AUTO[task])
+    try:
+        return auto._model_mapping[type(config)]
+    except KeyError:
+        raise ConfigError(f"model_type {config.model_type!r} has no {_AUTO[task]} class in transformers "
+                          f"{transformers.__version__}: it cannot be wrapped for task {task!r}") from None
+
+
+def _task_of_class(name, config):
+    for marker, task in (("SequenceClassification", "sequence-classification"), ("MaskedLM", "masked-lm"),
+                         ("CausalLM", "causal-lm"), ("LMHead", "causal-lm")):
+        if marker in name:
+            return task
+    raise ConfigError(f"{name}: no task head recognised (want *ForCausalLM, *ForMaskedLM or "
+                      "*ForSequenceClassification); pass task=... and a model with that head")
+
+
+def _default_task(config):
+    """bert -> masked-lm (sequence-classification when its architectures say so); else causal-lm."""
+    archs = " ".join(getattr(config, "architectures", None) or [])
+    if "SequenceClassification" in archs:
+        return "sequence-classification"
+    return "masked-lm" if config.model_type == "bert" else "causal-lm"

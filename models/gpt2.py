@@ -1,0 +1,64 @@
+"""GPT-2 (no pp plan; learned positions; head tied to wte) as [embed, L blocks, ln_f, head]."""
+
+import torch
+from torch import nn
+
+from models.generic import FinalNorm, LMHead, LogitTransform, TiedLogits
+from models.spec import PipelineSpec, causal_lm_loss
+
+
+class GPT2Embed(nn.Module):
+    """Layer 0: (input_ids, mask2d) -> (wte(ids) + wpe(0..T-1), mask2d), then dropout."""
+
+    def __init__(self, source, prefix):
+        super().__init__()
+        # parts[0] is wte so TiedLogits finds the tied weight where it looks for it
+        self.parts = nn.ModuleList(source.module(f"{prefix}.{n}") for n in ("wte", "wpe", "drop"))
+
+    def forward(self, inputs):
+        input_ids, attention_mask = inputs[0], inputs[1]
+        wte, wpe, drop = self.parts
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
+        return drop(wte(input_ids) + wpe(positions)), attention_mask
+
+
+class GPT2BlockStage(nn.Module):
+    """One GPT2Block with a causal+padding mask built by HF's create_causal_mask."""
+
+    def __init__(self, source, name, config):
+        super().__init__()
+        self.block = source.module(name)
+        self.config = config
+
+    def forward(self, inputs):
+        from transformers.masking_utils import create_causal_mask
+
+        hidden, attention_mask = inputs
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  cache=None, position_ids=position_ids)
+        out = self.block(hidden, cache=None, attention_mask=mask, position_ids=position_ids)
+        return (out[0] if isinstance(out, tuple) else out), attention_mask
+
+
+def build_gpt2(source, config) -> PipelineSpec:
+    """GPT2LMHeadModel as L + 3 layers; the head shares wte through TiedLayerSpec("embed")."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    model, prefix = source.skeleton, source.skeleton.base_model_prefix  # "transformer"
+    blocks = [f"{prefix}.h.{i}" for i in range(config.n_layer)]
+    pre = [f"{prefix}.{n}" for n in ("wte", "wpe", "drop")]
+    tied = model.lm_head.weight is model.get_submodule(pre[0]).weight
+    if tied:
+        first = TiedLayerSpec("embed", GPT2Embed, source, prefix, tied_weight_attr=["parts.0.weight"])
+        last = TiedLayerSpec("embed", GPT2Embed, source, prefix, forward_fn=TiedLogits(LogitTransform(config)),
+                             tied_weight_attr=["parts.0.weight"])
+    else:
+        first, last = LayerSpec(GPT2Embed, source, prefix), LayerSpec(LMHead, source, "lm_head", LogitTransform(config))
+    layers = [first] + [LayerSpec(GPT2BlockStage, source, b, config) for b in blocks]
+    layers += [LayerSpec(FinalNorm, source, [f"{prefix}.ln_f"]), last]
+    hf_names = [pre] + [[b] for b in blocks] + [[f"{prefix}.ln_f"], pre if tied else ["lm_head"]]
+    counts = [sum(p.numel() for n in names for p in model.get_submodule(n).parameters()) for names in hf_names]
+    return PipelineSpec(layers=layers, loss_fn=causal_lm_loss, kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
+                        config=config, task="causal-lm", tied={"embed": [0, len(layers) - 1]} if tied else {},
+                        param_counts=counts, hf_names=hf_names)

@@ -1,0 +1,70 @@
+"""`build_pipeline_module`: a PipelineSpec -> deepspeed.pipe.PipelineModule, on exactly the
+stage boundaries dstk chose (`parts`) so every rank agrees, without building layers to count them.
+"""
+
+from toolkit.errors import ConfigError
+
+
+def check_parts(parts, num_stages, num_layers) -> list:
+    """Validate stage boundaries: len num_stages + 1, 0 first, num_layers last, each stage >= 1 layer."""
+    parts = [int(p) for p in parts]
+    if len(parts) != num_stages + 1:
+        raise ConfigError(f"parts {parts} has {len(parts)} boundaries; {num_stages} stages need "
+                          f"num_stages + 1 = {num_stages + 1}")
+    if parts[0] != 0 or parts[-1] != num_layers:
+        raise ConfigError(f"parts {parts} must start at 0 and end at num_layers = {num_layers}")
+    empty = [s for s in range(num_stages) if parts[s + 1] <= parts[s]]
+    if empty:
+        raise ConfigError(f"parts {parts}: stage(s) {empty} get no layers; boundaries must increase strictly")
+    return parts
+
+
+def _module_class():
+    """Defined lazily so importing models does not import deepspeed."""
+    from deepspeed.pipe import PipelineModule
+
+    class DstkPipelineModule(PipelineModule):
+        """PipelineModule that takes given boundaries and precomputed parameter counts."""
+
+        def __init__(self, layers, *, dstk_parts=None, dstk_param_counts=None, **kwargs):
+            self._dstk_parts = dstk_parts  # plain attributes: allowed before nn.Module.__init__
+            self._dstk_param_counts = dstk_param_counts
+            super().__init__(layers, **kwargs)
+
+        def _partition_layers(self, method="uniform"):
+            if self._dstk_parts is None:
+                return super()._partition_layers(method=method)
+            self.parts = list(self._dstk_parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def _count_layer_params(self):
+            # DeepSpeed's version builds every LayerSpec (loading its weights) just to count them
+            if self._dstk_param_counts:
+                return list(self._dstk_param_counts)
+            return super()._count_layer_params()
+
+    return DstkPipelineModule
+
+
+def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
+                          partition_method="parameters", **kwargs):
+    """deepspeed.pipe.PipelineModule for `spec` (needs torch.distributed initialised, LOCAL_RANK set).
+
+    parts: stage boundaries (len num_stages + 1, parts[0] = 0, parts[-1] = spec.num_layers);
+        when given they are used as is and partition_method is ignored.
+    Other keyword arguments go to PipelineModule (activation_checkpoint_interval, seed_layers, ...).
+    """
+    if num_stages is None and topology is None:
+        if parts is None:
+            raise ConfigError("build_pipeline_module needs num_stages, topology or parts")
+        num_stages = len(parts) - 1
+    stages = topology.get_dim("pipe") if topology is not None else num_stages
+    if parts is not None:
+        parts = check_parts(parts, stages, spec.num_layers)
+    elif stages > spec.num_layers:
+        raise ConfigError(f"num_stages {stages} > {spec.num_layers} layers: every stage needs a layer")
+    cls = _module_class()
+    return cls(spec.layers, num_stages=None if topology is not None else num_stages, topology=topology,
+               loss_fn=spec.loss_fn, partition_method=partition_method, dstk_parts=parts,
+               dstk_param_counts=spec.param_counts, **kwargs)
