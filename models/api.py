@@ -57,7 +57,7 @@ def _resolve(obj, task):
         return _resolve_dir(os.fspath(obj), task)
     if hasattr(obj, "model_type"):  # a PretrainedConfig: random weights
         task = task or _default_task(obj)
-        return LiveSource(_auto_class(task, obj).from_config(obj)), obj, task
+        return LiveSource(_auto_class(task, obj)._from_config(obj)), obj, task
     raise ConfigError(f"cannot wrap a {type(obj).__name__}: pass a HF model, a local HF directory or a config")
 
 

@@ -27,9 +27,9 @@ class BertEnds(nn.Module):
         return self.embeddings(input_ids=inputs[0], token_type_ids=token_type_ids), inputs[1]
 
 
-def mlm_logits(ends, hidden):
-    """forward_fn of the MLM head: (B, T, H) -> (B, T, V) through the tied word embeddings."""
-    return F.linear(ends.transform(hidden), ends.embeddings.word_embeddings.weight, ends.bias)
+def mlm_logits(ends, inputs):
+    """forward_fn of the MLM head: (hidden (B, T, H), mask) -> (B, T, V) via the tied word embeddings."""
+    return F.linear(ends.transform(inputs[0]), ends.embeddings.word_embeddings.weight, ends.bias)
 
 
 class BertLayerStage(nn.Module):

@@ -86,15 +86,22 @@ def _block_params(arch: Arch) -> int:
 
 
 def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
-    """(name, params held, of which tied copies) per pipeline layer, matching HF's parameters."""
+    """(name, params held, of which copies) per pipeline layer, laid out as models/ builds them:
+    a tied head is a TiedLayerSpec of the whole first layer, so its stage holds a full copy of it
+    (DeepSpeed's `parameters` method counts it there too); BERT's first layer also owns the MLM
+    transform and output bias, which the head uses. Unique parameters = sum(held - copies)."""
     h, v = arch.hidden, arch.vocab
     embed = v * h + arch.learned_positions * arch.max_positions * h
     if arch.is_encoder:  # token types and a LayerNorm inside BERT's embeddings
         embed += arch.type_vocab * h + _norm(arch)
-    rows = [("embed", embed, 0)] + [(f"block.{i}", _block_params(arch), 0) for i in range(arch.layers)]
-    if arch.is_encoder:  # BERT's MLM head: dense h->h, LayerNorm, decoder (tied) with its own bias
-        return rows + [("head", h * h + h + _norm(arch) + v * h + v, v * h if arch.tied else 0)]
-    return rows + [("norm", _norm(arch), 0), ("head", v * h, v * h if arch.tied else 0)]
+    blocks = [(f"block.{i}", _block_params(arch), 0) for i in range(arch.layers)]
+    if arch.is_encoder:  # MLM head: dense h->h, LayerNorm, decoder (tied to word embeddings) + bias V
+        head_own = h * h + h + _norm(arch) + v
+        if arch.tied:
+            return [("embed", embed + head_own, 0)] + blocks + [("head", embed + head_own, embed + head_own)]
+        return [("embed", embed, 0)] + blocks + [("head", head_own + v * h, 0)]
+    head = ("head", embed, embed) if arch.tied else ("head", v * h, 0)
+    return [("embed", embed, 0)] + blocks + [("norm", _norm(arch), 0), head]
 
 
 def _block_flops(arch: Arch, b: int, t: int) -> float:
@@ -133,12 +140,16 @@ def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int) -> int:
     return 8 * n + arch.is_encoder * 2 * e * n * h  # embed: int64 ids (+ BERT's LayerNorm)
 
 
+# Class names of models/' pipeline layers, which DeepSpeed's "type:REGEX" matches (a tied head is a
+# TiedLayerSpec of the first layer's class). tests/unit/test_costs_models.py checks they agree.
+_TYPENAMES = {"gpt2": ("GPT2Embed", "GPT2BlockStage", "FinalNorm"), "bert": ("BertEnds", "BertLayerStage", None)}
+
+
 def _typename(arch: Arch, kind: str) -> str:
-    if kind == "block":
-        known = {"gpt2": "GPT2Block", "bert": "BertLayer"}
-        camel = "".join(part.capitalize() for part in arch.model_type.split("_"))
-        return known.get(arch.model_type, f"{camel}DecoderLayer")
-    return {"embed": "Embedding", "norm": "Norm", "head": "LMHead"}[kind]
+    embed, block, norm = _TYPENAMES.get(arch.model_type, ("EmbedStage", "DecoderBlock", "FinalNorm"))
+    if kind == "head":
+        return embed if arch.tied else ("BertClassifierHead" if arch.is_encoder else "LMHead")
+    return {"embed": embed, "block": block, "norm": norm}[kind]
 
 
 def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16") -> list[LayerCost]:

@@ -15,7 +15,7 @@ from toolkit.errors import ConfigError, UnusableInput
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64)
+             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64, pad_token_id=0)
 
 
 @dataclass
@@ -60,7 +60,7 @@ def small_model(model_type: str, task=None, seed: int = 0, **overrides):
     no_dropout(config)
     task = task or _default_task(config)
     torch.manual_seed(seed)
-    return _auto_class(task, config).from_config(config).float().eval()
+    return _auto_class(task, config)._from_config(config).float().eval()
 
 
 def load_model(path: str, task=None):
@@ -89,3 +89,82 @@ def batch(config, task, batch_size=2, seq_len=8, pad=True, seed=0):
     else:
         labels = ids.masked_fill(mask == 0, -100)
     return (ids, mask), labels
+
+
+def ensure_world_of_one():
+    """A gloo process group of one in this process, as PipelineModule needs (no-op if one exists)."""
+    import socket
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else a minutes-long JIT build
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def hf_loss_logits(model, inputs, labels):
+    """The HF model's own loss and logits for a pipeline batch."""
+    kwargs = dict(input_ids=inputs[0], attention_mask=inputs[1], labels=labels)
+    if len(inputs) > 2:
+        kwargs["token_type_ids"] = inputs[2]
+    out = model(**kwargs)
+    return out.loss, out.logits
+
+
+def grads_of(model) -> dict:
+    """name -> gradient clone, then clear them (tied parameters appear once)."""
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def max_grad_diff(reference: dict, model):
+    """(max abs difference, parameter name, parameters compared) against `reference` grads."""
+    worst, worst_name, count = 0.0, "", 0
+    for name, p in model.named_parameters():
+        if name not in reference:
+            continue
+        got = p.grad if p.grad is not None else reference[name].new_zeros(())
+        diff = (got - reference[name]).abs().max().item()
+        count += 1
+        if diff > worst:
+            worst, worst_name = diff, name
+    return worst, worst_name, count
+
+
+def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0) -> ParityReport:
+    """Run `model` and its single-stage PipelineModule on one batch; report the differences."""
+    import models
+
+    ensure_world_of_one()
+    spec = models.pipeline_layers(model, task=task)
+    module = models.build_pipeline_module(spec, num_stages=1)
+    inputs, labels = batch(model.config, spec.task, seq_len=seq_len, pad=pad, seed=seed)
+    model.zero_grad(set_to_none=True)
+    loss_hf, logits_hf = hf_loss_logits(model, inputs, labels)
+    loss_hf.backward()
+    reference = grads_of(model)
+    logits = module(inputs)
+    loss = spec.loss_fn(logits, labels)
+    loss.backward()
+    grad_diff, grad_name, count = max_grad_diff(reference, model)
+    model.zero_grad(set_to_none=True)
+    return ParityReport(model=name, task=spec.task, num_layers=spec.num_layers, loss_hf=loss_hf.item(),
+                        loss_diff=(loss - loss_hf).abs().item(), logits_diff=(logits - logits_hf).abs().max().item(),
+                        grad_diff=grad_diff, grad_name=grad_name, params_checked=count)
+
+
+def run_parity(model: str, task=None, seq_len=8, pad=True) -> ParityReport:
+    """`dstk parity MODEL`: MODEL is a local HF directory or a transformers model_type."""
+    looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)
+    hf = load_model(model, task) if looks_like_path else small_model(model, task)
+    return check_model(hf, name=model, task=task, seq_len=seq_len, pad=pad)

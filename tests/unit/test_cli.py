@@ -88,7 +88,7 @@ def test_validate_reports_every_problem_with_paths(tmp_path):
 
 
 @pytest.mark.parametrize("content,reason", [
-    (None, "does not exist"),
+    (None, "no such file"),
     (b"\x00\x01\x02\xff" * 10, ""),
     (b'{"train_batch_size": 8', ""),
     (b"[1, 2]", ""),

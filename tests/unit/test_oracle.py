@@ -58,7 +58,8 @@ def test_generated_matrix_is_accepted_by_deepspeed(ds_world1, strategy, zero, pr
     assert check_rules(cfg, world_size=options.world_size) == []
     parsed = deepspeed_accepts(cfg, dp=options.topology().dp)
     assert parsed.zero_optimization_stage == zero
-    assert parsed.bfloat16_enabled == (precision == "bf16") and parsed.fp16_enabled == (precision == "fp16")
+    assert parsed.bfloat16_config.enabled == (precision == "bf16")
+    assert parsed.float16_config.enabled == (precision == "fp16")
     assert parsed.pipeline["stages"] == LAYOUTS[strategy]["pp"]
 
 

@@ -30,6 +30,9 @@ def check_file(path: str, world_size=None, pp=None, strict=False) -> dict:
 
 
 def _print_human(report: dict) -> None:
+    if report["code"] == UNUSABLE:  # one line: the loader's message names the file and the reason
+        click.echo(f"error: {report['problems'][0]['message']}", err=True)
+        return
     errors = sum(p["severity"] == ERROR for p in report["problems"])
     others = len(report["problems"]) - errors
     summary = STATUS[report["code"]] + (f": {errors} error(s)" if errors else "") + (f", {others} note(s)/warning(s)" if others else "")

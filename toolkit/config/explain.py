@@ -65,6 +65,9 @@ def explain(err, parent_schema) -> list:
     if err.validator == "additionalProperties":
         return [_unknown_key(path, key, err.schema) for key in _extra_keys(err)]
     if err.validator == "anyOf":
+        inner = _one_branch_errors(err)
+        if inner and not isinstance(err.instance, str):  # betas with 3 items: say so, not "a list or auto"
+            return [p for e in inner for p in explain(e, parent_schema)]
         return [Problem(json_path(path), _bad_value(path, err.instance, err.schema, parent_schema))]
     if err.validator == "required":
         missing = err.message.split("'")[1] if "'" in err.message else err.message
@@ -73,14 +76,30 @@ def explain(err, parent_schema) -> list:
     if err.validator in ("minItems", "maxItems"):
         return [Problem(json_path(path), f'{_name(path)} has {len(err.instance)} items; expected '
                         f'{err.validator_value} {"or more" if err.validator == "minItems" else "or fewer"}')]
+    if err.validator == "pattern":
+        return [Problem(json_path(path), f'{_name(path)} is {show(err.instance)}; expected a string '
+                        f'matching {err.validator_value}')]
     if err.validator in ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                          "pattern", "const"):
         return [Problem(json_path(path), _bad_value(path, err.instance, err.schema, parent_schema))]
     return [Problem(json_path(path), f"{_name(path)}: {err.message[:200]}")]
 
 
+def _one_branch_errors(err) -> list:
+    """For a value failing "X or auto": its errors against X alone when X has the same type."""
+    branches = [b for b in err.schema["anyOf"] if b != {"$ref": "#/$defs/auto"}]
+    if len(branches) != 1:
+        return []
+    return [e for e in err.context if e.validator != "type" and e.relative_schema_path[0] == 0]
+
+
 def _name(path) -> str:
-    return f'"{path[-1]}"' if path and isinstance(path[-1], str) else json_path(path)
+    """The key as written: "stage", or "betas"[2] for a list item."""
+    if path and isinstance(path[-1], str):
+        return f'"{path[-1]}"'
+    if len(path) >= 2 and isinstance(path[-2], str):
+        return f'"{path[-2]}"[{path[-1]}]'
+    return json_path(path)
 
 
 def _extra_keys(err) -> list:
@@ -131,24 +150,40 @@ def _bad_value(path, value, node, parent) -> str:
     return f"{name} is {show(value)}; expected {want}" + (f'; did you mean "{hint}"?' if hint else "")
 
 
+def _branches(node) -> list:
+    return [S.resolve(node)] + [S.resolve(b) for b in S.resolve(node).get("anyOf", [])]
+
+
+def _enum_values(node) -> list:
+    return [v for b in _branches(node) for v in b.get("enum", [])]
+
+
 def _enum_strings(node) -> list:
-    branches = [S.resolve(node)] + [S.resolve(b) for b in S.resolve(node).get("anyOf", [])]
-    return [v for b in branches for v in b.get("enum", []) if isinstance(v, str)]
+    return [v for v in _enum_values(node) if isinstance(v, str)]
+
+
+def _types(node) -> set:
+    """JSON types a node accepts (the auto branch's string excluded)."""
+    out = set()
+    for b in _branches(node):
+        if "const" not in b:
+            out.update([b["type"]] if isinstance(b.get("type"), str) else b.get("type", []))
+    return out
 
 
 def _coercion(text: str, node, pydantic: bool) -> str | None:
     """A message for a number or boolean written as a string, saying what DeepSpeed does with it."""
-    want = expected(node)
+    want, types, values = expected(node), _types(node), _enum_values(node)
     try:
         number = json.loads(text.strip())
     except ValueError:
         number = None
-    if isinstance(number, (int, float)) and not isinstance(number, bool) and (
-            "integer" in want or "number" in want):
+    numeric = isinstance(number, (int, float)) and not isinstance(number, bool)
+    if numeric and (types & {"integer", "number"} or number in values):
         fate = ("DeepSpeed converts it silently, other readers may not" if pydantic else
                 "DeepSpeed keeps it a string and fails later, e.g. at the first optimizer step")
         return f"write {show(number)} without quotes ({fate}); expected {want}"
-    if text.strip().lower() in BOOL_WORDS and "true or false" in want:
+    if text.strip().lower() in BOOL_WORDS and "boolean" in types:
         as_bool = text.strip().lower() in TRUE_WORDS
         fate = (f"DeepSpeed converts it to {show(as_bool)}" if pydantic else
                 "DeepSpeed treats any non-empty string as true, even \"false\"")

@@ -1,0 +1,105 @@
+"""GPU presets for `dstk plan`: memory, dense peak throughput and link bandwidths, and memory sizes
+written as text ("80GiB", "24GB").
+
+Figures are the vendors' datasheet numbers: dense (no sparsity) tensor-core TFLOPs; memory as
+`nvidia-smi` reports it (MiB); bandwidths in GB/s per GPU per direction: `nvlink` between GPUs of
+one node (PCIe when the card has no NVLink), `network` per GPU between nodes (a typical InfiniBand /
+EFA share for that generation), `pcie` between GPU and host (used by offload). They are defaults;
+`dstk plan --tflops/--intra-bw/--inter-bw` override them.
+"""
+
+import difflib
+import re
+from dataclasses import dataclass, replace
+
+from toolkit.errors import ConfigError
+
+MiB, GiB = 2**20, 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory: int  # bytes
+    bf16_tflops: float | None  # dense peak; None where the chip has no bf16 tensor cores
+    fp16_tflops: float
+    fp32_tflops: float  # plain fp32 (no TF32): what an fp32 run gets by default in torch
+    nvlink: float  # GB/s per direction between GPUs of one node
+    network: float  # GB/s per GPU per direction between nodes
+    pcie: float = 25.0  # GB/s per direction GPU <-> host
+
+    def tflops(self, precision: str) -> float:
+        """Dense peak TFLOPs for `precision`; a clear error where the chip lacks it."""
+        value = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}[precision]
+        if value is None:
+            raise ConfigError(f"{self.name} has no {precision} tensor cores; use --precision fp16 "
+                              f"(or give --tflops to plan anyway)")
+        return value
+
+
+GPUS = {g.name: g for g in [
+    Gpu("a100-40gb", 40960 * MiB, 312, 312, 19.5, nvlink=300, network=25, pcie=25),
+    Gpu("a100-80gb", 81920 * MiB, 312, 312, 19.5, nvlink=300, network=25, pcie=25),
+    Gpu("a100-pcie-80gb", 81920 * MiB, 312, 312, 19.5, nvlink=25, network=25, pcie=25),
+    Gpu("h100-sxm", 81559 * MiB, 989, 989, 67, nvlink=450, network=50, pcie=50),
+    Gpu("h100-pcie", 81559 * MiB, 756, 756, 51, nvlink=50, network=25, pcie=50),
+    Gpu("h200", 143771 * MiB, 989, 989, 67, nvlink=450, network=50, pcie=50),
+    Gpu("l4", 23034 * MiB, 121, 121, 30.3, nvlink=25, network=12.5, pcie=25),
+    Gpu("a10g", 23028 * MiB, 70, 70, 31.2, nvlink=25, network=12.5, pcie=25),
+    Gpu("v100-16gb", 16384 * MiB, None, 125, 15.7, nvlink=150, network=12.5, pcie=12.5),
+    Gpu("v100-32gb", 32768 * MiB, None, 125, 15.7, nvlink=150, network=12.5, pcie=12.5),
+    Gpu("rtx-4090", 24564 * MiB, 165, 165, 82.6, nvlink=25, network=12.5, pcie=25),
+]}
+ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100": "h100-sxm",
+           "h100-80gb": "h100-sxm", "h200-141gb": "h200", "v100": "v100-32gb", "4090": "rtx-4090",
+           "rtx4090": "rtx-4090"}
+
+
+def get_gpu(name: str) -> Gpu:
+    """A preset by name (case-insensitive, aliases allowed), or a ConfigError that suggests one."""
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    if key in GPUS or key in ALIASES:
+        return GPUS[ALIASES.get(key, key)]
+    close = difflib.get_close_matches(key, list(GPUS) + list(ALIASES), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(ALIASES.get(c, c)) for c in close)}?" if close else ""
+    raise ConfigError(f"--gpu {name!r} is not a known GPU.{hint} Known: {', '.join(GPUS)}; "
+                      f"or give --gpu-mem SIZE and --tflops N for another card")
+
+
+def custom_gpu(memory: int, tflops: float, nvlink: float = 25.0, network: float = 12.5) -> Gpu:
+    """A GPU described only by its memory and throughput (when no preset is named)."""
+    return Gpu("custom", memory, tflops, tflops, tflops, nvlink=nvlink, network=network)
+
+
+def with_overrides(gpu: Gpu, memory: int | None = None, tflops: float | None = None,
+                   nvlink: float | None = None, network: float | None = None) -> Gpu:
+    """The preset with the user's figures in place of the datasheet's."""
+    changes = {"memory": memory, "nvlink": nvlink, "network": network}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if tflops is not None:
+        changes.update(bf16_tflops=tflops, fp16_tflops=tflops, fp32_tflops=tflops)
+    return replace(gpu, **changes)
+
+
+_UNITS = {"": GiB, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": MiB, "gib": GiB, "tib": 2**40}
+
+
+def parse_size(text: str, flag: str = "--gpu-mem") -> int:
+    """'80GiB' -> bytes. GB = 10^9, GiB = 2^30; a bare number means GiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"{flag} {text!r}: expected a size such as 80GiB, 24GB or 16384MiB")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{flag} {text!r} must be a positive size")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """Bytes as GiB/MiB with 3 significant digits: 1.5 GiB, 512 MiB."""
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", MiB), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
