@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import PipelineSpec, causal_lm_loss
+from models.spec import PipelineSpec, causal_lm_loss, tied_attrs
 from toolkit.errors import ConfigError
 
 # config attributes that change the base model's forward outside its sub-modules: not replicated.
@@ -115,9 +115,9 @@ def build_generic(source, config) -> PipelineSpec:
     transform = LogitTransform(config)
     tied = _is_tied(source.skeleton, pre[0], head)
     if tied:
-        first = TiedLayerSpec("embed", EmbedStage, source, pre, tied_weight_attr=["parts.0.weight"])
-        last = TiedLayerSpec("embed", EmbedStage, source, pre, forward_fn=TiedLogits(transform),
-                             tied_weight_attr=["parts.0.weight"])
+        attrs = tied_attrs(source.skeleton, {f"parts.{i}": n for i, n in enumerate(pre)})
+        first = TiedLayerSpec("embed", EmbedStage, source, pre, tied_weight_attr=attrs)
+        last = TiedLayerSpec("embed", EmbedStage, source, pre, forward_fn=TiedLogits(transform), tied_weight_attr=attrs)
     else:
         first, last = LayerSpec(EmbedStage, source, pre), LayerSpec(LMHead, source, head, transform)
     layers = [first]

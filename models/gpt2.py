@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from models.generic import FinalNorm, LMHead, LogitTransform, TiedLogits
-from models.spec import PipelineSpec, causal_lm_loss
+from models.spec import PipelineSpec, causal_lm_loss, tied_attrs
 
 
 class GPT2Embed(nn.Module):
@@ -49,10 +49,11 @@ def build_gpt2(source, config) -> PipelineSpec:
     blocks = [f"{prefix}.h.{i}" for i in range(config.n_layer)]
     pre = [f"{prefix}.{n}" for n in ("wte", "wpe", "drop")]
     tied = model.lm_head.weight is model.get_submodule(pre[0]).weight
-    if tied:
-        first = TiedLayerSpec("embed", GPT2Embed, source, prefix, tied_weight_attr=["parts.0.weight"])
+    if tied:  # wte and wpe both all-reduced between the two copies (see tied_attrs)
+        attrs = tied_attrs(model, {f"parts.{i}": n for i, n in enumerate(pre)})
+        first = TiedLayerSpec("embed", GPT2Embed, source, prefix, tied_weight_attr=attrs)
         last = TiedLayerSpec("embed", GPT2Embed, source, prefix, forward_fn=TiedLogits(LogitTransform(config)),
-                             tied_weight_attr=["parts.0.weight"])
+                             tied_weight_attr=attrs)
     else:
         first, last = LayerSpec(GPT2Embed, source, prefix), LayerSpec(LMHead, source, "lm_head", LogitTransform(config))
     layers = [first] + [LayerSpec(GPT2BlockStage, source, b, config) for b in blocks]

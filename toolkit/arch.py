@@ -42,6 +42,7 @@ class Arch:
     out_bias: bool = False  # biases on the attention output and MLP projections (GPT-2, BERT)
     learned_positions: bool = False  # a (max_positions, h) position table (GPT-2, BERT); else rotary
     type_vocab: int = 0  # BERT token-type embeddings
+    act_fn: str = "silu"  # MLP activation (HF hidden_act / activation_function): sets saved activations
     extra: dict = field(default_factory=dict, compare=False)  # config keys kept for to_hf_config
 
     def __post_init__(self):
@@ -75,7 +76,7 @@ class Arch:
 
 def _gpt2(name, hidden, layers, heads):
     return Arch(name, "gpt2", hidden, layers, heads, 4 * hidden, 50257, 1024, tied=True, norm="layernorm",
-                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True)
+                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, act_fn="gelu_new")
 
 
 def _llama(name, model_type, hidden, layers, heads, kv_heads, intermediate, vocab, max_positions, **kw):
@@ -84,7 +85,7 @@ def _llama(name, model_type, hidden, layers, heads, kv_heads, intermediate, voca
 
 def _bert(name, hidden, layers, heads, intermediate, vocab=30522):
     return Arch(name, "bert", hidden, layers, heads, intermediate, vocab, 512, tied=True, norm="layernorm",
-                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=2)
+                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=2, act_fn="gelu")
 
 
 # Published dimensions (the models' config.json on the HF hub).
@@ -159,10 +160,12 @@ def arch_from_config(cfg: dict, name: str) -> Arch:
         h = need("n_embd")
         return Arch(name, "gpt2", h, need("n_layer"), need("n_head"), cfg.get("n_inner") or 4 * h, need("vocab_size"),
                     need("n_positions"), tied=cfg.get("tie_word_embeddings", True), norm="layernorm",
-                    gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, extra=cfg)
+                    gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True,
+                    act_fn=cfg.get("activation_function", "gelu_new"), extra=cfg)
     common = dict(hidden=need("hidden_size"), layers=need("num_hidden_layers"), heads=need("num_attention_heads"),
                   intermediate=need("intermediate_size"), vocab=need("vocab_size"),
-                  max_positions=need("max_position_embeddings"), extra=cfg)
+                  max_positions=need("max_position_embeddings"), extra=cfg,
+                  act_fn=cfg.get("hidden_act", "gelu" if model_type == "bert" else "silu"))
     if model_type == "bert":
         return Arch(name, "bert", tied=cfg.get("tie_word_embeddings", True), norm="layernorm", gated_mlp=False,
                     qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=cfg.get("type_vocab_size", 2),

@@ -27,11 +27,16 @@ Memory, bytes (see PRECISIONS): model states = params * (param + grad + optimize
 held per micro-batch between its forward and backward (no activation checkpointing), with
 e = bytes per activation element:
   embed   8*N (token ids) (+ 2*e*N*h BERT's LayerNorm)
-  block   e*N*(4*h + 2*qd + 2*kd + (3 if gated else 2)*I)   norm in/out x2, q, k, v, attention out,
-                                                            MLP up (and gate) outputs, activation out
-          + e*B*a*T^2                                      softmax probabilities (none under flash)
-  norm    e*N*h
-  head    e*N*h + (e + 4)*N*V                              input, logits, fp32 log-softmax for the loss
+  block   e*N*(2*k*h                                       two norms: LayerNorm in, out (k=2); RMSNorm
+                                                           in, fp32 normalised, out (k=3)
+               + 2*qd + 2*kd                                q, k, v, attention output
+               + (qd + kd if rotary)                        rotary's saved inputs
+               + m*I)                                       MLP: m tensors of N x I (MLP_SAVED)
+          + e*B*a*T^2                                      softmax probabilities (eager; flash: none)
+  norm    k/2 * e*N*h (LayerNorm: input; RMSNorm: input and normalised)
+  head    e*N*h (x5 BERT's transform) + 4*N*V              input, fp32 log-softmax for the loss
+These follow the tensors HF's modules save for backward (checked in tests/unit/test_costs.py with
+saved_tensors_hooks); dropout masks are not counted.
 Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
 """
 
@@ -126,17 +131,24 @@ def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
     return 0.0  # embedding lookup
 
 
+# N x I tensors an MLP saves for backward: fc output and activation output; HF's gelu_new (GPT-2) is
+# built of elementwise ops that save 5; a gated MLP also saves the up output and the product.
+MLP_SAVED = {"gelu_new": 5}
+
+
 def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int) -> int:
     """Activation bytes held per micro-batch (formulas in the module docstring); e bytes per element."""
     n, h = b * t, arch.hidden
+    k = 2 if arch.norm == "layernorm" else 3
     if kind == "block":
         qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-        per_token = 4 * h + 2 * qd + 2 * kd + (3 if arch.gated_mlp else 2) * arch.intermediate
+        mlp = MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp
+        per_token = 2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd) + mlp * arch.intermediate
         return e * n * per_token + e * b * arch.heads * t * t
     if kind == "norm":
-        return e * n * h
+        return e * n * h * k // 2
     if kind == "head":
-        return e * n * h + (e + 4) * n * arch.vocab
+        return e * n * h * (5 if arch.is_encoder else 1) + 4 * n * arch.vocab
     return 8 * n + arch.is_encoder * 2 * e * n * h  # embed: int64 ids (+ BERT's LayerNorm)
 
 

@@ -99,3 +99,16 @@ def _as_leaves(x, torch):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return x.detach().requires_grad_(True)
     return x
+
+
+def profile_model(model: str, seq_len: int, mbs: int = 1, reps: int = 3) -> list[float]:
+    """Per-layer forward + backward seconds of `model` (a local HF directory, whose weights are
+    loaded, or a built-in name, built with random weights) through models/' layer list."""
+    import os
+
+    import models
+    from toolkit.arch import load_arch, to_hf_config
+
+    source = model if os.path.isdir(model) else to_hf_config(load_arch(model))
+    spec = models.pipeline_layers(source, seq_len=seq_len)
+    return profile_layers(spec.layers, sample_batch(spec.config, seq_len, mbs), spec.loss_fn, reps=reps)

@@ -64,6 +64,7 @@ def load_config(model: str, tokenizer, task: str, num_labels: int = 2):
         model_type, kwargs = BUILTIN[model]
         config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **kwargs, **_dropout_keys(model_type))
         config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     else:
         raise ConfigError(f"--model {model!r} is neither a directory nor a built-in architecture "
                           f"({', '.join(BUILTIN)})")

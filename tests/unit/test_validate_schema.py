@@ -30,7 +30,8 @@ def test_clean_config_has_no_problems():
 
 @pytest.mark.parametrize("cfg, path, suggestion", [
     ({"zero_optimisation": {"stage": 1}}, "$.zero_optimisation", '"zero_optimization"'),
-    ({"train_micro_batch_size_per_gpus": 2}, "$.train_micro_batch_size_per_gpus", '"train_micro_batch_size_per_gpu"'),
+    ({"train_micro_batch_size_per_gpus": 2}, "$.train_micro_batch_size_per_gpus",
+     '"train_micro_batch_size_per_gpu"'),
     ({"zero_optimization": {"stag": 2}}, "$.zero_optimization.stag", '"stage"'),
     ({"zero_optimization": {"offload_param": {"devic": "cpu"}}}, "$.zero_optimization.offload_param.devic", '"device"'),
     ({"activation_checkpointing": {"partition_activation": True}}, "$.activation_checkpointing.partition_activation",
@@ -121,3 +122,20 @@ def test_missing_required_keys():
 
 def test_keys_that_need_quoting_get_a_bracketed_path():
     assert "$[\"zero-optimization\"]" in _by_path({"zero-optimization": {"stage": 1}})
+
+
+@pytest.mark.parametrize("name", ["AdamW", "adamw", "ADAMW", "Adamw", "lamb", "SGD", "RMSprop"])
+def test_optimizer_types_deepspeed_accepts_pass(name):
+    assert check_schema({"optimizer": {"type": name, "params": {"lr": 1e-3}}}) == []
+
+
+def test_optimizer_type_typos_and_torch_case():
+    assert 'did you mean "AdamW"?' in _by_path({"optimizer": {"type": "AdamWW"}})["$.optimizer.type"].message
+    message = _by_path({"optimizer": {"type": "sgd"}})["$.optimizer.type"].message
+    assert 'did you mean "SGD"? (torch.optim names are case-sensitive)' in message
+
+
+def test_params_are_checked_against_the_type_in_any_case():
+    problems = _by_path({"optimizer": {"type": "adamw", "params": {"momentum": 0.9}}})
+    assert problems["$.optimizer.params.momentum"].severity == ERROR
+    assert "unexpected keyword argument" in problems["$.optimizer.params.momentum"].message

@@ -7,7 +7,7 @@ of an anyOf) and what DeepSpeed itself would do with the value, which is often "
 import json
 
 from toolkit.config import schema as S
-from toolkit.config.problems import ERROR, Problem
+from toolkit.config.problems import Problem
 
 TYPE_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false",
               "string": "a string", "object": "an object {...}", "array": "a list [...]", "null": "null"}
@@ -76,6 +76,12 @@ def explain(err, parent_schema) -> list:
     if err.validator in ("minItems", "maxItems"):
         return [Problem(json_path(path), f'{_name(path)} has {len(err.instance)} items; expected '
                         f'{err.validator_value} {"or more" if err.validator == "minItems" else "or fewer"}')]
+    if err.validator == "pattern" and "examples" in err.schema:  # optimizer type: names in words
+        names = err.schema["examples"]
+        hint = S.suggest(err.instance, names)
+        case = " (torch.optim names are case-sensitive)" if hint and hint.lower() == err.instance.lower() else ""
+        return [Problem(json_path(path), f'{_name(path)} is {show(err.instance)}; expected one of '
+                        + ", ".join(names) + (f'; did you mean "{hint}"?{case}' if hint else ""))]
     if err.validator == "pattern":
         return [Problem(json_path(path), f'{_name(path)} is {show(err.instance)}; expected a string '
                         f'matching {err.validator_value}')]

@@ -73,9 +73,10 @@ def parse_config_text(text: str, source: str = "<string>") -> tuple:
         cfg = _parse_strict(text, source)
     except json.JSONDecodeError as strict_error:
         cfg = _parse_hjson(text, source, strict_error)
-        problems.append(Problem("$", f"not strict JSON ({strict_error.msg} at line {strict_error.lineno} "
-                                f"column {strict_error.colno}); DeepSpeed reads it with hjson, but "
-                                "json.load (HF Trainer, other tools) will fail", WARNING))
+        problems.append(Problem("$", "not strict JSON (comments, trailing commas or unquoted strings; "
+                                f"the first at line {strict_error.lineno} column {strict_error.colno}): "
+                                "DeepSpeed reads it with hjson, but json.load (HF Trainer, other tools) "
+                                "fails on it", WARNING))
     except RecursionError:
         raise UnusableInput(f"{source}: nested too deeply to parse (limit {MAX_DEPTH} levels)") from None
     if not isinstance(cfg, dict):

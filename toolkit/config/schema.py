@@ -115,7 +115,9 @@ def suggest(key: str, candidates) -> str | None:
     import difflib
 
     candidates = list(candidates)
-    by_norm = {normalise(c): c for c in candidates}
+    by_norm = {}
+    for c in candidates:
+        by_norm.setdefault(normalise(c), c)  # the first spelling listed is the canonical one
     if normalise(key) in by_norm:
         return by_norm[normalise(key)]
     close = difflib.get_close_matches(normalise(key), list(by_norm), n=1, cutoff=0.75)

@@ -68,6 +68,39 @@ def timers_section() -> dict:
             "properties": {"throughput": model_schema(DeepSpeedThroughputTimerConfig, "Throughput timer.")}}
 
 
+def expert_parallel_section() -> dict:
+    """AutoEP keys, read off module_inject/auto_ep_config.parse_autoep_config (a plain-dict reader):
+    `param_dict.get("key", default)` and `"key" in param_dict`."""
+    import ast
+    import inspect
+
+    from deepspeed.module_inject import auto_ep_config
+
+    tree = ast.parse(inspect.getsource(auto_ep_config.parse_autoep_config))
+    props = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "get" and \
+                getattr(node.func.value, "id", "") == "param_dict":
+            default = ast.literal_eval(node.args[1]) if len(node.args) > 1 else None
+            props[node.args[0].value] = _loose_prop(node.args[0].value, default)
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+            props.setdefault(node.left.value, _loose_prop(node.left.value, None))
+    return {"type": "object", "additionalProperties": False, "default": {},
+            "description": "AutoEP expert parallelism (module_inject/auto_ep_config.py, read as a plain dict).",
+            "properties": dict(sorted(props.items()))}
+
+
+def _loose_prop(key: str, default) -> dict:
+    """Type from DeepSpeed's default: "auto" defaults also take numbers; None takes anything."""
+    any_type = ["string", "number", "boolean", "array", "object", "null"]
+    by_default = {bool: "boolean", int: "number", float: "number", str: ["string", "number"]}
+    out = {"description": f"AutoEP setting \"{key}\" (see DeepSpeed's AutoEP docs).",
+           "type": by_default.get(type(default), any_type)}
+    if default is not None:
+        out["default"] = default
+    return out
+
+
 def removed_keys() -> tuple[dict, dict]:
     """Keys DeepSpeed 0.19 refuses (top level, zero_optimization) -> its reason, without the URL."""
     from deepspeed.runtime import config as ds_config
@@ -109,7 +142,8 @@ def build() -> dict:
         "flops_profiler": schema_sections.flops_profiler(), "checkpoint": schema_sections.checkpoint(),
         "data_types": schema_sections.data_types(), "aio": schema_sections.aio(),
         "torch_autocast": schema_sections.torch_autocast(), "autotuning": schema_sections.autotuning(),
-        "data_efficiency": schema_sections.data_efficiency(), **schema_sections.open_sections(),
+        "data_efficiency": schema_sections.data_efficiency(), "expert_parallel": expert_parallel_section(),
+        **schema_sections.open_sections(),
     })
     auto = {"const": "auto", "description": "Filled in by the HF Trainer / Accelerate DeepSpeed "
             "integration; DeepSpeed alone drops or rejects it."}

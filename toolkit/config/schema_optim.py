@@ -22,6 +22,10 @@ TORCH_FLAGS = {  # torch.optim implementation switches
 }
 
 
+def _torch_flags(without: str) -> dict:
+    return {k: v for k, v in TORCH_FLAGS.items() if k != without}
+
+
 def adam_params() -> dict:
     return {
         "lr": LR, "betas": betas("Adam (beta1, beta2).", auto=True), "eps": EPS, "weight_decay": WEIGHT_DECAY,
@@ -62,7 +66,7 @@ def adagrad_params() -> dict:
         "initial_accumulator_value": real("torch: starting value of the accumulators.", 0.0, minimum=0),
         "amsgrad": flag("DeepSpeedCPUAdagrad: AMSGrad variant."),
         "fp32_optimizer_states": flag("DeepSpeedCPUAdagrad: keep state in fp32.", True),
-        **TORCH_FLAGS,
+        **_torch_flags(without="capturable"),
     }
 
 
@@ -72,41 +76,53 @@ def sgd_params() -> dict:
         "momentum": real("Momentum factor.", 0.0, minimum=0),
         "dampening": real("Dampening for momentum.", 0.0, minimum=0),
         "nesterov": flag("Nesterov momentum."),
-        **TORCH_FLAGS,
+        **_torch_flags(without="capturable"),
     }
 
 
-# type name(s) as DeepSpeed matches them -> params; DeepSpeed lower-cases its own optimizer names,
-# other names go to getattr(torch.optim, type) and are case-sensitive.
+# type names -> params. DeepSpeed lower-cases the names of its own optimizers (any case works);
+# any other name goes to getattr(torch.optim, type) and is case-sensitive.
 OPTIMIZERS = {
-    "adam_params": (["Adam", "adam", "AdamW", "adamw", "ADAM", "ADAMW"], adam_params),
-    "lamb_params": (["Lamb", "lamb", "LAMB"], lamb_params),
-    "lion_params": (["Lion", "lion", "LION"], lion_params),
-    "adagrad_params": (["Adagrad", "adagrad", "ADAGRAD"], adagrad_params),
+    "adam_params": (["Adam", "AdamW"], adam_params),
+    "lamb_params": (["Lamb"], lamb_params),
+    "lion_params": (["Lion"], lion_params),
+    "adagrad_params": (["Adagrad"], adagrad_params),
     "sgd_params": (["SGD"], sgd_params),
 }
-OPEN_OPTIMIZERS = ["Muon", "muon", "MuAdam", "muadam", "MuAdamW", "muadamw", "MuSGD", "musgd",
-                   "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Adadelta", "Rprop", "Adafactor", "SparseAdam"]
+DEEPSPEED_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", "MuAdam", "MuAdamW", "MuSGD"]
+TORCH_NAMES = ["SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Adadelta", "Rprop", "Adafactor", "SparseAdam"]
+
+
+def _name_pattern(names: list) -> str:
+    """Regex matching `names`, DeepSpeed's own in any case: "Adam" -> "[Aa][Dd][Aa][Mm]".
+    Character classes rather than a (?i) flag, so editors' ECMA-262 regexes understand it too."""
+    def one(name):
+        if name not in DEEPSPEED_NAMES:
+            return name
+        return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in name)
+
+    return "^(" + "|".join(one(n) for n in names) + ")$"
 
 
 def optimizer() -> tuple[dict, dict]:
     """The `optimizer` section and the `$defs` it refers to (one closed params object per type)."""
-    defs, rules, names = {}, [], list(OPEN_OPTIMIZERS)
+    defs, rules = {}, []
     for def_name, (types, params) in OPTIMIZERS.items():
-        defs[def_name] = section(f"params of optimizer type {types[0]}.", params())
-        rules.append(_if_type(types, def_name))
-        names += types
+        defs[def_name] = section(f"params of optimizer type {'/'.join(types)}.", params())
+        rules.append(_if_type(_name_pattern(types), def_name))
+    names = DEEPSPEED_NAMES + [n for n in TORCH_NAMES if n not in DEEPSPEED_NAMES]
     body = section("Optimizer DeepSpeed builds (omit it when the script passes its own optimizer).", {
-        "type": {"type": "string", "enum": names, "description": "Optimizer class: a DeepSpeed optimizer "
-                 "(Adam, AdamW, Lamb, Lion, Adagrad, Muon, ...; case-insensitive) or a torch.optim name."},
+        "type": {"type": "string", "pattern": _name_pattern(names), "examples": names,
+                 "description": "Optimizer class: one of DeepSpeed's (Adam, AdamW, Lamb, Lion, Adagrad, Muon, "
+                 "...; any case) or a torch.optim class name (case-sensitive)."},
         "params": {"type": "object", "description": "Keyword arguments of the optimizer class.", "default": {}},
         "legacy_fusion": flag("Legacy fused fp16 optimizer path."),
     }, required=["type"], allOf=rules)
     return body, defs
 
 
-def _if_type(types: list, def_name: str) -> dict:
-    return {"if": {"properties": {"type": {"enum": types}}, "required": ["type"]},
+def _if_type(pattern: str, def_name: str) -> dict:
+    return {"if": {"properties": {"type": {"pattern": pattern}}, "required": ["type"]},
             "then": {"properties": {"params": {"$ref": f"#/$defs/{def_name}"}}}}
 
 
@@ -139,8 +155,8 @@ def _one_cycle() -> dict:
         ("cycle_second_step_size", "Steps of the decreasing half (null: same as the first)."),
         ("cycle_second_stair_count", "Stairs in the decreasing half (null: same as the first).")]}
     return {
-        "cycle_min_lr": real("Lowest lr of the cycle.", minimum=0, auto=True),
-        "cycle_max_lr": real("Highest lr of the cycle.", minimum=0, auto=True),
+        "cycle_min_lr": real("Lowest lr of the cycle.", minimum=0),
+        "cycle_max_lr": real("Highest lr of the cycle.", minimum=0),
         "decay_lr_rate": real("lr decay rate after the cycle.", 0.0, minimum=0),
         "cycle_first_step_size": count("Steps of the increasing half.", 2000, minimum=1),
         "cycle_first_stair_count": count("Stairs in the increasing half.", 0), **steps,
@@ -178,7 +194,7 @@ def scheduler() -> tuple[dict, dict]:
         def_name = f"{name}_params"
         defs[def_name] = section(f"params of scheduler {name} (runtime/lr_schedules.py).", params(),
                                  required=REQUIRED_SCHEDULER_PARAMS.get(name, []))
-        rules.append(_if_type([name], def_name))
+        rules.append(_if_type(f"^{name}$", def_name))
     body = section("Learning-rate scheduler DeepSpeed builds from runtime/lr_schedules.py or "
                    "torch.optim.lr_scheduler.", {
                        "type": {"type": "string", "description": "Scheduler class name (case-sensitive): "

@@ -76,7 +76,9 @@ def pipeline() -> dict:
                        "DeepSpeed's own default is \"auto\" (from the PipelineModule).", "auto",
                        minimum=1, pattern="^auto$"),
         "partition_method": text("dstk: how layers are split across stages: compute, memory, profile, "
-                                 "parameters, uniform, or type:REGEX.", "parameters", pattern=methods),
+                                 "parameters, uniform, or type:REGEX. compute balances estimated forward+backward "
+                                 "time per stage (DeepSpeed's PipelineModule alone defaults to parameters).",
+                                 "compute", pattern=methods),
         "parts": prop("array", "dstk: stage boundaries as layer indices, length stages+1 "
                       "(stage s holds layers parts[s] .. parts[s+1]-1).",
                       items={"type": "integer", "minimum": 0}, minItems=2),
@@ -217,8 +219,6 @@ def data_efficiency() -> dict:
 def open_sections() -> dict:
     """Sections DeepSpeed hands whole to another component: only their type is checked."""
     return {
-        "expert_parallel": {"type": "object", "additionalProperties": True, "default": {},
-                            "description": "AutoEP expert parallelism (module_inject/auto_ep_config.py)."},
         "datastates_ckpt": {"type": ["object", "boolean"], "additionalProperties": True, "default": False,
                             "description": "DataStates asynchronous checkpointing options."},
     }

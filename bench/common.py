@@ -1,0 +1,80 @@
+"""Shared benchmark plumbing: machine facts, alternating A/B repetitions, medians, JSON results.
+
+Machines here are shared and noisy: compare side by side in one run (A, B, A, B, ...) and report
+ratios of medians, never absolute thresholds.
+"""
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(), "versions": _versions()}
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("torch", "deepspeed", "transformers", "click", "jsonschema"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def time_command(cmd: list[str], env=None) -> float:
+    """Wall seconds of one run of a command (output discarded; a failure raises)."""
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return time.perf_counter() - start
+
+
+def alternate(cases: dict, reps: int) -> dict:
+    """Run each case's callable once per round, round after round; name -> list of seconds."""
+    samples = {name: [] for name in cases}
+    for _ in range(reps):
+        for name, run in cases.items():
+            samples[name].append(run())
+    return samples
+
+
+def summarize(samples: dict, baseline: str | None = None) -> dict:
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    out = {name: {"median_s": medians[name], "runs_s": values} for name, values in samples.items()}
+    if baseline:
+        for name in out:
+            out[name]["ratio_to_" + baseline] = medians[name] / medians[baseline]
+    return out
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"benchmark": name, "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + sys.argv),
+               "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def write_markdown(name: str, title: str, lines: list[str]) -> Path:
+    """A fragment of BENCHMARKS.md: results/NAME.md, assembled by bench/report.py."""
+    RESULTS.mkdir(exist_ok=True)
+    info = machine()
+    header = [f"## {title}", "", f"Command: `{' '.join([Path(sys.executable).name] + sys.argv)}`  ",
+              f"Machine: {info['processor']}, {info['cpus']} CPUs, Python {info['python']}, "
+              + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + f"  ",
+              f"Measured: {time.strftime('%Y-%m-%d %H:%M')}", ""]
+    path = RESULTS / f"{name}.md"
+    path.write_text("\n".join(header + lines) + "\n")
+    return path

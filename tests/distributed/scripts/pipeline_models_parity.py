@@ -1,0 +1,108 @@
+"""Two pipeline stages (one per process) under DeepSpeed's engine vs the HF model in each process.
+
+    deepspeed --num_gpus 2 tests/distributed/scripts/pipeline_models_parity.py OUT_DIR [HF_DIR]
+
+For each case every rank builds the same small HF model (same seed), wraps it, splits it with
+explicit `parts` (the tied head on the other stage than the embedding), runs engine.train_batch
+(loss, gradients captured by a no-op optimizer after DeepSpeed's tied-gradient all-reduce) and
+eval_batch (logits), once without and once with padding, and writes the max abs differences to
+OUT_DIR/rank<R>.json. HF_DIR, if given, is a saved model loaded per stage from safetensors.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+import models  # noqa: E402
+from toolkit import parity  # noqa: E402
+
+CASES = [  # (model_type, task, config overrides, parts over L + 3 (or L + 2) layers with L = 2)
+    ("llama", None, {}, [0, 2, 5]),
+    ("qwen2", None, {"tie_word_embeddings": True}, [0, 3, 5]),
+    ("gemma2", None, {"sliding_window": 4, "final_logit_softcapping": 5.0}, [0, 2, 5]),
+    ("gpt2", None, {}, [0, 1, 5]),
+    ("bert", "masked-lm", {}, [0, 2, 4]),
+    ("bert", "sequence-classification", {}, [0, 2, 4]),
+]
+DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+             "steps_per_print": 10**6, "gradient_clipping": 0.0, "pipeline": {"activation_checkpoint_interval": 0}}
+
+
+class GradCapture(torch.optim.Optimizer):
+    """An optimizer whose step records each gradient (after DeepSpeed's reductions) and changes nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})
+        self.captured = {}
+
+    def step(self, closure=None):
+        self.captured = {p: p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None}
+
+
+def run_case(hf, spec, parts, pad):
+    """Max abs differences of loss, logits (last stage) and gradients (params this stage holds)."""
+    module = models.build_pipeline_module(spec, num_stages=2, parts=parts)
+    optimizer = GradCapture([p for p in module.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=DS_CONFIG)
+    inputs, labels = parity.batch(hf.config, spec.task, pad=pad)
+    hf.zero_grad(set_to_none=True)
+    loss_hf, logits_hf = parity.hf_loss_logits(hf, inputs, labels)
+    loss_hf.backward()
+    names = {p: n for n, p in hf.named_parameters()}
+    reference = {p: p.grad.clone() for p in names if p.grad is not None}
+    hf.zero_grad(set_to_none=True)  # the pipeline shares these parameters: start it from no grads
+    loss = engine.train_batch(iter([(inputs, labels)]))
+    out = {"loss": abs(loss.item() - loss_hf.item()), "stage": engine.stage_id, "parts": module.parts,
+           "params_held": sum(p.numel() for p in module.parameters()),
+           "grads": len(optimizer.captured), "grad": max((g - reference[p]).abs().max().item()
+                                                         for p, g in optimizer.captured.items() if p in reference)}
+    if len(optimizer.captured) != len([p for p in optimizer.captured if p in reference]):
+        out["grad"] = float("inf")  # a parameter that is not the HF model's own: wrapper bug
+    _, logits = engine.eval_batch(iter([(inputs, labels)]), return_logits=True)
+    if engine.is_last_stage():
+        out["logits"] = (logits - logits_hf).abs().max().item()
+    return out
+
+
+def run_dir_case(path, parts):
+    """A saved model loaded per stage from `path`: loss and logits vs HF's from_pretrained."""
+    spec = models.pipeline_layers(path)
+    module = models.build_pipeline_module(spec, num_stages=2, parts=parts)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=GradCapture(module.parameters()), config=DS_CONFIG)
+    hf = parity.load_model(path)
+    inputs, labels = parity.batch(hf.config, spec.task, pad=True)
+    with torch.no_grad():
+        loss_hf, logits_hf = parity.hf_loss_logits(hf, inputs, labels)
+    loss, logits = engine.eval_batch(iter([(inputs, labels)]), return_logits=True)
+    out = {"loss": abs(loss.item() - loss_hf.item()), "stage": engine.stage_id,
+           "params_held": sum(p.numel() for p in module.parameters()),
+           "params_total": sum(p.numel() for p in hf.parameters())}
+    if engine.is_last_stage():
+        out["logits"] = (logits - logits_hf).abs().max().item()
+    return out
+
+
+def main(out_dir, hf_dir=None):
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for model_type, task, overrides, parts in CASES:
+        hf = parity.small_model(model_type, task, **overrides)
+        spec = models.pipeline_layers(hf)
+        for pad in (False, True):
+            results[f"{model_type}:{spec.task}:pad={pad}"] = run_case(hf, spec, parts, pad)
+    if hf_dir:
+        results["dir"] = run_dir_case(hf_dir, [0, 2, 5])
+    rank = torch.distributed.get_rank()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])  # the launcher adds --local_rank

@@ -1,0 +1,96 @@
+"""The cost model against independent counts: torch's FlopCounterMode and the tensors autograd
+saves, on the real layers models/ builds (small widths of real architectures, random weights)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import models
+from toolkit.arch import BUILTINS, load_arch, to_hf_config
+from toolkit.costs import PRECISIONS, layer_costs
+from toolkit.errors import ConfigError
+from toolkit.profile import build_layers, sample_batch
+
+B, T = 2, 128
+
+
+def _measure(name):
+    """Per layer: (fwd+bwd matmul FLOPs, bytes autograd saves for backward, excluding parameters)."""
+    arch = replace(BUILTINS[name], layers=1, vocab=4096)  # real widths, one block, small vocab
+    config = to_hf_config(arch)
+    config._attn_implementation = "eager"
+    spec = models.pipeline_layers(config)
+    inputs, labels = sample_batch(spec.config, T, B)
+    out, results = inputs, []
+    for i, (fn, module) in enumerate(build_layers(spec.layers)):
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        x = _leaves(out)
+        saved = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(x)
+            last = i == len(spec.layers) - 1
+            loss = spec.loss_fn(out, labels) if last else sum(t.float().sum() for t in _floats(out))
+            loss.backward()
+        results.append((flops.get_total_flops(), sum(saved.values())))
+        out = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+    return arch, results
+
+
+def _floats(x):
+    return [t for t in (x if isinstance(x, tuple) else (x,)) if t.is_floating_point()]
+
+
+def _leaves(x):
+    if isinstance(x, tuple):
+        return tuple(_leaves(t) for t in x)
+    return x.detach().requires_grad_(True) if x.is_floating_point() else x
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b", "bert-base"])
+def test_flops_and_activations_match_real_layers(name):
+    arch, measured = _measure(name)
+    costs = layer_costs(arch, T, B, precision="fp32")
+    for cost, (flops, saved) in zip(costs, measured):
+        if cost.kind in ("block", "head"):  # matmuls dominate: elementwise terms < 1% here
+            assert cost.flops == pytest.approx(flops, rel=0.02), cost.name
+        if cost.kind == "block":  # the activation formula follows what HF's modules save
+            assert cost.act_bytes == pytest.approx(saved, rel=0.15), cost.name
+
+
+def test_gpt2_closed_forms():
+    """Hand arithmetic for GPT-2 124M at seq 512: block 24*N*h^2 + 4*T^2*h (+ small), head 2*N*h*V."""
+    arch = load_arch("gpt2")
+    h, n, v = 768, 512, 50257
+    costs = layer_costs(arch, 512)
+    block, head = costs[1], costs[-1]
+    assert block.fwd_flops == pytest.approx(24 * n * h * h + 4 * n * n * h, rel=0.01)
+    assert head.fwd_flops == pytest.approx(2 * n * h * v, rel=0.01)
+    # at seq 512 the head alone is more than a quarter of the model's compute (the issue's claim)
+    assert head.flops / sum(c.flops for c in costs) > 0.25
+    assert block.state_bytes == block.params * 16  # bf16 + fp32 master + Adam m, v
+    assert layer_costs(arch, 512, precision="fp32")[1].state_bytes == block.params * 16
+    assert sum(PRECISIONS["bf16"].__dict__.values()) - PRECISIONS["bf16"].act == 16
+
+
+def test_costs_scale_with_micro_batch():
+    one, four = layer_costs(load_arch("llama-3.2-1b"), 1024, 1), layer_costs(load_arch("llama-3.2-1b"), 1024, 4)
+    assert [4 * c.flops for c in one] == pytest.approx([c.flops for c in four])
+    assert [c.state_bytes for c in one] == [c.state_bytes for c in four]
+
+
+def test_bad_shapes():
+    arch = load_arch("gpt2")
+    with pytest.raises(ConfigError, match="--seq-len 2048 exceeds gpt2's max_positions \\(1024\\)"):
+        layer_costs(arch, 2048)
+    with pytest.raises(ConfigError, match="--mbs must be a positive integer"):
+        layer_costs(arch, 128, 0)
+    with pytest.raises(ConfigError, match="precision 'fp8'"):
+        layer_costs(arch, 128, precision="fp8")

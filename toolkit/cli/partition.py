@@ -1,0 +1,50 @@
+"""`dstk partition MODEL --pp P`: which layers go on which stage, and what each stage costs.
+
+    dstk partition gpt2 --pp 4 --seq-len 512
+    dstk partition llama-3-8b --pp 8 --seq-len 4096 --mbs 1 --json
+    dstk partition path/to/hf_model --pp 4 --method profile     # times each layer here (torch)
+
+Built-in names and local directories are read without importing torch (except --method profile).
+"""
+
+import json
+
+import click
+
+from toolkit.costs import PRECISIONS
+from toolkit.partition import METHODS
+
+
+@click.command()
+@click.argument("model", metavar="MODEL")
+@click.option("--pp", type=click.IntRange(min=1), required=True, metavar="P", help="Pipeline stages.")
+@click.option("--seq-len", type=click.IntRange(min=1), metavar="S",
+              help="Tokens per sequence (default: the model's max positions, at most 1024).")
+@click.option("--mbs", type=click.IntRange(min=1), default=1, show_default=True, metavar="B",
+              help="Micro-batch size per GPU (sequences).")
+@click.option("--method", default="compute", show_default=True, metavar="M",
+              help=f"How to balance stages: {', '.join(METHODS)}.")
+@click.option("--precision", type=click.Choice(sorted(PRECISIONS)), default="bf16", show_default=True,
+              help="Bytes per parameter state and activation in the memory estimate.")
+@click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed repetitions per layer for --method profile.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
+def partition(model, pp, seq_len, mbs, method, precision, reps, as_json):
+    """Split MODEL (a built-in name such as gpt2, llama-3-8b, or a local HF directory) into P
+    pipeline stages; compare with DeepSpeed's `parameters` and `uniform` splits."""
+    from toolkit.arch import load_arch
+    from toolkit.partition_report import format_report, partition_report
+
+    arch = load_arch(model)
+    seq_len = seq_len or min(1024, arch.max_positions)
+    times = None
+    if method == "profile":  # check the cheap things before minutes of timing
+        from toolkit.costs import check_shape
+        from toolkit.partition import check_stages
+        from toolkit.profile import profile_model
+
+        check_stages(arch.num_pipeline_layers, pp)
+        check_shape(arch, seq_len, mbs)
+        times = profile_model(model, seq_len, mbs, reps=reps)
+    report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

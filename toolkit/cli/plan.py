@@ -1,0 +1,58 @@
+"""`dstk plan`: memory per GPU, bubble and step time of every layout; the best few, or the closest."""
+
+import json
+
+import click
+
+
+def _size(ctx, param, value):
+    from toolkit.gpus import parse_size
+
+    return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+
+
+@click.command("plan")
+@click.option("--model", required=True, metavar="NAME|DIR", help="Built-in architecture (gpt2, llama-3.2-1b, ...) or a local HF directory.")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node.")
+@click.option("--nodes", type=int, default=1, show_default=True, metavar="N", help="Nodes.")
+@click.option("--gpu", metavar="NAME", help="GPU preset: a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200, l4, a10g, v100-32gb, rtx-4090, ...")
+@click.option("--gpu-mem", callback=_size, metavar="SIZE", help="Memory per GPU, e.g. 80GiB or 24GB (overrides the preset's).")
+@click.option("--seq-len", type=int, metavar="T", help="Tokens per sequence. Default: min(2048, the model's maximum).")
+@click.option("--gbs", type=int, required=True, metavar="N", help="Global batch: sequences per optimizer step.")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True, help="Training precision (bf16/fp16 keep fp32 master weights).")
+@click.option("--optimizer", type=click.Choice(["adam", "sgd"]), default="adam", show_default=True, help="Adam(W): 2 fp32 states per parameter; SGD: momentum.")
+@click.option("--tflops", type=float, metavar="X", help="Dense peak TFLOPs per GPU (overrides the preset's).")
+@click.option("--intra-bw", type=float, metavar="GB/S", help="Bandwidth between GPUs of a node, GB/s per direction.")
+@click.option("--inter-bw", type=float, metavar="GB/S", help="Bandwidth per GPU between nodes, GB/s per direction.")
+@click.option("--mfu", type=float, default=0.5, show_default=True, help="Share of peak FLOPs a step reaches.")
+@click.option("--reserve", type=float, default=0.1, show_default=True, help="Share of GPU memory left for the CUDA context and allocator.")
+@click.option("--host-mem", callback=_size, default="1TiB", show_default=True, metavar="SIZE", help="Host memory per node, for offload.")
+@click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True, help="sdpa/flash keeps no (seq x seq) attention matrix; eager does.")
+@click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
+@click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
+@click.option("--top", type=int, default=3, show_default=True, help="How many layouts to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--emit-config", type=click.Path(dir_okay=False), metavar="FILE", help="Write the best layout as a DeepSpeed config.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --emit-config file.")
+def plan(as_json, emit_config, force, **kwargs):
+    """Estimate memory per GPU and step time of every layout; recommend the best.
+
+    Exit code 1 when no layout fits (the closest one is shown).
+
+    \b
+    dstk plan --model llama-3.2-1b --gpu a100-80gb --gpus-per-node 8 --gbs 256
+    dstk plan --model gpt2 --gpu-mem 24GiB --gpus-per-node 2 --gbs 32 --seq-len 1024 --json
+    """
+    from toolkit.plan import PlanRequest, make_plan
+    from toolkit.plan_report import layout_config, render_text
+
+    result = make_plan(PlanRequest(**kwargs))
+    if emit_config and result.fitting:
+        from toolkit.config.generate import write_config
+
+        write_config(layout_config(result), emit_config, force=force)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_text(result))
+    if emit_config:
+        click.echo(f"wrote {emit_config} ({result.best[0].layout.describe()})" if result.fitting
+                   else f"not writing {emit_config}: no layout fits", err=True)
+    return 0 if result.fitting else 1

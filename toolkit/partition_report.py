@@ -1,0 +1,128 @@
+"""What `dstk partition` shows: a split's stages with their costs, next to DeepSpeed's splits.
+
+    report = partition_report(load_arch("gpt2"), pp=4, seq_len=512)
+    print(format_report(report))      # or json.dumps(report.to_dict())
+"""
+
+from dataclasses import asdict, dataclass, field
+
+from toolkit.arch import Arch
+from toolkit.costs import layer_costs
+from toolkit.partition import check_stages, partition_layers, stage_sums
+
+COMPARED = ("parameters", "uniform")  # DeepSpeed's own methods, shown next to dstk's
+
+
+@dataclass
+class Stage:
+    stage: int
+    first: str  # name of its first layer, e.g. "embed"
+    last: str
+    layers: int
+    blocks: int
+    params: int
+    flops: float  # forward + backward FLOPs per micro-batch
+    memory_bytes: int  # model states + activations of the micro-batches 1F1B keeps in flight
+
+
+@dataclass
+class Split:
+    method: str
+    parts: list
+    blocks: list  # transformer blocks per stage
+    imbalance: float  # slowest / mean stage, by the weights the chosen method balances
+    peak_memory_bytes: int
+
+
+@dataclass
+class PartitionReport:
+    model: str
+    params: int
+    num_layers: int
+    pp: int
+    seq_len: int
+    mbs: int
+    precision: str
+    method: str
+    balanced_by: str  # "compute (FLOPs)", "memory" or "measured time"
+    stages: list = field(default_factory=list)
+    splits: list = field(default_factory=list)  # dstk's first, then DeepSpeed's
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def partition_report(arch: Arch, pp: int, seq_len: int, mbs: int = 1, method: str = "compute",
+                     precision: str = "bf16", times=None) -> PartitionReport:
+    """Split `arch` into pp stages with `method` and compare with DeepSpeed's splits."""
+    costs = layer_costs(arch, seq_len, mbs, precision)
+    check_stages(len(costs), pp)
+    memory = _stage_memory(costs, pp)
+    per_stage, balanced_by = _balanced_quantity(costs, method, times, memory)
+    parts = partition_layers(costs, pp, method, times=times)
+    report = PartitionReport(arch.name, arch.num_params(), len(costs), pp, seq_len, mbs, precision, method,
+                             balanced_by)
+    for s in range(pp):
+        chunk = costs[parts[s]:parts[s + 1]]
+        report.stages.append(Stage(s, chunk[0].name, chunk[-1].name, len(chunk),
+                                   sum(c.kind == "block" for c in chunk), sum(c.params for c in chunk),
+                                   sum(c.flops for c in chunk), memory(s, chunk)))
+    for name in [method] + [m for m in COMPARED if m != method]:
+        p = parts if name == method else partition_layers(costs, pp, name)
+        blocks = stage_sums([c.kind == "block" for c in costs], p)
+        peak = max(memory(s, costs[p[s]:p[s + 1]]) for s in range(pp))
+        values = per_stage(p)
+        report.splits.append(Split(name, p, blocks, max(values) / (sum(values) / pp), peak))
+    return report
+
+
+def _balanced_quantity(costs, method, times, memory):
+    """(parts -> per-stage values, label) of what `method` balances: time, memory or FLOPs."""
+    if method == "profile" and times is not None:
+        return (lambda p: stage_sums(list(times), p)), "measured time"
+    if method == "memory":
+        return (lambda p: [memory(s, costs[p[s]:p[s + 1]]) for s in range(len(p) - 1)]), "memory"
+    return (lambda p: stage_sums([c.flops for c in costs], p)), "compute (FLOPs)"
+
+
+def _stage_memory(costs, pp):
+    def memory(stage, chunk):
+        return sum(c.memory(in_flight=pp - stage) for c in chunk)  # 1F1B with >= pp micro-batches
+
+    return memory
+
+
+def format_report(r: PartitionReport) -> str:
+    """Human-readable table of the report."""
+    lines = [f"{r.model}: {_si(r.params)} parameters, {r.num_layers} pipeline layers, seq {r.seq_len} x mbs "
+             f"{r.mbs}, {r.precision}, pp {r.pp}; method {r.method!r}",
+             f"{'stage':>5}  {'layers':<22}{'blocks':>6}  {'params':>8}  {'fwd+bwd':>10}  {'share':>6}  "
+             f"{'memory':>9}"]
+    total = sum(s.flops for s in r.stages) or 1.0
+    for s in r.stages:
+        span = s.first if s.layers == 1 else f"{s.first} .. {s.last}"
+        lines.append(f"{s.stage:>5}  {span:<22}{s.blocks:>6}  {_si(s.params):>8}  {_si(s.flops) + 'FLOP':>10}  "
+                     f"{100 * s.flops / total:>5.1f}%  {_gib(s.memory_bytes):>9}")
+    lines += ["", f"slowest/mean stage by {r.balanced_by}; memory = parameter, gradient and optimizer "
+                  f"states + activations of pp - s micro-batches in flight (1F1B)",
+              ]
+    rows = [(f"dstk {sp.method}" if i == 0 and sp.method not in COMPARED else f"deepspeed {sp.method}",
+             str(sp.parts), str(sp.blocks), f"{sp.imbalance:.3f}", _gib(sp.peak_memory_bytes))
+            for i, sp in enumerate(r.splits)]
+    header = ("split", "parts", "blocks per stage", "slowest/mean", "peak memory")
+    widths = [max(len(row[k]) for row in rows + [header]) for k in range(len(header))]
+    for row in [header] + rows:
+        lines.append("  ".join(cell.ljust(w) if k < 3 else cell.rjust(w)
+                               for k, (cell, w) in enumerate(zip(row, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

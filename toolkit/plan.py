@@ -1,0 +1,199 @@
+"""`dstk plan`: every layout of a model on a cluster, its memory per GPU and step time, the best few.
+
+    result = make_plan(PlanRequest(model="llama-3.2-1b", gpus_per_node=8, gpu="a100-80gb", gbs=256))
+    result.best[0].layout        # Layout(pp=1, dp=8, zero=..., mbs=..., gas=..., ...)
+    result.closest               # when nothing fits: the layout needing the least memory
+
+Layouts: pp dividing the world and the model's block count; dp = world / pp; ZeRO 0-3 with pp = 1,
+0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses 2/3); mbs * gas * dp = gbs; offload of the
+optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation checkpointing on or off. Each stage's
+layers come from toolkit.partition's exact split (least slowest stage); the stage with the most
+memory is reported. Estimates: toolkit.memory (bytes) and toolkit.plan_estimate (seconds).
+Activations come from toolkit.costs, minus the (seq x seq) attention probabilities under
+attention="sdpa": flash / memory-efficient kernels do not store them.
+"""
+
+from dataclasses import dataclass
+
+from toolkit.errors import ConfigError
+from toolkit.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overrides
+from toolkit.plan_estimate import Estimate, Hardware, Layout, Model, estimate
+from toolkit.topology import divisors
+
+ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str  # built-in architecture name or a local HF directory
+    gbs: int  # global batch (sequences per optimizer step)
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu: str | None = None  # preset name (toolkit.gpus.GPUS)
+    gpu_mem: int | None = None  # bytes; overrides the preset's memory
+    seq_len: int | None = None  # default: min(2048, the model's max_positions)
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    tflops: float | None = None  # dense peak per GPU; overrides the preset
+    intra_bw: float | None = None  # GB/s per GPU within a node
+    inter_bw: float | None = None  # GB/s per GPU between nodes
+    mfu: float = 0.5  # share of peak FLOPs a step achieves
+    reserve: float = 0.1  # share of GPU memory kept for the CUDA context, allocator and temporaries
+    host_mem: int = 2**40  # bytes of host memory per node, for offloaded states
+    attention: str = "sdpa"
+    offload: bool = True  # consider offload layouts
+    checkpointing: bool = True  # consider activation checkpointing
+    top: int = 3
+
+
+@dataclass
+class PlanResult:
+    request: PlanRequest
+    gpu: Gpu
+    seq_len: int
+    considered: int
+    fitting: list  # Estimates that fit, fastest first (then least memory)
+    closest: Estimate | None  # the least memory of all, when none fits
+    reasons: list  # one line per shown layout: why it ranks where it does
+
+    @property
+    def best(self) -> list:
+        """The fastest of each family (pp, ZeRO, offload, checkpointing; best mbs), top few."""
+        seen, out = set(), []
+        for e in self.fitting:
+            lay = e.layout
+            family = (lay.pp, lay.zero, lay.offload, lay.checkpointing)
+            if family not in seen and len(out) < self.request.top:
+                seen.add(family)
+                out.append(e)
+        return out
+
+    def to_dict(self) -> dict:
+        r = self.request
+        return {"model": r.model, "world_size": r.gpus_per_node * r.nodes, "gpu": self.gpu.name,
+                "gpu_memory_bytes": self.gpu.memory, "seq_len": self.seq_len, "gbs": r.gbs,
+                "precision": r.precision, "layouts_considered": self.considered, "layouts_fitting": len(self.fitting),
+                "best": [dict(e.to_dict(), reason=why) for e, why in zip(self.best, self.reasons)],
+                "closest": self.closest.to_dict() if self.closest else None}
+
+
+def make_plan(req: PlanRequest) -> PlanResult:
+    """Estimate every layout, rank those that fit by step time (then memory)."""
+    from toolkit.arch import load_arch
+
+    _check_request(req)
+    gpu = _gpu(req)
+    arch = load_arch(req.model)
+    seq = req.seq_len or min(2048, arch.max_positions)
+    model = _model(arch, seq, req.precision, req.attention)
+    hw = Hardware(int(gpu.memory * (1 - req.reserve)), req.host_mem // req.gpus_per_node, gpu.tflops(req.precision) * 1e12 * req.mfu,
+                  gpu.nvlink, gpu.network, gpu.pcie, req.gpus_per_node)
+    estimates = [estimate(model, parts, lay, hw, req.precision, req.optimizer)
+                 for parts, lay in _layouts(req, arch, model, seq)]
+    fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
+    closest = None if fitting else min(estimates, key=lambda e: e.excess)
+    result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [])
+    best = result.best
+    result.reasons = [_reason(e, best, i) for i, e in enumerate(best)]
+    return result
+
+
+def _check_request(req: PlanRequest) -> None:
+    for flag, value in (("--gbs", req.gbs), ("--gpus-per-node", req.gpus_per_node), ("--nodes", req.nodes),
+                        ("--seq-len", req.seq_len), ("--top", req.top)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+    for flag, value in (("--tflops", req.tflops), ("--intra-bw", req.intra_bw), ("--inter-bw", req.inter_bw),
+                        ("--gpu-mem", req.gpu_mem), ("--host-mem", req.host_mem)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be positive, got {value!r}")
+    if not 0 < req.mfu <= 1:
+        raise ConfigError(f"--mfu is the share of peak FLOPs reached, in (0, 1]; got {req.mfu}")
+    if not 0 <= req.reserve < 1:
+        raise ConfigError(f"--reserve is the share of memory kept free, in [0, 1); got {req.reserve}")
+    if req.precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"--precision {req.precision!r}: use fp32, bf16 or fp16")
+    if req.attention not in ATTENTION:
+        raise ConfigError(f"--attention {req.attention!r}: use one of {', '.join(ATTENTION)}")
+    if req.gpu is None and req.gpu_mem is None:
+        raise ConfigError("give --gpu NAME (a preset, e.g. a100-80gb, h100-sxm) or --gpu-mem SIZE (e.g. 80GiB)")
+
+
+def _gpu(req: PlanRequest) -> Gpu:
+    """The preset, or a card described by --gpu-mem (A100-like throughput unless --tflops)."""
+    if req.gpu is not None:
+        base = get_gpu(req.gpu)
+    else:
+        a100 = get_gpu("a100-80gb")
+        base = custom_gpu(req.gpu_mem, req.tflops or a100.bf16_tflops, a100.nvlink, a100.network)
+    return with_overrides(base, req.gpu_mem, req.tflops, req.intra_bw, req.inter_bw)
+
+
+def _model(arch, seq: int, precision: str, attention: str) -> Model:
+    from toolkit.costs import boundary_bytes, layer_costs
+
+    costs = layer_costs(arch, seq, 1, precision)
+    act = [c.act_bytes for c in costs]
+    if attention == "sdpa":  # costs.py counts e*B*a*T^2 softmax probabilities per block; flash keeps none
+        e = 4 if precision == "fp32" else 2
+        act = [a - (e * arch.heads * seq * seq if c.kind == "block" else 0) for a, c in zip(act, costs)]
+    return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
+                 [c.fwd_flops for c in costs], act, boundary_bytes(arch, seq, 1, precision), seq)
+
+
+def _layouts(req: PlanRequest, arch, model: Model, seq: int):
+    """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none."""
+    from toolkit.costs import layer_costs
+    from toolkit.partition import partition_layers
+
+    world = req.gpus_per_node * req.nodes
+    pps = [pp for pp in divisors(world) if arch.layers % pp == 0 and pp <= len(model.params)]
+    usable = [pp for pp in pps if req.gbs % (world // pp) == 0]
+    if not usable:
+        dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
+        raise ConfigError(f"--gbs {req.gbs}: no layout can form it; gbs must be a multiple of dp, and with "
+                          f"world {world} and {arch.layers} blocks the choices are {dps}: use --gbs "
+                          f"{_round_up(req.gbs, world // pps[-1])} or a multiple of {world // pps[-1]}")
+    costs = layer_costs(arch, seq, 1, req.precision)
+    for pp in usable:
+        parts = partition_layers(costs, pp, "compute")
+        dp = world // pp
+        for mbs in divisors(req.gbs // dp):
+            for zero in (range(4) if pp == 1 else range(2)):
+                for offload in _offloads(zero, req.offload):
+                    for ckpt in ((False, True) if req.checkpointing else (False,)):
+                        yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt)
+
+
+def _offloads(zero: int, allowed: bool) -> tuple:
+    if not allowed or zero == 0:
+        return ("none",)
+    return ("none", "optimizer", "all") if zero == 3 else ("none", "optimizer")
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _reason(e: Estimate, ranked: list, index: int) -> str:
+    """Why this layout sits where it does: the best against the runner-up, the others against the best."""
+    spare = f"{format_bytes(e.capacity - e.memory)} to spare"
+    if index == 0:
+        if len(ranked) == 1:
+            return f"fastest that fits ({e.step_time:.3g} s/step); {spare}"
+        return f"fastest: {e.step_time:.3g} s/step; {_compare(ranked[1], e, 'the runner-up')}; {spare}"
+    return f"{_compare(e, ranked[0], 'it')}; {spare}"
+
+
+_PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "data-parallel communication",
+          "pp_comm": "pipeline send/receive", "offload": "offload traffic and CPU optimizer"}
+
+
+def _compare(slower: Estimate, faster: Estimate, name: str) -> str:
+    """'<name> is 12% slower: +0.3 s of pipeline bubble', or the memory when the times tie."""
+    ratio = slower.step_time / faster.step_time - 1
+    if ratio < 0.005:
+        more = slower.memory - faster.memory
+        return f"{name} is as fast but needs {format_bytes(more)} {'more' if more >= 0 else 'less'} memory per GPU"
+    part = max(_PARTS, key=lambda k: slower.times[k] - faster.times[k])
+    return f"{name} is {ratio:.0%} slower: +{slower.times[part] - faster.times[part]:.3g} s of {_PARTS[part]}"

@@ -1,0 +1,186 @@
+"""Memory and step time of one layout (pp x dp x ZeRO x mbs/gas x offload x checkpointing) of one model.
+
+All figures are per GPU, per optimizer step, for the pipeline stage whose memory is largest.
+
+Step time = pipeline compute + data-parallel communication + offload traffic, none overlapped
+(DeepSpeed's pipeline engine reduces gradients after the last micro-batch; a pessimistic choice
+for pp = 1 where ZeRO-2/3 can overlap):
+  pipeline    (gas + pp - 1) * t_slowest, t_slowest = slowest stage's FLOPs per micro-batch /
+              (peak TFLOPs * mfu) + its activation send/receive; with activation checkpointing
+              the forward runs twice. gas + pp - 1 slots of which pp - 1 are the bubble.
+  dp comm     ring algorithms, bytes each rank sends for its stage's gradients G = params * w:
+              ZeRO-0/1 one all-reduce per step 2(dp-1)/dp * G (ZeRO-1: reduce-scatter + all-gather);
+              ZeRO-2 a reduce-scatter per micro-batch (DeepSpeed reduces at every backward) + one
+              parameter all-gather; ZeRO-3 per micro-batch 2 all-gathers (forward, backward) + 1
+              reduce-scatter, each (dp-1)/dp * G.
+  pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
+  offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
+              ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
+Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`, else `network`.
+"""
+
+from dataclasses import dataclass, field
+
+from toolkit.memory import activation_bytes, model_state_bytes
+from toolkit.topology import bubble_fraction
+
+CPU_ADAM = 1e9  # parameters per second DeepSpeedCPUAdam updates (order of magnitude, many cores)
+HALF_TOKENS = 512  # a micro-batch of n tokens reaches n / (n + HALF_TOKENS) of the mfu (small matmuls
+# underuse the GPU; a heuristic that makes larger micro-batches faster, not a measurement)
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    zero: int
+    mbs: int
+    gas: int  # = micro-batches per step under a pipeline
+    offload: str = "none"  # none | optimizer | all
+    checkpointing: bool = False
+
+    def describe(self) -> str:
+        extra = ([f"offload {self.offload}"] if self.offload != "none" else []) + \
+                (["act-ckpt"] if self.checkpointing else [])
+        return " ".join([f"pp={self.pp} dp={self.dp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    stage: int  # the stage whose memory is largest (reported)
+    parts: list  # partition boundaries (len pp+1)
+    states: object  # memory.ModelStates of that stage
+    activations: int  # bytes on that stage
+    working: int  # ZeRO-3: full parameters gathered for the running layer and the prefetched next one
+    capacity: int  # usable bytes per GPU
+    host_capacity: int  # host bytes per GPU for offloaded states
+    bubble: float
+    dp_comm_bytes: int  # per rank per step
+    pp_comm_bytes: int  # per stage boundary per step, both directions
+    times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload
+
+    @property
+    def memory(self) -> int:
+        return self.states.peak + self.activations + self.working
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.capacity and self.states.cpu <= self.host_capacity
+
+    @property
+    def excess(self) -> int:
+        """Bytes over the GPU's (or the host's, for offload) capacity; <= 0 when it fits."""
+        return max(self.memory - self.capacity, self.states.cpu - self.host_capacity)
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.times.values())
+
+    def to_dict(self) -> dict:
+        return {"layout": vars(self.layout), "describe": self.layout.describe(), "fits": self.fits,
+                "memory_bytes": self.memory, "capacity_bytes": self.capacity, "heaviest_stage": self.stage,
+                "model_states": self.states.to_dict(), "activation_bytes": self.activations,
+                "zero3_working_bytes": self.working, "host_bytes": self.states.cpu,
+                "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
+                "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts)}
+
+
+@dataclass(frozen=True)
+class Model:
+    """Per-layer figures for one sequence (mbs = 1); everything else scales linearly with mbs."""
+
+    params: list  # parameters per layer (a tied head counts its copy)
+    tied: list  # of which copies of the embedding
+    flops: list  # forward + backward FLOPs
+    fwd_flops: list
+    act: list  # activation bytes held per micro-batch of one sequence
+    boundary: int  # bytes of one (1, seq, h) hidden state sent between stages
+    tokens: int  # seq_len
+
+
+@dataclass(frozen=True)
+class Hardware:
+    capacity: int  # usable bytes per GPU
+    host_capacity: int  # host bytes per GPU (a node's memory / GPUs per node)
+    flops: float  # achieved FLOP/s per GPU (peak * mfu)
+    nvlink: float  # bytes/s
+    network: float
+    pcie: float
+    gpus_per_node: int
+
+
+def stage_params(model: Model, parts: list, s: int) -> int:
+    """Parameters stage s stores; a tied head shares the embedding's tensor when both are on s."""
+    lo, hi = parts[s], parts[s + 1]
+    total = sum(model.params[lo:hi])
+    if lo == 0 and hi == len(model.params):
+        total -= model.tied[-1]
+    return total
+
+
+def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
+    per_layer = [a * lay.mbs for a in model.act]
+    ckpt = [model.boundary * lay.mbs] * len(per_layer) if lay.checkpointing else None
+    acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
+    totals = []
+    for s in range(lay.pp):
+        states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
+                                   lay.offload, pipeline=lay.pp > 1)
+        totals.append((states.peak + acts[s], s, states))
+    _, heaviest, states = max(totals, key=lambda t: t[0])
+    w = 4 if precision == "fp32" else 2
+    working = 2 * max(model.params) * w if lay.zero == 3 else 0
+    est = Estimate(lay, heaviest, parts, states, acts[heaviest], working, hw.capacity, hw.host_capacity,
+                   bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0)
+    _times(est, model, hw, precision)
+    return est
+
+
+def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
+    """Seconds per step by part; a pipeline slot is the slowest stage's micro-batch plus its send/receive."""
+    lay, parts = est.layout, est.parts
+    w = 4 if precision == "fp32" else 2
+    tokens = lay.mbs * model.tokens
+    rate = hw.flops * tokens / (tokens + HALF_TOKENS)
+    slot = 0.0
+    for s in range(lay.pp):
+        lo, hi = parts[s], parts[s + 1]
+        flops = sum(model.flops[lo:hi]) + (sum(model.fwd_flops[lo:hi]) if lay.checkpointing else 0)
+        slot = max(slot, flops * lay.mbs / rate)
+    pp_bw = hw.network if _crosses(lay.dp, lay.pp, hw.gpus_per_node, step=lay.dp) else hw.nvlink
+    send = 2 * model.boundary * lay.mbs / (pp_bw * 1e9) if lay.pp > 1 else 0.0
+    heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
+    est.dp_comm_bytes = int(_dp_volume(lay, heaviest * w))
+    dp_bw = hw.network if _crosses(lay.dp, lay.pp, hw.gpus_per_node, step=1) else hw.nvlink
+    est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
+                 "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9), "offload": _offload_time(lay, heaviest, w, hw)}
+
+
+def _dp_volume(lay: Layout, grad_bytes: int) -> float:
+    if lay.dp == 1:
+        return 0.0
+    ring = (lay.dp - 1) / lay.dp * grad_bytes  # one reduce-scatter or all-gather
+    if lay.zero <= 1:
+        return 2 * ring
+    if lay.zero == 2:
+        return lay.gas * ring + ring
+    return 3 * lay.gas * ring
+
+
+def _offload_time(lay: Layout, params: int, w: int, hw: Hardware) -> float:
+    if lay.offload == "none":
+        return 0.0
+    part = params / lay.dp
+    seconds = 2 * part * w / (hw.pcie * 1e9) + part / CPU_ADAM
+    if lay.offload == "all":
+        seconds += 2 * lay.gas * part * w / (hw.pcie * 1e9)
+    return seconds
+
+
+def _crosses(dp: int, pp: int, gpus_per_node: int, step: int) -> bool:
+    """Whether some data-parallel group (step=1: ranks s*dp .. s*dp+dp-1) or stage boundary
+    (step=dp: rank r and r+dp) spans two nodes. Ranks follow DeepSpeed's (pipe, data) order."""
+    if step == 1:
+        return any((s * dp) // gpus_per_node != (s * dp + dp - 1) // gpus_per_node for s in range(pp))
+    return any(r // gpus_per_node != (r + dp) // gpus_per_node for r in range((pp - 1) * dp))
