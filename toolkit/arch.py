@@ -42,6 +42,7 @@ class Arch:
     out_bias: bool = False  # biases on the attention output and MLP projections (GPT-2, BERT)
     learned_positions: bool = False  # a (max_positions, h) position table (GPT-2, BERT); else rotary
     type_vocab: int = 0  # BERT token-type embeddings
+    attn_dropout: bool = False  # dropout on attention probabilities (GPT-2, BERT): one more saved copy
     act_fn: str = "silu"  # MLP activation (HF hidden_act / activation_function): sets saved activations
     extra: dict = field(default_factory=dict, compare=False)  # config keys kept for to_hf_config
 
@@ -76,7 +77,8 @@ class Arch:
 
 def _gpt2(name, hidden, layers, heads):
     return Arch(name, "gpt2", hidden, layers, heads, 4 * hidden, 50257, 1024, tied=True, norm="layernorm",
-                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, act_fn="gelu_new")
+                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, act_fn="gelu_new",
+                attn_dropout=True)
 
 
 def _llama(name, model_type, hidden, layers, heads, kv_heads, intermediate, vocab, max_positions, **kw):
@@ -85,7 +87,8 @@ def _llama(name, model_type, hidden, layers, heads, kv_heads, intermediate, voca
 
 def _bert(name, hidden, layers, heads, intermediate, vocab=30522):
     return Arch(name, "bert", hidden, layers, heads, intermediate, vocab, 512, tied=True, norm="layernorm",
-                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=2, act_fn="gelu")
+                gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=2, act_fn="gelu",
+                attn_dropout=True)
 
 
 # Published dimensions (the models' config.json on the HF hub).
@@ -161,7 +164,8 @@ def arch_from_config(cfg: dict, name: str) -> Arch:
         return Arch(name, "gpt2", h, need("n_layer"), need("n_head"), cfg.get("n_inner") or 4 * h, need("vocab_size"),
                     need("n_positions"), tied=cfg.get("tie_word_embeddings", True), norm="layernorm",
                     gated_mlp=False, qkv_bias=True, out_bias=True, learned_positions=True,
-                    act_fn=cfg.get("activation_function", "gelu_new"), extra=cfg)
+                    act_fn=cfg.get("activation_function", "gelu_new"), attn_dropout=cfg.get("attn_pdrop", 0.1) > 0,
+                    extra=cfg)
     common = dict(hidden=need("hidden_size"), layers=need("num_hidden_layers"), heads=need("num_attention_heads"),
                   intermediate=need("intermediate_size"), vocab=need("vocab_size"),
                   max_positions=need("max_position_embeddings"), extra=cfg,
@@ -169,13 +173,13 @@ def arch_from_config(cfg: dict, name: str) -> Arch:
     if model_type == "bert":
         return Arch(name, "bert", tied=cfg.get("tie_word_embeddings", True), norm="layernorm", gated_mlp=False,
                     qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=cfg.get("type_vocab_size", 2),
-                    **common)
+                    attn_dropout=cfg.get("attention_probs_dropout_prob", 0.1) > 0, **common)
     plain = model_type in NON_GATED_TYPES
     return Arch(name, model_type, kv_heads=cfg.get("num_key_value_heads") or 0, head_dim=cfg.get("head_dim") or 0,
                 tied=bool(cfg.get("tie_word_embeddings", False)),
                 norm="layernorm" if model_type in LAYERNORM_TYPES else "rmsnorm", gated_mlp=not plain,
                 qkv_bias=plain or bool(cfg.get("attention_bias", model_type == "qwen2")), out_bias=plain,
-                **common)
+                attn_dropout=(cfg.get("attention_dropout") or 0) > 0, **common)
 
 
 def to_hf_config(arch: Arch):

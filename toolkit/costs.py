@@ -32,7 +32,9 @@ e = bytes per activation element:
                + 2*qd + 2*kd                                q, k, v, attention output
                + (qd + kd if rotary)                        rotary's saved inputs
                + m*I)                                       MLP: m tensors of N x I (MLP_SAVED)
-          + e*B*a*T^2                                      softmax probabilities (eager; flash: none)
+          + c*e*B*a*T^2                                    attention="eager": c = 2 (softmax output and the
+                                                           copy P@V reads) + 1 with attention dropout;
+                                                           attention="sdpa" (flash / efficient): c = 0
   norm    k/2 * e*N*h (LayerNorm: input; RMSNorm: input and normalised)
   head    e*N*h (x5 BERT's transform) + 4*N*V              input, fp32 log-softmax for the loss
 These follow the tensors HF's modules save for backward (checked in tests/unit/test_costs.py with
@@ -136,7 +138,7 @@ def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
 MLP_SAVED = {"gelu_new": 5}
 
 
-def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int) -> int:
+def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str = "eager") -> int:
     """Activation bytes held per micro-batch (formulas in the module docstring); e bytes per element."""
     n, h = b * t, arch.hidden
     k = 2 if arch.norm == "layernorm" else 3
@@ -144,7 +146,8 @@ def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int) -> int:
         qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
         mlp = MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp
         per_token = 2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd) + mlp * arch.intermediate
-        return e * n * per_token + e * b * arch.heads * t * t
+        copies = (2 + arch.attn_dropout) if attention == "eager" else 0
+        return e * n * per_token + copies * e * b * arch.heads * t * t
     if kind == "norm":
         return e * n * h * k // 2
     if kind == "head":
@@ -164,9 +167,13 @@ def _typename(arch: Arch, kind: str) -> str:
     return {"embed": embed, "block": block, "norm": norm}[kind]
 
 
-def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16") -> list[LayerCost]:
-    """One LayerCost per pipeline layer, for micro-batches of `mbs` sequences of `seq_len` tokens."""
+def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
+                attention: str = "eager") -> list[LayerCost]:
+    """One LayerCost per pipeline layer, for micro-batches of `mbs` sequences of `seq_len` tokens.
+    attention: "eager" keeps the (B, a, T, T) probabilities for backward, "sdpa" (flash) does not."""
     check_shape(arch, seq_len, mbs)
+    if attention not in ("eager", "sdpa"):
+        raise ConfigError(f"attention {attention!r} is not 'eager' or 'sdpa'")
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     p = PRECISIONS[precision]
@@ -176,7 +183,7 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16")
         fwd = _fwd_flops(arch, kind, mbs, seq_len)
         total = fwd + 2 * mbs * seq_len * arch.hidden if kind == "embed" else 3 * fwd
         costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total,
-                               params * (p.param + p.grad + p.optim), _act_bytes(arch, kind, mbs, seq_len, p.act)))
+                               params * (p.param + p.grad + p.optim), _act_bytes(arch, kind, mbs, seq_len, p.act, attention)))
     return costs
 
 

@@ -13,6 +13,12 @@ tests/distributed/test_memory_accuracy.py measures on real engines. A step has t
   step:     parameters, the fp32 gradient partition the optimizer reads, master weights, states.
 `peak` is the larger one. Master weights: ZeRO >= 1 always keeps its own fp32 copy of the rank's
 partition (a clone even when the model is fp32).
+
+Activations: bytes per layer per micro-batch (N = mbs*seq tokens) come from toolkit.costs, which
+counts the tensors HF's modules save for backward (norm inputs, q/k/v, attention output, MLP
+intermediates; (seq x seq) probabilities only under eager attention). It plays the role of Korthikanti
+et al. 2022's sbh(34 + 5as/h) bytes per 16-bit Megatron layer, fitted to HF layers instead. Here they
+are multiplied by the micro-batches 1F1B keeps in flight on each stage.
 """
 
 from dataclasses import asdict, dataclass

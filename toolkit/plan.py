@@ -9,8 +9,8 @@ Layouts: pp dividing the world and the model's block count; dp = world / pp; ZeR
 optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation checkpointing on or off. Each stage's
 layers come from toolkit.partition's exact split (least slowest stage); the stage with the most
 memory is reported. Estimates: toolkit.memory (bytes) and toolkit.plan_estimate (seconds).
-Activations come from toolkit.costs, minus the (seq x seq) attention probabilities under
-attention="sdpa": flash / memory-efficient kernels do not store them.
+Activations come from toolkit.costs: attention="sdpa" (flash / memory-efficient kernels) stores no
+(seq x seq) attention probabilities, "eager" does.
 """
 
 from dataclasses import dataclass
@@ -79,23 +79,42 @@ class PlanResult:
 
 def make_plan(req: PlanRequest) -> PlanResult:
     """Estimate every layout, rank those that fit by step time (then memory)."""
-    from toolkit.arch import load_arch
-
-    _check_request(req)
-    gpu = _gpu(req)
-    arch = load_arch(req.model)
-    seq = req.seq_len or min(2048, arch.max_positions)
-    model = _model(arch, seq, req.precision, req.attention)
-    hw = Hardware(int(gpu.memory * (1 - req.reserve)), req.host_mem // req.gpus_per_node, gpu.tflops(req.precision) * 1e12 * req.mfu,
-                  gpu.nvlink, gpu.network, gpu.pcie, req.gpus_per_node)
+    gpu, arch, seq, costs = _prepare(req)
+    model, hw = _model(costs, arch, seq, req.precision), _hardware(req, gpu)
     estimates = [estimate(model, parts, lay, hw, req.precision, req.optimizer)
-                 for parts, lay in _layouts(req, arch, model, seq)]
+                 for parts, lay in _layouts(req, arch, costs)]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
     closest = None if fitting else min(estimates, key=lambda e: e.excess)
     result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [])
     best = result.best
     result.reasons = [_reason(e, best, i) for i, e in enumerate(best)]
     return result
+
+
+def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
+    """The estimate of one given layout (benchmarks compare it with a measured run)."""
+    from toolkit.partition import partition_layers
+
+    gpu, arch, seq, costs = _prepare(req)
+    parts = partition_layers(costs, layout.pp, "compute")
+    return estimate(_model(costs, arch, seq, req.precision), parts, layout, _hardware(req, gpu), req.precision,
+                    req.optimizer)
+
+
+def _prepare(req: PlanRequest) -> tuple:
+    """(gpu, arch, seq_len, per-layer costs for one sequence) after checking the request."""
+    from toolkit.arch import load_arch
+    from toolkit.costs import layer_costs
+
+    _check_request(req)
+    gpu, arch = _gpu(req), load_arch(req.model)
+    seq = req.seq_len or min(2048, arch.max_positions)
+    return gpu, arch, seq, layer_costs(arch, seq, 1, req.precision, attention=req.attention)
+
+
+def _hardware(req: PlanRequest, gpu: Gpu) -> Hardware:
+    return Hardware(int(gpu.memory * (1 - req.reserve)), req.host_mem // req.gpus_per_node,
+                    gpu.tflops(req.precision) * 1e12 * req.mfu, gpu.nvlink, gpu.network, gpu.pcie, req.gpus_per_node)
 
 
 def _check_request(req: PlanRequest) -> None:
@@ -129,32 +148,26 @@ def _gpu(req: PlanRequest) -> Gpu:
     return with_overrides(base, req.gpu_mem, req.tflops, req.intra_bw, req.inter_bw)
 
 
-def _model(arch, seq: int, precision: str, attention: str) -> Model:
-    from toolkit.costs import boundary_bytes, layer_costs
+def _model(costs, arch, seq: int, precision: str) -> Model:
+    from toolkit.costs import boundary_bytes
 
-    costs = layer_costs(arch, seq, 1, precision)
-    act = [c.act_bytes for c in costs]
-    if attention == "sdpa":  # costs.py counts e*B*a*T^2 softmax probabilities per block; flash keeps none
-        e = 4 if precision == "fp32" else 2
-        act = [a - (e * arch.heads * seq * seq if c.kind == "block" else 0) for a, c in zip(act, costs)]
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
-                 [c.fwd_flops for c in costs], act, boundary_bytes(arch, seq, 1, precision), seq)
+                 [c.fwd_flops for c in costs], [c.act_bytes for c in costs], boundary_bytes(arch, seq, 1, precision),
+                 seq)
 
 
-def _layouts(req: PlanRequest, arch, model: Model, seq: int):
+def _layouts(req: PlanRequest, arch, costs: list):
     """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none."""
-    from toolkit.costs import layer_costs
     from toolkit.partition import partition_layers
 
     world = req.gpus_per_node * req.nodes
-    pps = [pp for pp in divisors(world) if arch.layers % pp == 0 and pp <= len(model.params)]
+    pps = [pp for pp in divisors(world) if arch.layers % pp == 0 and pp <= len(costs)]
     usable = [pp for pp in pps if req.gbs % (world // pp) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
         raise ConfigError(f"--gbs {req.gbs}: no layout can form it; gbs must be a multiple of dp, and with "
                           f"world {world} and {arch.layers} blocks the choices are {dps}: use --gbs "
                           f"{_round_up(req.gbs, world // pps[-1])} or a multiple of {world // pps[-1]}")
-    costs = layer_costs(arch, seq, 1, req.precision)
     for pp in usable:
         parts = partition_layers(costs, pp, "compute")
         dp = world // pp

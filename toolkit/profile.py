@@ -46,6 +46,11 @@ def build_layers(layers) -> list:
 
 def profile_layers(layers, batch, loss_fn, reps: int = 3, warmup: int = 1) -> list[float]:
     """Median seconds of forward + backward per layer (the last layer includes the loss)."""
+    return [statistics.median(s) for s in layer_samples(layers, batch, loss_fn, reps, warmup)]
+
+
+def layer_samples(layers, batch, loss_fn, reps: int = 3, warmup: int = 1) -> list[list[float]]:
+    """Per layer, `reps` timings in seconds of its forward + backward, after `warmup` untimed rounds."""
     import torch
 
     inputs, labels = batch
@@ -60,7 +65,7 @@ def profile_layers(layers, batch, loss_fn, reps: int = 3, warmup: int = 1) -> li
                 module.zero_grad(set_to_none=True)
             if rep >= warmup:
                 samples[i].append(seconds)
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
 def _layer_inputs(fns, inputs) -> list:

@@ -13,7 +13,7 @@ def _size(ctx, param, value):
 
 @click.command("plan")
 @click.option("--model", required=True, metavar="NAME|DIR", help="Built-in architecture (gpt2, llama-3.2-1b, ...) or a local HF directory.")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node.")
+@click.option("--gpus-per-node", "--gpus", "gpus_per_node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node (--gpus: the same, for one node).")
 @click.option("--nodes", type=int, default=1, show_default=True, metavar="N", help="Nodes.")
 @click.option("--gpu", metavar="NAME", help="GPU preset: a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200, l4, a10g, v100-32gb, rtx-4090, ...")
 @click.option("--gpu-mem", callback=_size, metavar="SIZE", help="Memory per GPU, e.g. 80GiB or 24GB (overrides the preset's).")

@@ -1,0 +1,120 @@
+"""toolkit.plan and `dstk plan`: every layout is legal, the ranking is sane, bad input is refused."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.errors import ConfigError
+from toolkit.gpus import GiB, get_gpu, parse_size
+from toolkit.memory import model_state_bytes
+from toolkit.plan import PlanRequest, make_plan
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def one_b():
+    return make_plan(PlanRequest(model="llama-3.2-1b", gpus_per_node=8, gpu="a100-80gb", gbs=256, seq_len=2048))
+
+
+def test_1b_on_8x80gb_recommends_a_layout_that_fits(one_b):
+    best = one_b.best[0]
+    assert best.fits and best.memory <= 0.9 * 80 * GiB and best.layout.pp * best.layout.dp == 8
+    assert one_b.reasons[0].startswith("fastest")
+    # a 1.2B model needs no pipeline and no offload on 80 GB cards
+    assert best.layout.pp == 1 and best.layout.offload == "none"
+
+
+def test_ranking_is_by_step_time_and_every_layout_is_legal(one_b):
+    times = [e.step_time for e in one_b.fitting]
+    assert times == sorted(times)
+    for e in one_b.fitting:
+        lay = e.layout
+        assert lay.mbs * lay.gas * lay.dp == 256 and 16 % lay.pp == 0  # pp divides the 16 blocks
+        assert lay.pp == 1 or lay.zero <= 1  # the PipelineEngine refuses ZeRO-2/3
+        assert e.bubble == pytest.approx((lay.pp - 1) / (lay.gas + lay.pp - 1))
+
+
+def test_pipeline_reports_its_heaviest_stage(one_b):
+    from toolkit.arch import load_arch
+    from toolkit.costs import layer_costs
+    from toolkit.partition import stage_sums
+
+    e = next(e for e in one_b.fitting if e.layout.pp == 4 and e.layout.zero == 0 and not e.layout.checkpointing)
+    # embedding on stage 0, the tied head on stage 3: each stage holds its own copy
+    params = stage_sums([c.params for c in layer_costs(load_arch("llama-3.2-1b"), 2048)], e.parts)
+    states = [model_state_bytes(p, e.layout.dp, 0, "bf16", pipeline=True).peak for p in params]
+    assert e.states.peak == states[e.stage] and len(e.parts) == 5
+    assert sum(params) > 1_235_814_400  # the untied copy of the 262M-parameter embedding counts twice
+
+
+def test_70b_on_one_24gb_gpu_fits_nowhere_and_names_the_closest(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    result = make_plan(PlanRequest(model=str(tmp_path), gpus_per_node=1, gpu="rtx-4090", gbs=8, seq_len=4096))
+    assert result.fitting == [] and result.closest is not None and result.closest.excess > 0
+    code, out, _ = run(capsys, "--model", str(tmp_path), "--gpus-per-node", "1", "--gpu-mem", "24GiB", "--gbs", "8")
+    assert code == 1 and "Nothing fits. Closest:" in out and "exceeds" in out
+
+
+def test_more_memory_per_gpu_never_fits_fewer_layouts():
+    fits = [len(make_plan(PlanRequest(model="gpt2", gpus_per_node=2, gpu_mem=mem * GiB, gbs=16)).fitting)
+            for mem in (4, 16, 64)]
+    assert fits == sorted(fits) and fits[0] < fits[-1]
+
+
+def test_json_and_emit_config(tmp_path, capsys):
+    out_file = tmp_path / "ds.json"
+    code, out, err = run(capsys, "--model", "gpt2", "--gpu", "h100", "--gpus-per-node", "4", "--gbs", "32",
+                         "--json", "--emit-config", str(out_file))
+    assert code == 0, err
+    best = json.loads(out)["best"][0]
+    cfg = json.loads(out_file.read_text())
+    assert cfg["train_batch_size"] == 32 and cfg["pipeline"]["stages"] == best["layout"]["pp"]
+    assert cfg["zero_optimization"]["stage"] == best["layout"]["zero"]
+    assert cfg["train_micro_batch_size_per_gpu"] == best["layout"]["mbs"] and cfg["bf16"]["enabled"] is True
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gbs", "0", "--gpu", "a100"], "--gbs must be a positive integer"),
+    (["--gbs", "8", "--gpu", "a100", "--gpus-per-node", "-2"], "--gpus-per-node must be a positive integer"),
+    (["--gbs", "8", "--gpu-mem", "0GiB"], "--gpu-mem '0GiB' must be a positive size"),
+    (["--gbs", "8", "--gpu-mem", "lots"], "expected a size"),
+    (["--gbs", "8", "--gpu", "a100-80"], "Did you mean 'a100-80gb'"),
+    (["--gbs", "8"], "give --gpu NAME"),
+    (["--gbs", "7", "--gpu", "a100"], "--gbs 7: no layout can form it"),
+    (["--gbs", "8", "--gpu", "a100", "--seq-len", "4096"], "exceeds gpt2's max_positions"),
+])
+def test_bad_input_exits_nonzero_with_a_clear_message(capsys, args, needle):
+    code, _, err = run(capsys, "--model", "gpt2", *args)
+    assert code != 0 and needle in err and "Traceback" not in err
+
+
+def test_v100_has_no_bf16():
+    with pytest.raises(ConfigError, match="no bf16"):
+        make_plan(PlanRequest(model="gpt2", gpus_per_node=2, gpu="v100", gbs=8))
+
+
+def test_sizes_and_presets():
+    assert parse_size("80GiB") == 80 * GiB and parse_size("24GB") == 24 * 10**9 and parse_size("16") == 16 * GiB
+    assert get_gpu("H100").name == "h100-sxm" and get_gpu("h200").memory > 139 * GiB
+
+
+def test_plan_for_a_builtin_imports_no_heavy_package():
+    code = ("import sys; from toolkit.cli import main\n"
+            "try: main(['plan', '--model', 'gpt2', '--gpu', 'l4', '--gbs', '8', '--gpus-per-node', '2'])\n"
+            "except SystemExit: pass\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules), file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in result.stderr and "#1 pp=" in result.stdout, result.stderr[-2000:]
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args])
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
