@@ -24,7 +24,10 @@ Layer lists:
     pooler + classifier for sequence classification).
 Tied input/output embeddings use TiedLayerSpec key "embed" (tied_weight_attr "parts.0.weight",
 BERT "embeddings.word_embeddings.weight"): with the head on another stage, that stage keeps a copy
-of the embedding module and DeepSpeed all-reduces the tied weight's gradient.
+of the whole tied module and DeepSpeed all-reduces only the shared matrix's gradient. The rest of
+that copy is unused there (GPT-2's wpe on the head stage; BERT's position/type embeddings on the
+head stage and its MLM transform + bias on the first stage), as in Megatron-DeepSpeed: export
+takes embedding parts from the first stage and head parts from the last.
 
 Data, as the pipeline iterator yields it (fixed shapes across batches):
     inputs = (input_ids, attention_mask[, token_type_ids]), (B, T) int64 each;

@@ -8,7 +8,7 @@ Inputs: (input_ids, attention_mask[, token_type_ids]), all (B, T) int64. Between
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import PipelineSpec, classification_loss, masked_lm_loss, tied_attrs
+from models.spec import PipelineSpec, classification_loss, masked_lm_loss
 
 
 class BertEnds(nn.Module):
@@ -70,7 +70,7 @@ def build_bert(source, config, task) -> PipelineSpec:
     blocks = [f"{prefix}.encoder.layer.{i}" for i in range(config.num_hidden_layers)]
     mlm = task == "masked-lm"
     ends = [f"{prefix}.embeddings"] + (["cls.predictions.transform", "cls.predictions.bias"] if mlm else [])
-    attr = tied_attrs(model, dict(zip(["embeddings", "transform", "bias"], ends))) if mlm else []
+    attr = ["embeddings.word_embeddings.weight"]
     if mlm:
         first = TiedLayerSpec("embed", BertEnds, source, prefix, True, tied_weight_attr=attr)
         last = TiedLayerSpec("embed", BertEnds, source, prefix, True, forward_fn=mlm_logits, tied_weight_attr=attr)

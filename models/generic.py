@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import PipelineSpec, causal_lm_loss, tied_attrs
+from models.spec import PipelineSpec, causal_lm_loss
 from toolkit.errors import ConfigError
 
 # config attributes that change the base model's forward outside its sub-modules: not replicated.
@@ -41,13 +41,14 @@ class DecoderBlock(nn.Module):
         self.rotary = source.module(rotary_name) if rotary_name else None
         self.config = config
         self.mask_fn = _mask_function(config, layer_idx)
+        self.rope_kwargs = _rope_kwargs(self.rotary, config, layer_idx)
 
     def forward(self, inputs):
         hidden, attention_mask = inputs
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
         mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                             cache=None, position_ids=position_ids)
-        rope = self.rotary(hidden, position_ids) if self.rotary is not None else None  # (cos, sin)
+        rope = self.rotary(hidden, position_ids, **self.rope_kwargs) if self.rotary is not None else None
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
         return (out[0] if isinstance(out, tuple) else out), attention_mask
 
@@ -115,7 +116,7 @@ def build_generic(source, config) -> PipelineSpec:
     transform = LogitTransform(config)
     tied = _is_tied(source.skeleton, pre[0], head)
     if tied:
-        attrs = tied_attrs(source.skeleton, {f"parts.{i}": n for i, n in enumerate(pre)})
+        attrs = ["parts.0.weight"]  # only the shared matrix is all-reduced (see models/__init__)
         first = TiedLayerSpec("embed", EmbedStage, source, pre, tied_weight_attr=attrs)
         last = TiedLayerSpec("embed", EmbedStage, source, pre, forward_fn=TiedLogits(transform), tied_weight_attr=attrs)
     else:
@@ -165,6 +166,15 @@ def _mask_function(config, layer_idx):
         raise ConfigError(f"model_type {config.model_type!r}: layer {layer_idx} is {layer_types[layer_idx]!r}, "
                           f"not attention ({sorted(by_type)}); recurrent/linear layers keep state dstk cannot send")
     return by_type[layer_types[layer_idx]]
+
+
+def _rope_kwargs(rotary, config, layer_idx) -> dict:
+    """Rotary modules with one frequency set per layer type (gemma3) take the layer's type."""
+    import inspect
+
+    if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return {}
+    return {"layer_type": config.layer_types[layer_idx]}
 
 
 def _is_tied(model, embed_name, head_name) -> bool:

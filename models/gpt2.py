@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from models.generic import FinalNorm, LMHead, LogitTransform, TiedLogits
-from models.spec import PipelineSpec, causal_lm_loss, tied_attrs
+from models.spec import PipelineSpec, causal_lm_loss
 
 
 class GPT2Embed(nn.Module):
@@ -49,8 +49,8 @@ def build_gpt2(source, config) -> PipelineSpec:
     blocks = [f"{prefix}.h.{i}" for i in range(config.n_layer)]
     pre = [f"{prefix}.{n}" for n in ("wte", "wpe", "drop")]
     tied = model.lm_head.weight is model.get_submodule(pre[0]).weight
-    if tied:  # wte and wpe both all-reduced between the two copies (see tied_attrs)
-        attrs = tied_attrs(model, {f"parts.{i}": n for i, n in enumerate(pre)})
+    if tied:  # only wte is shared; the head stage's copy of wpe is unused (as in Megatron-DeepSpeed)
+        attrs = ["parts.0.weight"]
         first = TiedLayerSpec("embed", GPT2Embed, source, prefix, tied_weight_attr=attrs)
         last = TiedLayerSpec("embed", GPT2Embed, source, prefix, forward_fn=TiedLogits(LogitTransform(config)),
                              tied_weight_attr=attrs)
@@ -60,6 +60,6 @@ def build_gpt2(source, config) -> PipelineSpec:
     layers += [LayerSpec(FinalNorm, source, [f"{prefix}.ln_f"]), last]
     hf_names = [pre] + [[b] for b in blocks] + [[f"{prefix}.ln_f"], pre if tied else ["lm_head"]]
     counts = [sum(p.numel() for n in names for p in model.get_submodule(n).parameters()) for names in hf_names]
-    return PipelineSpec(layers=layers, loss_fn=causal_lm_loss, kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
-                        config=config, task="causal-lm", tied={"embed": [0, len(layers) - 1]} if tied else {},
-                        param_counts=counts, hf_names=hf_names)
+    kinds = ["embed"] + ["block"] * len(blocks) + ["norm", "head"]
+    return PipelineSpec(layers=layers, loss_fn=causal_lm_loss, kinds=kinds, config=config, task="causal-lm",
+                        tied={"embed": [0, len(layers) - 1]} if tied else {}, param_counts=counts, hf_names=hf_names)

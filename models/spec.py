@@ -67,19 +67,3 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
         return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
     return F.cross_entropy(logits.float(), labels.reshape(-1))
 
-
-def tied_attrs(model, children: dict) -> list:
-    """Every parameter of a tied module, as dotted names inside it: {local child: HF name} -> names.
-
-    All of them, not just the shared matrix: the copy on the other stage leaves the rest unused
-    (its gradient is 0), so DeepSpeed's all-reduce over the tie group gives every copy the true
-    gradient and the copies never drift apart.
-    """
-    names = []
-    for local, hf_name in children.items():
-        try:
-            names += [f"{local}.{n}" for n, _ in model.get_submodule(hf_name).named_parameters()]
-        except AttributeError:  # a bare parameter (BERT's cls.predictions.bias)
-            model.get_parameter(hf_name)
-            names.append(local)
-    return names

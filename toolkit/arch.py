@@ -56,7 +56,8 @@ class Arch:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.heads % self.kv_heads:
-            raise ConfigError(f"architecture {self.name!r}: heads({self.heads}) is not a multiple of kv_heads({self.kv_heads})")
+            raise ConfigError(f"architecture {self.name!r}: heads({self.heads}) is not a multiple of "
+                              f"kv_heads({self.kv_heads})")
 
     @property
     def is_encoder(self) -> bool:

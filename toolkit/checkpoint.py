@@ -119,8 +119,10 @@ def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:
     state = {}
     for i, names in enumerate(hf_names):
         path = tag_dir / f"layer_{i:02d}-model_states.pt"
-        if not names:
-            continue
+        if not names or (not path.exists() and set(names.values()) <= set(state)):
+            continue  # DeepSpeed saves a tied module once, with its first layer
+        if not path.exists():
+            raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
         layer = torch.load(path, map_location="cpu", weights_only=False)
         for key, hf in names.items():
             state[hf] = layer[key]

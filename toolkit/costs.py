@@ -31,10 +31,13 @@ e = bytes per activation element:
                                                            in, fp32 normalised, out (k=3)
                + 2*qd + 2*kd                                q, k, v, attention output
                + (qd + kd if rotary)                        rotary's saved inputs
-               + m*I)                                       MLP: m tensors of N x I (MLP_SAVED)
+               + m*I)                                       MLP: m = 2 (fc and activation outputs; 5 for
+                                                           GPT-2's gelu_new, MLP_SAVED) + 2 if gated
           + c*e*B*a*T^2                                    attention="eager": c = 2 (softmax output and the
                                                            copy P@V reads) + 1 with attention dropout;
                                                            attention="sdpa" (flash / efficient): c = 0
+                                                           (on CPU, SDPA with dropout falls back to the
+                                                           math path and keeps them: use "eager")
   norm    k/2 * e*N*h (LayerNorm: input; RMSNorm: input and normalised)
   head    e*N*h (x5 BERT's transform) + 4*N*V              input, fp32 log-softmax for the loss
 These follow the tensors HF's modules save for backward (checked in tests/unit/test_costs.py with
@@ -138,7 +141,7 @@ def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
 MLP_SAVED = {"gelu_new": 5}
 
 
-def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str = "eager") -> int:
+def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str) -> int:
     """Activation bytes held per micro-batch (formulas in the module docstring); e bytes per element."""
     n, h = b * t, arch.hidden
     k = 2 if arch.norm == "layernorm" else 3
@@ -168,9 +171,10 @@ def _typename(arch: Arch, kind: str) -> str:
 
 
 def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
-                attention: str = "eager") -> list[LayerCost]:
+                attention: str = "sdpa") -> list[LayerCost]:
     """One LayerCost per pipeline layer, for micro-batches of `mbs` sequences of `seq_len` tokens.
-    attention: "eager" keeps the (B, a, T, T) probabilities for backward, "sdpa" (flash) does not."""
+    attention: "sdpa" (HF's default; flash / memory-efficient kernels) keeps no (B, a, T, T)
+    probabilities for backward, "eager" does."""
     check_shape(arch, seq_len, mbs)
     if attention not in ("eager", "sdpa"):
         raise ConfigError(f"attention {attention!r} is not 'eager' or 'sdpa'")
@@ -182,8 +186,9 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
         kind = name.split(".")[0]
         fwd = _fwd_flops(arch, kind, mbs, seq_len)
         total = fwd + 2 * mbs * seq_len * arch.hidden if kind == "embed" else 3 * fwd
-        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total,
-                               params * (p.param + p.grad + p.optim), _act_bytes(arch, kind, mbs, seq_len, p.act, attention)))
+        states = params * (p.param + p.grad + p.optim)
+        acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention)
+        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts))
     return costs
 
 

@@ -8,6 +8,8 @@ HF model shares its parameters with it, so gradients are compared parameter by p
 Batches are (B, T) with right padding in one row (pad=True) so the padding mask is exercised.
 """
 
+import contextlib
+import io
 import os
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ class ParityReport:
     grad_diff: float
     grad_name: str  # the parameter with the largest gradient difference
     params_checked: int
+    attn_implementation: str
 
     @property
     def ok(self) -> bool:
@@ -45,7 +48,7 @@ def no_dropout(config):
     return config
 
 
-def small_model(model_type: str, task=None, seed: int = 0, **overrides):
+def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=None, **overrides):
     """A HF model of `model_type` with SMALL dimensions and random weights (fp32, no dropout)."""
     import torch
     from transformers import AutoConfig
@@ -60,10 +63,11 @@ def small_model(model_type: str, task=None, seed: int = 0, **overrides):
     no_dropout(config)
     task = task or _default_task(config)
     torch.manual_seed(seed)
-    return _auto_class(task, config)._from_config(config).float().eval()
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return _auto_class(task, config)._from_config(config, **kwargs).float().eval()
 
 
-def load_model(path: str, task=None):
+def load_model(path: str, task=None, attn_implementation=None):
     """The full HF model saved at `path`, fp32, dropout off."""
     from transformers import AutoConfig
 
@@ -72,7 +76,9 @@ def load_model(path: str, task=None):
     if not os.path.isdir(path):
         raise UnusableInput(f"{path}: no such directory")
     config = no_dropout(AutoConfig.from_pretrained(path))
-    return _auto_class(task or _default_task(config), config).from_pretrained(path, config=config).float().eval()
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    cls = _auto_class(task or _default_task(config), config)
+    return cls.from_pretrained(path, config=config, **kwargs).float().eval()
 
 
 def batch(config, task, batch_size=2, seq_len=8, pad=True, seed=0):
@@ -141,14 +147,18 @@ def max_grad_diff(reference: dict, model):
     return worst, worst_name, count
 
 
-def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0) -> ParityReport:
-    """Run `model` and its single-stage PipelineModule on one batch; report the differences."""
+def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, data=None) -> ParityReport:
+    """Run `model` and its single-stage PipelineModule on one batch; report the differences.
+
+    data: (inputs, labels) to use instead of a random batch (e.g. tokenized real text).
+    """
     import models
 
     ensure_world_of_one()
     spec = models.pipeline_layers(model, task=task)
-    module = models.build_pipeline_module(spec, num_stages=1)
-    inputs, labels = batch(model.config, spec.task, seq_len=seq_len, pad=pad, seed=seed)
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its partition table
+        module = models.build_pipeline_module(spec, num_stages=1)
+    inputs, labels = data or batch(model.config, spec.task, seq_len=seq_len, pad=pad, seed=seed)
     model.zero_grad(set_to_none=True)
     loss_hf, logits_hf = hf_loss_logits(model, inputs, labels)
     loss_hf.backward()
@@ -160,11 +170,15 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0) -> 
     model.zero_grad(set_to_none=True)
     return ParityReport(model=name, task=spec.task, num_layers=spec.num_layers, loss_hf=loss_hf.item(),
                         loss_diff=(loss - loss_hf).abs().item(), logits_diff=(logits - logits_hf).abs().max().item(),
-                        grad_diff=grad_diff, grad_name=grad_name, params_checked=count)
+                        grad_diff=grad_diff, grad_name=grad_name, params_checked=count,
+                        attn_implementation=str(model.config._attn_implementation))
 
 
-def run_parity(model: str, task=None, seq_len=8, pad=True) -> ParityReport:
+def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None) -> ParityReport:
     """`dstk parity MODEL`: MODEL is a local HF directory or a transformers model_type."""
     looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)
-    hf = load_model(model, task) if looks_like_path else small_model(model, task)
+    if looks_like_path:
+        hf = load_model(model, task, attn_implementation)
+    else:
+        hf = small_model(model, task, attn_implementation=attn_implementation)
     return check_model(hf, name=model, task=task, seq_len=seq_len, pad=pad)

@@ -53,9 +53,9 @@ class PartitionReport:
 
 
 def partition_report(arch: Arch, pp: int, seq_len: int, mbs: int = 1, method: str = "compute",
-                     precision: str = "bf16", times=None) -> PartitionReport:
+                     precision: str = "bf16", times=None, attention: str = "sdpa") -> PartitionReport:
     """Split `arch` into pp stages with `method` and compare with DeepSpeed's splits."""
-    costs = layer_costs(arch, seq_len, mbs, precision)
+    costs = layer_costs(arch, seq_len, mbs, precision, attention)
     check_stages(len(costs), pp)
     memory = _stage_memory(costs, pp)
     per_stage, balanced_by = _balanced_quantity(costs, method, times, memory)

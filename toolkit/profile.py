@@ -9,6 +9,7 @@ stage time = sum of its layers' times, as in a pipeline where stages only exchan
 Imports torch: used only by `--method profile` and the benchmarks.
 """
 
+import random
 import statistics
 import time
 
@@ -49,8 +50,10 @@ def profile_layers(layers, batch, loss_fn, reps: int = 3, warmup: int = 1) -> li
     return [statistics.median(s) for s in layer_samples(layers, batch, loss_fn, reps, warmup)]
 
 
-def layer_samples(layers, batch, loss_fn, reps: int = 3, warmup: int = 1) -> list[list[float]]:
-    """Per layer, `reps` timings in seconds of its forward + backward, after `warmup` untimed rounds."""
+def layer_samples(layers, batch, loss_fn, reps: int = 3, warmup: int = 1, clock=time.perf_counter) -> list[list[float]]:
+    """Per layer, `reps` timings in seconds of its forward + backward, after `warmup` untimed rounds.
+    clock: wall time by default; with torch.set_num_threads(1) on a CPU, time.thread_time counts only
+    the CPU this thread got, which other jobs on a shared machine cannot inflate."""
     import torch
 
     inputs, labels = batch
@@ -58,9 +61,12 @@ def layer_samples(layers, batch, loss_fn, reps: int = 3, warmup: int = 1) -> lis
     layer_inputs = _layer_inputs([fn for fn, _ in built], inputs)
     samples = [[] for _ in built]
     for rep in range(warmup + reps):
-        for i, (fn, module) in enumerate(built):  # every layer each rep: noise spreads over all of them
+        order = list(range(len(built)))
+        random.Random(rep).shuffle(order)  # every layer each rep, in a new order: a slow spell of the
+        for i in order:                    # machine lands on different layers each time
+            fn, module = built[i]
             last = i == len(built) - 1
-            seconds = _time_one(fn, layer_inputs[i], loss_fn if last else None, labels, torch)
+            seconds = _time_one(fn, layer_inputs[i], loss_fn if last else None, labels, torch, clock)
             if module is not None:
                 module.zero_grad(set_to_none=True)
             if rep >= warmup:
@@ -80,13 +86,13 @@ def _layer_inputs(fns, inputs) -> list:
     return seen
 
 
-def _time_one(fn, x, loss_fn, labels, torch) -> float:
+def _time_one(fn, x, loss_fn, labels, torch, clock) -> float:
     """Seconds for one forward + backward of `fn` on `x`; floating inputs get gradients, as they
     would on a pipeline stage receiving them."""
     x = _as_leaves(x, torch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     out = fn(x)
     if loss_fn is not None:
         loss_fn(out, labels).backward()
@@ -95,7 +101,7 @@ def _time_one(fn, x, loss_fn, labels, torch) -> float:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _as_leaves(x, torch):

@@ -30,12 +30,21 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab[EOT] = len(vocab)
+    vocab = {ch: b for b, ch in _byte_chars().items()}  # id == byte value
+    vocab[EOT] = 256
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT)
+
+
+def _byte_chars() -> dict:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer emits."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return chars
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):

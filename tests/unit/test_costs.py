@@ -16,11 +16,11 @@ from toolkit.profile import build_layers, sample_batch
 B, T = 2, 128
 
 
-def _measure(name):
+def _measure(name, attention):
     """Per layer: (fwd+bwd matmul FLOPs, bytes autograd saves for backward, excluding parameters)."""
     arch = replace(BUILTINS[name], layers=1, vocab=4096)  # real widths, one block, small vocab
     config = to_hf_config(arch)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     spec = models.pipeline_layers(config)
     inputs, labels = sample_batch(spec.config, T, B)
     out, results = inputs, []
@@ -54,15 +54,16 @@ def _leaves(x):
     return x.detach().requires_grad_(True) if x.is_floating_point() else x
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-3.2-1b", "bert-base"])
-def test_flops_and_activations_match_real_layers(name):
-    arch, measured = _measure(name)
-    costs = layer_costs(arch, T, B, precision="fp32")
+@pytest.mark.parametrize("name, attention", [("gpt2", "eager"), ("llama-3.2-1b", "eager"), ("bert-base", "eager"),
+                                             ("llama-3.2-1b", "sdpa")])
+def test_flops_and_activations_match_real_layers(name, attention):
+    arch, measured = _measure(name, attention)
+    costs = layer_costs(arch, T, B, precision="fp32", attention=attention)
     for cost, (flops, saved) in zip(costs, measured):
         if cost.kind in ("block", "head"):  # matmuls dominate: elementwise terms < 1% here
             assert cost.flops == pytest.approx(flops, rel=0.02), cost.name
         if cost.kind == "block":  # the activation formula follows what HF's modules save
-            assert cost.act_bytes == pytest.approx(saved, rel=0.15), cost.name
+            assert cost.act_bytes == pytest.approx(saved, rel=0.10), cost.name
 
 
 def test_gpt2_closed_forms():

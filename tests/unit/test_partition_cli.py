@@ -50,3 +50,12 @@ def test_bad_input_exits_non_zero_without_traceback(args, code, message):
     assert result.returncode == code
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_profile_method_times_the_real_layers():
+    result = dstk("tiny-llama", "--pp", "2", "--seq-len", "32", "--method", "profile", "--reps", "1", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["balanced_by"] == "measured time"
+    assert [s["method"] for s in report["splits"]] == ["profile", "parameters", "uniform"]
+    assert report["splits"][0]["imbalance"] <= min(s["imbalance"] for s in report["splits"][1:]) + 1e-9

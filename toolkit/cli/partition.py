@@ -26,10 +26,12 @@ from toolkit.partition import METHODS
               help=f"How to balance stages: {', '.join(METHODS)}.")
 @click.option("--precision", type=click.Choice(sorted(PRECISIONS)), default="bf16", show_default=True,
               help="Bytes per parameter state and activation in the memory estimate.")
+@click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
+              help="sdpa/flash keeps no (seq x seq) attention matrix for backward; eager does.")
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repetitions per layer for --method profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
-def partition(model, pp, seq_len, mbs, method, precision, reps, as_json):
+def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_json):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, or a local HF directory) into P
     pipeline stages; compare with DeepSpeed's `parameters` and `uniform` splits."""
     from toolkit.arch import load_arch
@@ -46,5 +48,6 @@ def partition(model, pp, seq_len, mbs, method, precision, reps, as_json):
         check_stages(arch.num_pipeline_layers, pp)
         check_shape(arch, seq_len, mbs)
         times = profile_model(model, seq_len, mbs, reps=reps)
-    report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times)
+    report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
+                              attention=attention)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

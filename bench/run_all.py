@@ -1,0 +1,95 @@
+"""Run every benchmark in bench/, each as its own process, then assemble BENCHMARKS.md.
+
+    .venv/bin/python bench/run_all.py --quick                 # `make bench`: a few minutes on 2 CPU cores
+    .venv/bin/python bench/run_all.py --full                  # more repetitions, larger models
+    .venv/bin/python bench/run_all.py --quick --only plan cli_startup
+    .venv/bin/python bench/run_all.py --list
+
+A script that does not exist (yet) is skipped with a message; one that fails is reported and the others
+still run; the exit status is 1 if any failed. The GPU benchmarks print "skipped" and exit 0 without
+CUDA. Durations and exit codes go to bench/results/run_all.json (not into BENCHMARKS.md).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+AUTO = None  # flags read from the script's own argparse: --quick / --full when it declares them
+
+# name -> (script, flags in quick mode, flags in full mode). Names match the BENCHMARKS.md fragments.
+SCRIPTS = {
+    "cli_startup": ("cli_startup.py", ["--reps", "5"], ["--reps", "15"]),
+    "partition": ("partition_balance.py", [], ["--full"]),
+    "wrapper_overhead": ("wrapper_overhead.py", AUTO, AUTO),
+    "train": ("train_scaling.py", AUTO, AUTO),
+    "plan": ("plan_accuracy.py", [], []),
+    "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
+    "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only
+}
+
+
+def flags_for(script: Path, mode: str, declared: list | None) -> list[str]:
+    """The flags for `mode` ("quick"/"full"): the table's, or --quick/--full where the script declares it."""
+    if declared is not AUTO:
+        return list(declared)
+    flag = f"--{mode}"
+    return [flag] if f'"{flag}"' in script.read_text() else []
+
+
+def run_one(name: str, mode: str, timeout: float | None) -> dict:
+    """Run one script; its output streams through. Returns what run_all.json records for it."""
+    script_name, quick, full = SCRIPTS[name]
+    script = BENCH / script_name
+    if not script.exists():
+        print(f"== {name}: skipped, {script.relative_to(ROOT)} does not exist yet", flush=True)
+        return {"script": script_name, "status": "missing"}
+    cmd = [sys.executable, str(script.relative_to(ROOT))] + flags_for(script, mode, quick if mode == "quick" else full)
+    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    try:
+        code = subprocess.run(cmd, cwd=ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    seconds = time.perf_counter() - start
+    status = "ok" if code == 0 else f"failed ({code})"
+    print(f"== {name}: {status} in {seconds:.0f} s", flush=True)
+    return {"script": script_name, "command": cmd[1:], "status": status, "seconds": round(seconds, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="few repetitions, small models (the default)")
+    mode.add_argument("--full", action="store_true", help="more repetitions and larger models (much longer)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=list(SCRIPTS), help="run only these")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds allowed per script (default: 1200 in quick mode, none in full)")
+    parser.add_argument("--list", action="store_true", help="print the benchmark names and scripts, run nothing")
+    args = parser.parse_args()
+    if args.list:
+        for name, (script, *_) in SCRIPTS.items():
+            print(f"{name:18} bench/{script}{'' if (BENCH / script).exists() else '  (missing)'}")
+        return 0
+    mode_name = "full" if args.full else "quick"
+    timeout = args.timeout or (None if args.full else 1200)
+    start = time.perf_counter()
+    runs = {name: run_one(name, mode_name, timeout) for name in (args.only or SCRIPTS)}
+    subprocess.run([sys.executable, str(BENCH / "report.py")], cwd=ROOT, check=True)
+    total = time.perf_counter() - start
+    (BENCH / "results").mkdir(exist_ok=True)
+    (BENCH / "results" / "run_all.json").write_text(json.dumps(
+        {"mode": mode_name, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(total, 1), "runs": runs},
+        indent=2) + "\n")
+    print(f"\n{mode_name} run: {total:.0f} s")
+    for name, r in runs.items():
+        print(f"  {name:18} {r['status']:14} {r.get('seconds', 0):6.0f} s")
+    return 1 if any(r["status"].startswith("failed") for r in runs.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

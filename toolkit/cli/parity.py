@@ -1,0 +1,42 @@
+"""`dstk parity`: check a wrapped model computes what the HF model computes (exit 1 if not)."""
+
+import json
+
+import click
+
+
+@click.command("parity")
+@click.argument("model", metavar="MODEL")
+@click.option("--task", type=click.Choice(["causal-lm", "masked-lm", "sequence-classification"]),
+              help="Head to wrap (default: causal-lm, masked-lm for bert).")
+@click.option("--seq-len", type=int, default=8, show_default=True, metavar="T", help="Tokens per sequence.")
+@click.option("--attn", type=click.Choice(["eager", "sdpa"]), help="Attention implementation (default: HF's).")
+@click.option("--no-pad", is_flag=True, help="Do not right-pad the first sequence of the batch.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def parity(ctx, model, task, seq_len, attn, no_pad, as_json):
+    """Compare loss, logits and gradients of MODEL and its pipeline layer list.
+
+    MODEL is a local HF directory or a transformers model type (small random weights).
+
+    \b
+    dstk parity llama
+    dstk parity path/to/hf_model --seq-len 32
+    """
+    from dataclasses import asdict
+
+    from toolkit.parity import TOLERANCE, run_parity
+
+    report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attn)
+    if as_json:
+        click.echo(json.dumps({**asdict(report), "ok": report.ok, "tolerance": TOLERANCE}, indent=2))
+    else:
+        click.echo(f"{report.model} ({report.task}, {report.num_layers} pipeline layers, "
+                   f"{report.attn_implementation} attention): loss {report.loss_hf:.6f}")
+        click.echo(f"  loss   max abs diff {report.loss_diff:.3e}")
+        click.echo(f"  logits max abs diff {report.logits_diff:.3e}")
+        click.echo(f"  grads  max abs diff {report.grad_diff:.3e} over {report.params_checked} parameters"
+                   + (f" (worst: {report.grad_name})" if report.grad_name else ""))
+        click.echo(f"{'OK' if report.ok else 'FAIL'}: tolerance {TOLERANCE:g}")
+    if not report.ok:
+        ctx.exit(1)
