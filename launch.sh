@@ -56,6 +56,10 @@ fi
 [[ -n "$launcher" ]] && cmd+=(--launcher "$launcher")
 [[ -n "$node_rank" ]] && cmd+=(--no_ssh --node_rank "$node_rank")
 [[ -n "$master_addr" ]] && cmd+=(--master_addr "$master_addr")
+if [[ -z "$master_port" && -z "$node_rank" && -z "$hostfile" ]]; then
+  # one node: a free port, so two runs on one machine do not collide on DeepSpeed's default 29500
+  master_port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
 [[ -n "$master_port" ]] && cmd+=(--master_port "$master_port")
 cmd+=(--module toolkit.train --config "$config" "${train_args[@]}")
 

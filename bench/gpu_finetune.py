@@ -104,7 +104,6 @@ def build_engine(name: str, config: dict, device):
 def run_case(name: str, seq: int, mbs: int, config: dict, steps: int, warmup: int, device) -> dict:
     """Build, warm up, time `steps` optimizer steps, free. Seconds per step; peak bytes on CUDA."""
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     cuda = device.type == "cuda"
     gc.collect()
@@ -115,6 +114,23 @@ def run_case(name: str, seq: int, mbs: int, config: dict, steps: int, warmup: in
     engine = build_engine(name, config, device)
     ids = torch.randint(0, engine.module.config.vocab_size, (mbs, seq),
                         generator=torch.Generator().manual_seed(1)).to(engine.device)  # (mbs, seq)
+    times, loss = timed_steps(engine, ids, steps, warmup)
+    peak = torch.cuda.max_memory_allocated() - before if cuda else None
+    out = {"step_s": times, "loss": loss, "peak_bytes": peak, "allocated_before_bytes": before}
+    ref = weakref.ref(engine)
+    engine.destroy()  # without it autograd hooks keep the engine, and its states stay on the GPU, for good
+    del engine
+    gc.collect()
+    out["engine_freed"] = ref() is None
+    if not out["engine_freed"]:
+        print("  warning: the engine outlived destroy(); later peaks are measured above what it holds")
+    return out
+
+
+def timed_steps(engine, ids, steps: int, warmup: int) -> tuple[list[float], float]:
+    """Seconds of each optimizer step after `warmup` untimed ones (device synchronised), and the last loss."""
+    from deepspeed.accelerator import get_accelerator
+
     times = []
     for i in range(warmup + steps):
         get_accelerator().synchronize()
@@ -125,16 +141,7 @@ def run_case(name: str, seq: int, mbs: int, config: dict, steps: int, warmup: in
         get_accelerator().synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() - before if cuda else None
-    out = {"step_s": times, "loss": loss.item(), "peak_bytes": peak, "allocated_before_bytes": before}
-    ref = weakref.ref(engine)
-    engine.destroy()  # without it autograd hooks keep the engine, and its states stay on the GPU, for good
-    del engine, loss
-    gc.collect()
-    out["engine_freed"] = ref() is None
-    if not out["engine_freed"]:
-        print("  warning: the engine outlived destroy(); later peaks are measured above what it holds")
-    return out
+    return times, loss.item()
 
 
 def measure(name: str, seq: int, mbs: int, zero: int, opts, device) -> dict:
@@ -145,9 +152,9 @@ def measure(name: str, seq: int, mbs: int, zero: int, opts, device) -> dict:
         for path in PATHS if r % 2 == 0 else PATHS[::-1]:
             runs[path].append(run_case(name, seq, mbs, configs[path], opts.steps, opts.warmup, device))
             last = runs[path][-1]
-            print(f"  {name} ZeRO-{zero} {path:5} round {r + 1}: {statistics.median(last['step_s']) * 1e3:.1f} ms/step, "
-                  f"loss {last['loss']:.3f}" + (f", peak {last['peak_bytes'] / 2**30:.2f} GiB" if last["peak_bytes"]
-                                                else ""), flush=True)
+            peak = f", peak {_gib(last['peak_bytes'])} GiB" if last["peak_bytes"] else ""
+            print(f"  {name} ZeRO-{zero} {path:5} round {r + 1}: {statistics.median(last['step_s']) * 1e3:.1f} "
+                  f"ms/step, loss {last['loss']:.3f}{peak}", flush=True)
     return {"configs": configs, "runs": runs}
 
 
@@ -245,13 +252,16 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--steps", type=int, help="timed optimizer steps per case and round")
     parser.add_argument("--warmup", type=int, help="untimed steps first")
-    parser.add_argument("--gpu", metavar="PRESET", help="toolkit.gpus preset for the peak (default: from the device name)")
+    parser.add_argument("--gpu", metavar="PRESET",
+                        help="toolkit.gpus preset for the peak (default: matched from the device name)")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak, overriding the preset")
     parser.add_argument("--fused-adam", action="store_true", help="DeepSpeed's FusedAdam (JIT build) in both paths")
     parser.add_argument("--out-dir", help="where results go (default: bench/results; dry run: a temp dir)")
     opts = parser.parse_args(argv)
     rounds, warmup, steps = (1, 1, 2) if opts.dry_run else (1, 2, 5) if opts.quick else (2, 3, 10)
-    opts.rounds, opts.warmup, opts.steps = opts.rounds or rounds, opts.warmup or warmup, opts.steps or steps
+    opts.rounds = rounds if opts.rounds is None else opts.rounds
+    opts.warmup = warmup if opts.warmup is None else opts.warmup
+    opts.steps = steps if opts.steps is None else opts.steps
     opts.models = opts.models or list(DRY_MODELS if opts.dry_run else GPU_MODELS)
     return opts
 

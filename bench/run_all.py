@@ -19,26 +19,18 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-AUTO = None  # flags read from the script's own argparse: --quick / --full when it declares them
 
-# name -> (script, flags in quick mode, flags in full mode). Names match the BENCHMARKS.md fragments.
+# name -> (script, flags in quick mode, flags in full mode), read from each script's argparse. Names match
+# the BENCHMARKS.md fragments. A script's own default is its quick mode unless flags say otherwise.
 SCRIPTS = {
     "cli_startup": ("cli_startup.py", ["--reps", "5"], ["--reps", "15"]),
     "partition": ("partition_balance.py", [], ["--full"]),
-    "wrapper_overhead": ("wrapper_overhead.py", AUTO, AUTO),
-    "train": ("train_scaling.py", AUTO, AUTO),
+    "wrapper_overhead": ("wrapper_overhead.py", [], ["--full"]),
+    "train": ("train_scaling.py", ["--steps", "15", "--warmup", "3"], ["--steps", "60", "--warmup", "5"]),
     "plan": ("plan_accuracy.py", [], []),
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
     "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only
 }
-
-
-def flags_for(script: Path, mode: str, declared: list | None) -> list[str]:
-    """The flags for `mode` ("quick"/"full"): the table's, or --quick/--full where the script declares it."""
-    if declared is not AUTO:
-        return list(declared)
-    flag = f"--{mode}"
-    return [flag] if f'"{flag}"' in script.read_text() else []
 
 
 def run_one(name: str, mode: str, timeout: float | None) -> dict:
@@ -48,7 +40,7 @@ def run_one(name: str, mode: str, timeout: float | None) -> dict:
     if not script.exists():
         print(f"== {name}: skipped, {script.relative_to(ROOT)} does not exist yet", flush=True)
         return {"script": script_name, "status": "missing"}
-    cmd = [sys.executable, str(script.relative_to(ROOT))] + flags_for(script, mode, quick if mode == "quick" else full)
+    cmd = [sys.executable, str(script.relative_to(ROOT))] + (quick if mode == "quick" else full)
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     try:
@@ -66,7 +58,8 @@ def main() -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="few repetitions, small models (the default)")
     mode.add_argument("--full", action="store_true", help="more repetitions and larger models (much longer)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", choices=list(SCRIPTS), help="run only these")
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=list(SCRIPTS),
+                        help=f"run only these: {', '.join(SCRIPTS)}")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds allowed per script (default: 1200 in quick mode, none in full)")
     parser.add_argument("--list", action="store_true", help="print the benchmark names and scripts, run nothing")

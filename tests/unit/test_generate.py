@@ -84,3 +84,18 @@ def test_write_is_atomic_and_refuses_to_overwrite(tmp_path):
 def test_write_refuses_missing_directory(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         write_config({}, str(tmp_path / "nope" / "ds.json"))
+
+
+def test_partition_is_recorded_in_the_pipeline_section(tmp_path):
+    from toolkit.config.generate import record_partition
+    from toolkit.config.rules import check_rules
+
+    path = tmp_path / "ds.json"
+    write_config(build_config(GenerateOptions(world_size=4, pp=4, mbs=1, gas=8)), str(path))
+    record_partition(str(path), 4, "compute", [0, 5, 9, 14, 15])
+    cfg = json.loads(path.read_text())
+    assert cfg["pipeline"] == {"stages": 4, "partition_method": "compute", "parts": [0, 5, 9, 14, 15]}
+    assert check_rules(cfg, world_size=4) == []
+    with pytest.raises(ConfigError, match=r'"pipeline.stages" 4 but --pp is 2'):
+        record_partition(str(path), 2, "compute", [0, 9, 15])
+    assert json.loads(path.read_text()) == cfg  # nothing half-written

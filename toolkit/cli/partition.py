@@ -3,6 +3,7 @@
     dstk partition gpt2 --pp 4 --seq-len 512
     dstk partition llama-3-8b --pp 8 --seq-len 4096 --mbs 1 --json
     dstk partition path/to/hf_model --pp 4 --method profile     # times each layer here (torch)
+    dstk partition gpt2 --pp 4 --config ds.json                 # record the split for training
 
 Built-in names and local directories are read without importing torch (except --method profile).
 """
@@ -31,7 +32,9 @@ from toolkit.partition import METHODS
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repetitions per layer for --method profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
-def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_json):
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Record the split in FILE's pipeline section (stages, partition_method, parts) for every rank.")
+def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_json, config_path):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, or a local HF directory) into P
     pipeline stages; compare with DeepSpeed's `parameters` and `uniform` splits."""
     from toolkit.arch import load_arch
@@ -51,3 +54,8 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_js
     report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
                               attention=attention)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
+    if config_path:
+        from toolkit.config.generate import record_partition
+
+        record_partition(config_path, pp, method, report.splits[0].parts)
+        click.echo(f"recorded parts {report.splits[0].parts} in {config_path}", err=True)

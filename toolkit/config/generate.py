@@ -109,6 +109,27 @@ def _monitors(o: GenerateOptions) -> dict:
     return out
 
 
+def record_partition(path: str, pp: int, method: str, parts: list) -> dict:
+    """Write a partition into the `pipeline` section of an existing config (atomically), so every
+    rank builds the same stages. Refuses a config made for another stage count."""
+    from toolkit.config.loader import read_config
+    from toolkit.config.problems import has_errors
+
+    cfg, problems = read_config(path)
+    if has_errors(problems):
+        raise ConfigError(f"{path}: {'; '.join(str(p) for p in problems if p.severity == 'error')}")
+    section = cfg.setdefault("pipeline", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f'{path}: "pipeline" must be an object, got {type(section).__name__}')
+    stages = section.get("stages", pp)
+    if stages not in (pp, "auto"):
+        raise ConfigError(f'{path} has "pipeline.stages" {stages} but --pp is {pp}: the config was made for '
+                          f"another topology; use --pp {stages}, or regenerate the config with --pp {pp}")
+    section.update(stages=pp, partition_method=method, parts=list(parts))
+    write_config(cfg, path, force=True)
+    return cfg
+
+
 def dumps(cfg: dict) -> str:
     return json.dumps(cfg, indent=2) + "\n"
 
