@@ -34,6 +34,7 @@ def measure(name: str, seq: int, mbs: int, zero: int) -> int:
     ds = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
           "zero_optimization": {"stage": zero}, "steps_per_print": 10**6,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    before = torch.cuda.memory_allocated()  # what earlier cases left behind, if anything
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     torch.cuda.reset_peak_memory_stats()
     for _ in range(3):
@@ -41,8 +42,12 @@ def measure(name: str, seq: int, mbs: int, zero: int) -> int:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - before
+    engine.destroy()  # autograd hooks keep an engine alive after `del`: free it before the next case
     del engine, model
+    import gc
+
+    gc.collect()
     torch.cuda.empty_cache()
     return peak
 

@@ -26,7 +26,7 @@ SCRIPTS = {
     "cli_startup": ("cli_startup.py", ["--reps", "5"], ["--reps", "15"]),
     "partition": ("partition_balance.py", [], ["--full"]),
     "wrapper_overhead": ("wrapper_overhead.py", [], ["--full"]),
-    "train": ("train_scaling.py", ["--steps", "15", "--warmup", "3"], ["--steps", "60", "--warmup", "5"]),
+    "train": ("train_scaling.py", ["--steps", "10", "--warmup", "2"], ["--steps", "60", "--warmup", "5"]),
     "plan": ("plan_accuracy.py", [], []),
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
     "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only

@@ -67,7 +67,10 @@ def markdown(results: dict, meta: dict) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {r['processes']} | {r['tokens_per_s']:.0f} | {r['ideal_tokens_per_s']:.0f} | "
                      f"{r['bubble_predicted']:.2f} | {r['predicted_tokens_per_s']:.0f} | {r['efficiency']:.2f} |")
-    lines += ["", f"Command: `{meta['command']}`. Median of per-step tokens/s after {meta['warmup']} warm-up steps."]
+    lines += ["", f"Command: `{meta['command']}`. Median of per-step tokens/s after {meta['warmup']} warm-up steps.",
+              f"1-minute load average before/after: {meta['load_average_1min'][0]:.1f} / "
+              f"{meta['load_average_1min'][1]:.1f} (above the core count, other work shares the CPUs and "
+              "2-process layouts cannot scale)."]
     return "\n".join(lines) + "\n"
 
 
@@ -77,10 +80,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--model", default="small-gpt2")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: run_layout(name, args, Path(tmp)) for name in LAYOUTS}
     add_predictions(results)
     meta = {"model": args.model, "cpus": os.cpu_count(), "platform": platform.platform(), "warmup": args.warmup,
+            "load_average_1min": [load_before, os.getloadavg()[0]],
             "command": "python bench/train_scaling.py " + " ".join(sys.argv[1:])}
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)

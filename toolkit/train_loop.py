@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from toolkit import checkpoint, data, train_models
-from toolkit.errors import ConfigError
 
 
 @dataclass
