@@ -53,9 +53,11 @@ class ModelStates:
 
 def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf16", optimizer: str = "adam",
                       offload: str = "none", pipeline: bool = False,
-                      reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET) -> ModelStates:
+                      reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET, overlap_comm: bool = False) -> ModelStates:
     """Model-state bytes of one rank holding `num_params` parameters (its pipeline stage), in a
-    data-parallel group of `dp`. `pipeline` selects DeepSpeed's pipeline-engine optimizer choices."""
+    data-parallel group of `dp`. `pipeline` selects DeepSpeed's pipeline-engine optimizer choices.
+    `overlap_comm` (ZeRO 1/2): DeepSpeed double-buffers the reduction bucket (stage_1_and_2.py
+    setup_buckets), so two buckets are held during backward."""
     _check_states(num_params, dp, zero, precision, optimizer, offload)
     w = PARAM_BYTES[precision]
     k = OPTIMIZER_STATE_BYTES[optimizer]
@@ -73,6 +75,8 @@ def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf1
     params = (_ceil(n, dp) if zero == 3 else n) * w
     master, opt = master_n * FP32, opt_n * k
     bucket = int(reduce_bucket_size) * w if zero >= 1 else 0
+    if overlap_comm and zero in (1, 2):
+        bucket *= 2
     # The moments differ only in gradients and buffers: keep the larger one.
     step_bucket = bucket if zero == 3 else 0  # ZeRO-3 keeps its bucket; ZeRO-1/2 free it after backward
     grads, buffers = (grad_bw, bucket) if grad_bw + bucket >= grad_step + step_bucket else (grad_step, step_bucket)

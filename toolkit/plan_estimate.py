@@ -126,7 +126,8 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
     totals = []
     for s in range(lay.pp):
         states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
-                                   lay.offload, pipeline=lay.pp > 1)
+                                   lay.offload, pipeline=lay.pp > 1,
+                                   overlap_comm=lay.zero == 2)  # generate-config turns it on for ZeRO >= 2
         totals.append((states.peak + acts[s], s, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
     w = 4 if precision == "fp32" else 2

@@ -77,3 +77,11 @@ def test_activations_times_in_flight_and_checkpointing():
     assert activation_bytes(per_layer, [0, 6], pp=1, micro_batches=8) == [460]
     inputs = [1] * 6  # checkpointing keeps each layer's input per micro-batch, recomputes one layer
     assert activation_bytes(per_layer, parts, 2, 8, checkpoint_bytes=inputs) == [3 * 2 + 100, 3 * 2 + 100]
+
+
+def test_overlap_comm_double_buffers_the_zero2_bucket():
+    bucket = N  # elements: large enough that the end of backward is the peak moment
+    single = model_state_bytes(N, 4, 2, "bf16", reduce_bucket_size=bucket)
+    double = model_state_bytes(N, 4, 2, "bf16", reduce_bucket_size=bucket, overlap_comm=True)
+    assert double.buffers == 2 * single.buffers == 2 * bucket * 2
+    assert double.peak - single.peak == bucket * 2
