@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start `toolkit.train` on every rank through DeepSpeed's launcher.
 #
-#   ./launch.sh --num-gpus 2 --config ds_configs/pp2.json -- --model tiny-gpt2 --data toolkit/corpus/corpus.txt
+#   ./launch.sh --num-gpus 2 --config ds_configs/cpu_pp2.json -- --model tiny-gpt2 --data toolkit/corpus/corpus.txt
 #   ./launch.sh --hostfile hosts --launcher pdsh --config ds.json -- --model DIR --data train.jsonl
 #   # no ssh (one launcher per node, e.g. inside a cluster job), node 0 and node 1:
 #   ./launch.sh --num-nodes 2 --num-gpus 4 --node-rank 0 --master-addr 10.0.0.1 --config ds.json -- ...

@@ -60,7 +60,7 @@ def add_predictions(results: dict) -> None:
 
 
 def markdown(results: dict, meta: dict) -> str:
-    lines = [f"# dstk train: tokens/s by layout ({meta['model']}, seq 128, gbs 16, {meta['cpus']} CPUs, "
+    lines = [f"## dstk train: tokens/s by layout ({meta['model']}, seq 128, gbs 16, {meta['cpus']} CPUs, "
              "one thread per process)", "",
              "| layout | procs | tokens/s | ideal | 1F1B bubble (p-1)/(m+p-1) | predicted | measured / ideal |",
              "|---|---|---|---|---|---|---|"]
@@ -69,8 +69,9 @@ def markdown(results: dict, meta: dict) -> str:
                      f"{r['bubble_predicted']:.2f} | {r['predicted_tokens_per_s']:.0f} | {r['efficiency']:.2f} |")
     lines += ["", f"Command: `{meta['command']}`. Median of per-step tokens/s after {meta['warmup']} warm-up steps.",
               f"1-minute load average before/after: {meta['load_average_1min'][0]:.1f} / "
-              f"{meta['load_average_1min'][1]:.1f} (above the core count, other work shares the CPUs and "
-              "2-process layouts cannot scale)."]
+              f"{meta['load_average_1min'][1]:.1f} on {meta['cpus']} CPUs (a load above the CPU count means other work "
+              "shared the machine and the 2-process layouts could not scale).",
+              "pp=2 falls short of its 1F1B prediction; presumably the p2p sends and the tied-embedding all-reduce (not measured apart)."]
     return "\n".join(lines) + "\n"
 
 

@@ -91,7 +91,7 @@ def _args(tmp_path, zero, **kw):
                                  seq_len=32, steps=4, save_every=2, progress=False, eval_batches=1), **kw))
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_pp1_run_checkpoints_and_its_export_reloads_with_the_engines_eval_loss(ds_world1, tmp_path, zero):
     import torch
     from transformers import AutoModelForCausalLM
