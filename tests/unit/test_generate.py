@@ -99,3 +99,8 @@ def test_partition_is_recorded_in_the_pipeline_section(tmp_path):
     with pytest.raises(ConfigError, match=r'"pipeline.stages" 4 but --pp is 2'):
         record_partition(str(path), 2, "compute", [0, 9, 15])
     assert json.loads(path.read_text()) == cfg  # nothing half-written
+
+
+def test_clipping_off_is_written_explicitly():
+    # DeepSpeed clips at norm 1.0 when "gradient_clipping" is absent (runtime/constants.py)
+    assert build_config(GenerateOptions(world_size=1, gradient_clipping=0.0))["gradient_clipping"] == 0.0

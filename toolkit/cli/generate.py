@@ -50,7 +50,7 @@ def _choice(values):
 @click.option("--warmup-steps", type=int, default=0, show_default=True, help="Warm-up steps (OneCycle: steps of the rising half).")
 @click.option("--total-steps", type=int, help="Total training steps (WarmupDecayLR, WarmupCosineLR).")
 @click.option("--warmup-min-lr", type=float, default=0.0, show_default=True, help="Learning rate at step 0 (OneCycle: the cycle's minimum).")
-@click.option("--grad-clip", "gradient_clipping", type=float, default=1.0, show_default=True, help=describe("gradient_clipping") + " 0 turns it off.")
+@click.option("--grad-clip", "gradient_clipping", type=float, default=1.0, show_default=True, help=describe("gradient_clipping") + " Always written: DeepSpeed clips at 1.0 when the key is absent.")
 @click.option("--offload-optimizer", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help=describe("zero_optimization.offload_optimizer.device"))
 @click.option("--offload-param", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help=describe("zero_optimization.offload_param.device"))
 @click.option("--nvme-path", metavar="DIR", help=describe("zero_optimization.offload_param.nvme_path"))
@@ -75,7 +75,6 @@ def generate_config(output, force, bf16, fp16, **kwargs):
     kwargs["optimizer"] = _canonical(kwargs["optimizer"], opts.OPTIMIZERS)
     kwargs["scheduler"] = _canonical(kwargs["scheduler"], opts.SCHEDULERS)
     kwargs["monitors"] = tuple(m.lower() for m in kwargs["monitors"])
-    kwargs["gradient_clipping"] = kwargs["gradient_clipping"] or None
     cfg = build_config(opts.GenerateOptions(**kwargs))
     if output:
         write_config(cfg, output, force=force)

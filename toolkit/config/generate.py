@@ -25,7 +25,7 @@ def build_config(o: GenerateOptions) -> dict:
         "steps_per_print": o.steps_per_print,
         "wall_clock_breakdown": False,
     }
-    if o.gradient_clipping:
+    if o.gradient_clipping is not None:  # always explicit: DeepSpeed's own default clips at 1.0
         cfg["gradient_clipping"] = auto(o.gradient_clipping)
     cfg.update(_precision(o))
     cfg["zero_optimization"] = _zero(o)
