@@ -6,7 +6,6 @@ Alternates the commands round by round and prints medians and the ratio of each 
 """
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path

@@ -73,7 +73,7 @@ def write_markdown(name: str, title: str, lines: list[str]) -> Path:
     info = machine()
     header = [f"## {title}", "", f"Command: `{' '.join([Path(sys.executable).name] + sys.argv)}`  ",
               f"Machine: {info['processor']}, {info['cpus']} CPUs, Python {info['python']}, "
-              + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + f"  ",
+              + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "  ",
               f"Measured: {time.strftime('%Y-%m-%d %H:%M')}", ""]
     path = RESULTS / f"{name}.md"
     path.write_text("\n".join(header + lines) + "\n")

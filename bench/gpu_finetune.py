@@ -211,7 +211,7 @@ def plan_gpu_lines(gpu_name: str) -> list[str]:
     path = common.RESULTS / "plan_gpu.json"
     if not path.exists() or json.loads(path.read_text()).get("gpu") != gpu_name:
         return []
-    lines = ["", f"Planner peak memory, `bench/plan_gpu.py` on the same GPU (target: within 15%):", "",
+    lines = ["", "Planner peak memory, `bench/plan_gpu.py` on the same GPU (target: within 15%):", "",
              "| model | seq x mbs | ZeRO | measured (GiB) | predicted (GiB) | error |", "|---|---|---:|---:|---:|---:|"]
     for c in json.loads(path.read_text())["cases"]:
         lines.append(f"| {c['model']} | {c['seq_len']} x {c['mbs']} | {c['zero']} | {_gib(c['measured_bytes'])} | "

@@ -34,3 +34,21 @@ def ds_world1():
                            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     return dist
+
+
+HEAVY = ("torch", "deepspeed", "transformers")
+
+
+def run_cli_fresh(argv: list) -> tuple:
+    """Run `dstk ARGV` in a fresh interpreter; (completed process, heavy packages it imported)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from toolkit.cli import main\n"
+            f"try: main({list(argv)!r})\nexcept SystemExit as e: code = e.code\n"
+            f"print('HEAVY', *sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    heavy_line = [line for line in result.stderr.splitlines() if line.startswith("HEAVY")]
+    if not heavy_line:
+        raise AssertionError(f"dstk {argv} did not finish:\n{result.stderr[-2000:]}")
+    return result, heavy_line[-1].split()[1:]

@@ -47,13 +47,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int) -> Job:
     sampler = data.ShardedBatches(train_set, mbs, gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = Path(args.out) / "checkpoints"
     start = _resume_step(ckpt_dir, config) if args.resume else 0
-    model = train_models.build_model(args.model, config, args.task, args.seed)
-    if topo.pp > 1:
-        from toolkit.train_pipe import pipeline_module
-
-        model, layout = pipeline_module(model, args.task, topo, cfg)
-    else:
-        layout = {"pp": 1}
+    model, layout = _model(args, config, topo, cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                      if p.requires_grad], config=cfg)
     if dist.get_rank() == 0 and start == 0:
@@ -63,6 +57,21 @@ def prepare(args, cfg: dict, topo, dp_rank: int) -> Job:
     steps = args.steps or sampler.steps_per_epoch
     return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, mbs * gas * topo.dp * args.seq_len,
                topo.dp, dp_rank, ckpt_dir)
+
+
+def _model(args, config, topo, cfg: dict):
+    """(model for deepspeed.initialize, layout). pp > 1 with a local directory: no rank builds the
+    whole model; each stage reads its own layers' tensors (toolkit.train_pipe)."""
+    if topo.pp == 1:
+        return train_models.build_model(args.model, config, args.task, args.seed), {"pp": 1}
+    from toolkit.train_pipe import pipeline_module
+
+    if Path(args.model).is_dir():
+        torch.manual_seed(args.seed)  # heads the directory lacks: the same init on every dp replica
+        source = args.model
+    else:  # built-in: tiny, random from the seed, identical on every rank and layout
+        source = train_models.build_model(args.model, config, args.task, args.seed)
+    return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config)
 
 
 def _batch_sizes(cfg: dict, dp: int) -> tuple[int, int]:
@@ -142,10 +151,20 @@ def loop(args, job: Job, is_logger: bool) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies without cleaning up
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss(job, args),
-               "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start}
+               "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
+               "params_per_rank": _params_per_rank(job.engine)}
     if log:
         log.close(summary)
     return summary
+
+
+def _params_per_rank(engine) -> list:
+    """Per global rank, the parameter elements its module holds in memory (a pipeline stage: its
+    own layers only; ZeRO-3: its shard is not counted, the placeholders hold 0)."""
+    held = sum(p.numel() for p in engine.module.parameters())
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, held)
+    return counts
 
 
 class _Log:

@@ -201,10 +201,15 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=5e-5), tmp_path / "run", 2, "--steps", 6,
                      model_args=args)
     assert rc == 0, log[-3000:]
+    # no rank ran from_pretrained on the directory (it would print HF's load report: no classifier
+    # in all-MiniLM), and each stage's module holds only its own layers: 2 disjoint parts of the model
+    assert "LOAD REPORT" not in log, log[-3000:]
     got = losses(tmp_path / "run")
     assert got[6] < got[1]
     hf = tmp_path / "run" / "hf"
     model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    total, held = sum(p.numel() for p in model.parameters()), summary(tmp_path / "run")["params_per_rank"]
+    assert len(held) == 2 and sum(held) == total and min(held) > 0, (held, total)
     tok = AutoTokenizer.from_pretrained(hf)
     _, held = data.split(data.tokenize(data.read_records(data_file), tok, 16, "classification"), 0.125, 1234)
     batches = list(data.eval_micro_batches(held, mbs=4, dp=1, dp_rank=0, count=2))

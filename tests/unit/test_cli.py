@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.conftest import run_cli_fresh
+
 DSTK = [sys.executable, "-m", "toolkit.cli"]
 
 
@@ -21,24 +23,17 @@ def test_help_lists_commands():
 
 
 @pytest.mark.parametrize("args", [["--help"], ["generate-config", "--world-size", "2"], ["validate", "--help"],
-                                  ["generate-config", "--help"]])
+                                  ["generate-config", "--help"], ["schema"]])
 def test_fast_commands_import_no_heavy_package(args):
-    code = ("import sys; from toolkit.cli import main\n"
-            "try: main(%r)\nexcept SystemExit: pass\n"
-            "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
-            "print('HEAVY', heavy, file=sys.stderr)" % (args,))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "HEAVY []" in result.stderr, result.stderr[-2000:]
+    result, heavy = run_cli_fresh(args)
+    assert heavy == [], result.stderr[-2000:]
 
 
 def test_validate_imports_no_heavy_package(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8}))
-    code = ("import sys; from toolkit.cli import main\n"
-            f"try: main(['validate', {str(path)!r}])\nexcept SystemExit: pass\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules), file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "HEAVY []" in result.stderr, result.stderr[-2000:]
+    result, heavy = run_cli_fresh(["validate", str(path)])
+    assert heavy == [] and "valid" in result.stdout, result.stderr[-2000:]
 
 
 def test_generate_then_validate_round_trip(tmp_path):

@@ -22,12 +22,10 @@ def test_table_compares_with_deepspeed():
 
 
 def test_json_report_and_no_heavy_imports():
-    code = ("import sys; from toolkit.cli import main\n"
-            "try: main(['partition', 'llama-3.2-1b', '--pp', '4', '--seq-len', '2048', '--json'])\n"
-            "except SystemExit as e: assert e.code == 0, e.code\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules), file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "HEAVY []" in result.stderr, result.stderr[-2000:]
+    from tests.conftest import run_cli_fresh
+
+    result, heavy = run_cli_fresh(['partition', 'llama-3.2-1b', '--pp', '4', '--seq-len', '2048', '--json'])
+    assert heavy == [], result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["num_layers"] == 16 + 3 and report["params"] == 1_235_814_400
     assert [s["method"] for s in report["splits"]] == ["compute", "parameters", "uniform"]

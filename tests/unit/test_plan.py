@@ -1,8 +1,6 @@
 """toolkit.plan and `dstk plan`: every layout is legal, the ranking is sane, bad input is refused."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -105,12 +103,10 @@ def test_sizes_and_presets():
 
 
 def test_plan_for_a_builtin_imports_no_heavy_package():
-    code = ("import sys; from toolkit.cli import main\n"
-            "try: main(['plan', '--model', 'gpt2', '--gpu', 'l4', '--gbs', '8', '--gpus-per-node', '2'])\n"
-            "except SystemExit: pass\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules), file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "HEAVY []" in result.stderr and "#1 pp=" in result.stdout, result.stderr[-2000:]
+    from tests.conftest import run_cli_fresh
+
+    result, heavy = run_cli_fresh(['plan', '--model', 'gpt2', '--gpu', 'l4', '--gbs', '8', '--gpus-per-node', '2'])
+    assert heavy == [] and "#1 pp=" in result.stdout, result.stderr[-2000:]
 
 
 def run(capsys, *args):

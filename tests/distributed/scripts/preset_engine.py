@@ -7,7 +7,6 @@ otherwise a plain module under deepspeed.initialize. Rank 0 (or the last stage) 
 """
 
 import json
-import os
 import sys
 
 import deepspeed
