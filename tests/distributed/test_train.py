@@ -208,8 +208,8 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     assert got[6] < got[1]
     hf = tmp_path / "run" / "hf"
     model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
-    total, held = sum(p.numel() for p in model.parameters()), summary(tmp_path / "run")["params_per_rank"]
-    assert len(held) == 2 and sum(held) == total and min(held) > 0, (held, total)
+    total, per_rank = sum(p.numel() for p in model.parameters()), summary(tmp_path / "run")["params_per_rank"]
+    assert len(per_rank) == 2 and sum(per_rank) == total and min(per_rank) > 0, (per_rank, total)
     tok = AutoTokenizer.from_pretrained(hf)
     _, held = data.split(data.tokenize(data.read_records(data_file), tok, 16, "classification"), 0.125, 1234)
     batches = list(data.eval_micro_batches(held, mbs=4, dp=1, dp_rank=0, count=2))
