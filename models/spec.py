@@ -50,10 +50,11 @@ class PipelineSpec:
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy of token t+1 given tokens <= t; labels -100 are ignored."""
-    shift_logits = logits[:, :-1, :].float()  # (B, T-1, V)
-    shift_labels = labels[:, 1:]  # (B, T-1)
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
-                           shift_labels.reshape(-1).to(shift_logits.device), ignore_index=-100)
+    # Shift the labels, not the logits (as HF does): slicing (B, T, V) logits would copy them.
+    shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]  # (B, T): position t predicts token t+1
+    logits = logits.float()  # a no-op in fp32
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), shift_labels.reshape(-1).to(logits.device),
+                           ignore_index=-100)
 
 
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
