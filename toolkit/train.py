@@ -101,6 +101,10 @@ def run(args: TrainArgs) -> dict:
         summary["export"] = str(out)
     dist.barrier()
     summary["rank0"] = dist.get_rank() == 0
+    # Tear down explicitly: left to interpreter exit, gloo's threads can abort a rank
+    # ("terminate called without an active exception", exit -6) after a successful run.
+    job.engine.destroy()
+    dist.destroy_process_group()
     return summary
 
 
