@@ -101,11 +101,19 @@ def run(args: TrainArgs) -> dict:
         summary["export"] = str(out)
     dist.barrier()
     summary["rank0"] = dist.get_rank() == 0
-    # Tear down explicitly: left to interpreter exit, gloo's threads can abort a rank
-    # ("terminate called without an active exception", exit -6) after a successful run.
-    job.engine.destroy()
-    dist.destroy_process_group()
+    job.engine.destroy()  # autograd hooks keep an engine (and its buffers) alive otherwise
     return summary
+
+
+def shutdown() -> None:
+    """End of a training process: tear the process group down explicitly. Left to interpreter exit,
+    gloo's threads can abort a rank after a successful run ("terminate called without an active
+    exception", exit -6). Only the process entry calls this: an in-process caller keeps its group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main():

@@ -32,8 +32,9 @@ import click
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def train(local_rank, **options):
     """Train a HF model (run on every rank by the launcher)."""
-    from toolkit.train import TrainArgs, run
+    from toolkit.train import TrainArgs, run, shutdown
 
     summary = run(TrainArgs(**options))
     if summary.get("rank0"):
         click.echo("summary: " + json.dumps({k: v for k, v in summary.items() if k != "rank0"}))
+    shutdown()
