@@ -52,9 +52,11 @@ def report(out: Path) -> None:
     summary = [r["summary"] for r in records if "summary" in r][-1]
     click.echo("\nstep   loss    eval    tokens/s")
     for r in steps:
-        if r is steps[0] or r is steps[-1] or "eval_loss" in r:
-            click.echo(f"{r['step']:>4}  {r['loss']:6.3f}  {r.get('eval_loss', float('nan')):6.3f}  "
-                       f"{r['tokens_per_s']:8.0f}")
+        if r is steps[-1]:  # the final eval runs after the last step: it is in the summary
+            r = dict(r, eval_loss=summary["eval_loss"])
+        if r is steps[0] or "eval_loss" in r:
+            evaluated = f"{r['eval_loss']:6.3f}" if "eval_loss" in r else "     -"
+            click.echo(f"{r['step']:>4}  {r['loss']:6.3f}  {evaluated}  {r['tokens_per_s']:8.0f}")
     click.echo(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, eval {summary['eval_loss']:.3f}, "
                f"{summary['tokens_per_s']:.0f} tokens/s, {summary['seconds']:.0f} s")
     click.echo(f"exported HF model: {out / 'hf'}")
