@@ -52,3 +52,12 @@ def run_cli_fresh(argv: list) -> tuple:
     if not heavy_line:
         raise AssertionError(f"dstk {argv} did not finish:\n{result.stderr[-2000:]}")
     return result, heavy_line[-1].split()[1:]
+
+
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra) -> dict:
+    """os.environ for a child process that starts its own process group: without the variables this
+    process's world of one (ds_world1, or toolkit.train run in-process) set, whose port it still holds."""
+    return {**{k: v for k, v in os.environ.items() if k not in DIST_ENV}, **extra}

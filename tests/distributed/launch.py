@@ -1,6 +1,5 @@
 """Run a script under the real `deepspeed` launcher with CPU processes on gloo."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +9,9 @@ VENV_BIN = Path(sys.executable).parent
 
 def run_deepspeed(script, *args, num_procs=2, timeout=600, env=None, cwd=None):
     """`deepspeed --num_gpus N script args...` (on CPU, --num_gpus is the process count)."""
-    from tests.conftest import free_port
+    from tests.conftest import child_env, free_port
 
-    full_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    full_env = child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(num_procs), "--master_port", str(free_port()),
            str(script), *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)

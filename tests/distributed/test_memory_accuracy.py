@@ -36,7 +36,9 @@ def _launch(out_dir: Path) -> dict:
     from tests.conftest import free_port
 
     launcher = Path(sys.executable).with_name("deepspeed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).parents[2])}
+    from tests.conftest import child_env
+
+    env = child_env(DS_ACCELERATOR="cpu", PYTHONPATH=str(Path(__file__).parents[2]))
     cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), __file__, str(out_dir)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode:

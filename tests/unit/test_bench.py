@@ -100,7 +100,9 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     """The GPU script's whole code path on CPU (one tiny model, ZeRO-2, both paths, 1 step each); about 15 s."""
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_finetune.py"), "--dry-run", "--models", "tiny-llama",
            "--zero", "2", "--warmup", "0", "--steps", "1", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    from tests.conftest import child_env
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu.json").read_text())
     (case,) = result["cases"]
