@@ -6,7 +6,7 @@ are "auto" (filled by the HF Trainer) or of the wrong type are skipped here: the
 
 from dataclasses import dataclass
 
-from toolkit.config.problems import ERROR, NOTE, Problem
+from toolkit.config.problems import NOTE, Problem
 from toolkit.topology import divisors
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -141,4 +141,4 @@ def _parts(cfg: dict, ctx: Context) -> list[Problem]:
     return []
 
 
-__all__ = ["check_rules", "Context", "ERROR", "NOTE"]
+__all__ = ["check_rules", "Context"]
