@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m toolkit.demo
+	$(BIN)/python -m toolkit.train.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -15,11 +15,11 @@ first use). Rounds alternate the order (dstk, plain, plain, dstk, ...); each cas
 runs warm-up steps, times the rest, records torch.cuda.max_memory_allocated above what was allocated
 before it was built, and frees it.
 
-MFU = tokens/s * (6N + 12 L s h_attn) / the GPU's dense bf16 peak (toolkit.gpus, matched from
+MFU = tokens/s * (6N + 12 L s h_attn) / the GPU's dense bf16 peak (toolkit.plan.gpus, matched from
 torch.cuda.get_device_name(); --gpu to choose). N: parameters that take part in matmuls (all but a
 learned position table; a tied embedding counted once, as the LM head); 12 L s h_attn: attention
 scores and weighted sum, forward and backward, without the causal saving (PaLM's convention).
-Predicted peak: bench/plan_gpu.predict (toolkit.plan's estimate for the layout). Writes
+Predicted peak: bench/plan_gpu.predict (toolkit.plan.planner's estimate for the layout). Writes
 bench/results/gpu.json and gpu.md (--dry-run: into a temporary directory, never over real figures).
 """
 
@@ -42,7 +42,7 @@ GPU_MODELS = {"gpt2": (1024, 8), "llama-3.2-1b": (2048, 4)}  # name -> (seq_len,
 DRY_MODELS = {"tiny-gpt2": (64, 2), "tiny-llama": (64, 2)}
 PATHS = ("dstk", "plain")
 LR = 1e-4
-# torch.cuda.get_device_name() (lower case) -> toolkit.gpus preset; the first match wins. None: a card
+# torch.cuda.get_device_name() (lower case) -> toolkit.plan.gpus preset; the first match wins. None: a card
 # with no preset (H100 NVL: 835 dense bf16 TFLOPs, not the SXM's 989); give --gpu or --peak-tflops.
 DEVICE_NAMES = [(r"h200", "h200"), (r"h100.*nvl", None), (r"h100.*pcie", "h100-pcie"), (r"h100", "h100-sxm"),
                 (r"a100.*pcie.*80|a100.*80.*pcie", "a100-pcie-80gb"), (r"a100.*40", "a100-40gb"),
@@ -51,7 +51,7 @@ DEVICE_NAMES = [(r"h200", "h200"), (r"h100.*nvl", None), (r"h100.*pcie", "h100-p
 
 
 def match_gpu(device_name: str) -> str | None:
-    """The toolkit.gpus preset for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm"), or None."""
+    """The toolkit.plan.gpus preset for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm"), or None."""
     for pattern, preset in DEVICE_NAMES:
         if re.search(pattern, device_name.lower()):
             return preset
@@ -60,7 +60,7 @@ def match_gpu(device_name: str) -> str | None:
 
 def flops_per_token(name: str, seq_len: int) -> float:
     """Training FLOPs per token: 6N (forward 2N, backward 4N) + 12 L s h_attn (attention, non-causal count)."""
-    from toolkit.arch import load_arch
+    from toolkit.plan.arch import load_arch
 
     arch = load_arch(name)
     matmul_params = arch.num_params() - (arch.max_positions * arch.hidden if arch.learned_positions else 0)
@@ -90,13 +90,13 @@ def build_engine(name: str, config: dict, device):
     import torch
     import transformers
 
-    from toolkit.arch import load_arch, to_hf_config
+    from toolkit.plan.arch import load_arch, to_hf_config
 
     torch.manual_seed(0)
     with torch.device(device):  # initialised in place: no 5 GB trip through host memory for the 1B model
         model = transformers.AutoModelForCausalLM.from_config(to_hf_config(load_arch(name)), dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
-    params = [p for p in model.parameters() if p.requires_grad]  # as toolkit.train_loop.prepare passes them
+    params = [p for p in model.parameters() if p.requires_grad]  # as toolkit.train.loop.prepare passes them
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
 
@@ -192,7 +192,7 @@ def markdown(meta: dict, cases: list) -> list[str]:
     lines += ["", "dstk / plain tokens/s: " + ", ".join(f"{c['model']} ZeRO-{c['zero']} {c['dstk_over_plain']:.3f}"
                                                       for c in cases),
               "", "MFU counts 6N + 12 L s h_attn FLOPs per token (see bench/gpu_finetune.py). Peak: "
-              "`torch.cuda.max_memory_allocated` over build and steps; planner: `toolkit.plan.estimate_layout`."]
+              "`torch.cuda.max_memory_allocated` over build and steps; planner: `toolkit.plan.planner.estimate_layout`."]
     return lines + plan_gpu_lines(meta["gpu"])
 
 
@@ -220,18 +220,18 @@ def plan_gpu_lines(gpu_name: str) -> list[str]:
 
 
 def setup(opts):
-    """(device, device name, toolkit.gpus preset, peak bf16 TFLOPs) with a world of one up; None without CUDA."""
+    """(device, device name, toolkit.plan.gpus preset, peak bf16 TFLOPs) with a world of one up; None without CUDA."""
     if opts.dry_run:  # the CPU path even where a GPU exists
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
 
-    from toolkit.gpus import get_gpu
-    from toolkit.train import init_distributed
+    from toolkit import dist
+    from toolkit.plan.gpus import get_gpu
 
     if not torch.cuda.is_available() and not opts.dry_run:
         return None
-    init_distributed()  # nccl on CUDA, gloo on CPU; no JIT-built comm op
+    dist.init()  # nccl on CUDA, gloo on CPU; no JIT-built comm op
     if opts.dry_run:
         device, name, preset = torch.device("cpu"), "CPU (dry run)", opts.gpu or "h100-sxm"
     else:
@@ -253,7 +253,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, help="timed optimizer steps per case and round")
     parser.add_argument("--warmup", type=int, help="untimed steps first")
     parser.add_argument("--gpu", metavar="PRESET",
-                        help="toolkit.gpus preset for the peak (default: matched from the device name)")
+                        help="toolkit.plan.gpus preset for the peak (default: matched from the device name)")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak, overriding the preset")
     parser.add_argument("--fused-adam", action="store_true", help="DeepSpeed's FusedAdam (JIT build) in both paths")
     parser.add_argument("--out-dir", help="where results go (default: bench/results; dry run: a temp dir)")

@@ -1,4 +1,4 @@
-"""Planner accuracy on CPU: model-state bytes per rank that toolkit.memory predicts vs what real DeepSpeed
+"""Planner accuracy on CPU: model-state bytes per rank that toolkit.plan.memory predicts vs what real DeepSpeed
 engines hold, for ZeRO 0/1/2/3 at pp 1 (dp 2) and ZeRO 0/1 at pp 2 (dp 1).
 
     .venv/bin/python bench/plan_accuracy.py        # one 2-process deepspeed launch, about a minute
@@ -23,9 +23,9 @@ MiB = 2**20
 
 
 def predicted(zero: int, pp: int):
-    """toolkit.memory's ModelStates for one rank of the test's model: its stage is LAYERS / pp layers."""
+    """toolkit.plan.memory's ModelStates for one rank of the test's model: its stage is LAYERS / pp layers."""
     from tests.distributed.test_memory_accuracy import BUCKET, HIDDEN, LAYERS
-    from toolkit.memory import model_state_bytes
+    from toolkit.plan.memory import model_state_bytes
 
     stage_params = (LAYERS // pp) * (HIDDEN * HIDDEN + HIDDEN)  # uniform split, weight + bias per layer
     return stage_params, model_state_bytes(stage_params, dp=2 // pp, zero=zero, precision="fp32", optimizer="adam",
@@ -62,7 +62,7 @@ def markdown(rows: list[dict]) -> list[str]:
               "of 8 x Linear(512, 512) in fp32 with torch's AdamW on 2 CPU processes (gloo), "
               "`reduce_bucket_size` 100k. Measured: distinct tensor storages a real engine holds at the larger of "
               "two moments of the second step (see tests/distributed/test_memory_accuracy.py). "
-              f"Predicted: `toolkit.memory.model_state_bytes(...).peak`. Worst error {worst:.1%} (target: within 5%)."]
+              f"Predicted: `toolkit.plan.memory.model_state_bytes(...).peak`. Worst error {worst:.1%} (target: within 5%)."]
     return lines
 
 

@@ -5,13 +5,12 @@ steps on one CUDA GPU (issue 5: within 15%). Skips, exit 0, without CUDA.
 
 Each case: the HF model (random weights, bf16, sdpa attention) under deepspeed.initialize, world of 1
 (dp = pp = 1), ZeRO-0 or 1, torch's AdamW ("torch_adam": no JIT build), 3 steps of random tokens; the
-estimate is toolkit.plan.estimate_layout for the same layout (model states + activations; the
+estimate is toolkit.plan.planner.estimate_layout for the same layout (model states + activations; the
 reserve for the CUDA context is not part of it).
 """
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ def measure(name: str, seq: int, mbs: int, zero: int) -> int:
     import torch
     import transformers
 
-    from toolkit.arch import load_arch, to_hf_config
+    from toolkit.plan.arch import load_arch, to_hf_config
 
     config = to_hf_config(load_arch(name))
     config._attn_implementation = "sdpa"
@@ -53,8 +52,8 @@ def measure(name: str, seq: int, mbs: int, zero: int) -> int:
 
 
 def predict(name: str, seq: int, mbs: int, zero: int, gpu: str) -> int:
-    from toolkit.plan import PlanRequest, estimate_layout
-    from toolkit.plan_estimate import Layout
+    from toolkit.plan.planner import PlanRequest, estimate_layout
+    from toolkit.plan.estimate import Layout
 
     req = PlanRequest(model=name, gbs=mbs, gpus_per_node=1, gpu=gpu, seq_len=seq, precision="bf16")
     return estimate_layout(req, Layout(pp=1, dp=1, zero=zero, mbs=mbs, gas=1)).memory
@@ -70,11 +69,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("plan_gpu: skipped, no CUDA device")
         return 0
-    import deepspeed
+    from toolkit import dist
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"})
-    deepspeed.init_distributed()
+    dist.init()  # a world of one on a free port (nccl on CUDA)
     rows = []
     for name, seq, mbs, zero in CASES:
         measured, predicted = measure(name, seq, mbs, zero), predict(name, seq, mbs, zero, opts.gpu)

@@ -23,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.partition_balance import LLAMA_STYLE, machine  # noqa: E402
-from toolkit.arch import build_hf_model, load_arch  # noqa: E402
+from toolkit.plan.arch import build_hf_model, load_arch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -41,8 +41,8 @@ def measure(arch, seq_len, mbs, pairs, clock):
     import torch
 
     import models
-    from toolkit.parity import ensure_world_of_one
-    from toolkit.profile import sample_batch
+    from toolkit.train.parity import ensure_world_of_one
+    from toolkit.plan.profile import sample_batch
 
     ensure_world_of_one()
     torch.manual_seed(0)

@@ -6,9 +6,10 @@ from models.source import DirSource, LiveSource
 from models.spec import PipelineSpec
 from toolkit.errors import ConfigError, UnusableInput
 
-TASKS = ("causal-lm", "masked-lm", "sequence-classification")
-_AUTO = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
-         "sequence-classification": "AutoModelForSequenceClassification"}
+# The one task -> transformers Auto class map (training, export, parity and the wrappers read it).
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+                "sequence-classification": "AutoModelForSequenceClassification"}
+TASKS = tuple(AUTO_CLASSES)
 
 
 def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None) -> PipelineSpec:
@@ -56,8 +57,8 @@ def _resolve(obj, task):
     if isinstance(obj, (str, os.PathLike)):
         return _resolve_dir(os.fspath(obj), task)
     if hasattr(obj, "model_type"):  # a PretrainedConfig: random weights
-        task = task or _default_task(obj)
-        return LiveSource(_auto_class(task, obj)._from_config(obj)), obj, task
+        task = task or default_task(obj)
+        return LiveSource(auto_class(task, obj)._from_config(obj)), obj, task
     raise ConfigError(f"cannot wrap a {type(obj).__name__}: pass a HF model, a local HF directory or a config")
 
 
@@ -70,20 +71,24 @@ def _resolve_dir(path, task):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UnusableInput(f"{path}: no config.json in this directory: not a HF model directory")
     config = AutoConfig.from_pretrained(path)
-    task = task or _default_task(config)
-    return DirSource(path, _auto_class(task, config), config), config, task
+    task = task or default_task(config)
+    return DirSource(path, auto_class(task, config), config), config, task
 
 
-def _auto_class(task, config):
+def auto_class(task, config=None):
+    """The transformers Auto class for `task` (AutoModelForCausalLM, ...); with a config, the concrete
+    model class for it (LlamaForCausalLM, ...), refused clearly when transformers has none."""
     import transformers
 
-    if task not in _AUTO:
+    if task not in AUTO_CLASSES:
         raise ConfigError(f"task {task!r} unknown: use one of {', '.join(TASKS)}")
-    auto = getattr(transformers, _AUTO[task])
+    auto = getattr(transformers, AUTO_CLASSES[task])
+    if config is None:
+        return auto
     try:
         return auto._model_mapping[type(config)]
     except KeyError:
-        raise ConfigError(f"model_type {config.model_type!r} has no {_AUTO[task]} class in transformers "
+        raise ConfigError(f"model_type {config.model_type!r} has no {AUTO_CLASSES[task]} class in transformers "
                           f"{transformers.__version__}: it cannot be wrapped for task {task!r}") from None
 
 
@@ -96,7 +101,7 @@ def _task_of_class(name, config):
                       "*ForSequenceClassification); pass task=... and a model with that head")
 
 
-def _default_task(config):
+def default_task(config):
     """bert -> masked-lm (sequence-classification when its architectures say so); else causal-lm."""
     archs = " ".join(getattr(config, "architectures", None) or [])
     if "SequenceClassification" in archs:

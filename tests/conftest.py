@@ -6,34 +6,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import socket
-
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from toolkit.dist import free_port  # noqa: F401  (the tests' children get ports the same way)
 
 
 @pytest.fixture(scope="session")
 def ds_world1():
-    """A real gloo process group of one rank in this process, initialised once through DeepSpeed.
+    """A real gloo process group of one rank in this process, started by toolkit.dist like every
+    dstk process group (idempotent: a group some other test started is reused)."""
+    from toolkit import dist
 
-    Idempotent: if some other test already initialised torch.distributed, that group is reused.
-    The shm_comm op is switched off first: it is only used for inference all-reduce and would
-    cost a minutes-long JIT build (see shared/DEEPSPEED_NOTES.md).
-    """
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if not dist.is_initialized():
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-                           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    return dist
+    return dist.init(cpu=True)
 
 
 HEAVY = ("torch", "deepspeed", "transformers")

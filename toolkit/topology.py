@@ -51,7 +51,7 @@ class Topology:
 
 @dataclass(frozen=True)
 class Batch:
-    """mbs * gas * dp == gbs, checked on construction."""
+    """mbs * gas * dp == gbs."""
 
     mbs: int
     gas: int
@@ -65,30 +65,55 @@ class Batch:
         return f"mbs({self.mbs}) * gas({self.gas}) * dp({self.dp}) = gbs({self.gbs})"
 
 
-def solve_batch(dp: int, mbs: int, gbs: int | None = None, gas: int | None = None) -> Batch:
-    """Derive the missing one of gbs / gas from mbs and dp; refuse numbers that do not divide."""
-    _positive("mbs", mbs)
-    if gbs is None and gas is None:
-        gas = 1
-    if gas is not None:
-        _positive("gas", gas)
-        batch = Batch(mbs, gas, dp)
-        if gbs is not None and gbs != batch.gbs:
-            raise ConfigError(
-                f"global batch {gbs} != {batch.describe()}; drop one of --gbs/--gas "
-                f"or set --gbs {batch.gbs}"
-            )
-        return batch
-    _positive("gbs", gbs)
-    per_step = mbs * dp
+@dataclass(frozen=True)
+class BatchNames:
+    """How messages name the three numbers: CLI flags or DeepSpeed's JSON keys."""
+
+    gbs: str
+    mbs: str
+    gas: str
+    set_gbs: str  # the fix that sets the global batch: "--gbs" / '"train_batch_size":'
+    product: str  # how the product mbs * gas * dp is shown: "gbs({})" / "{}"
+
+
+FLAGS = BatchNames("global batch", "mbs", "gas", "--gbs", "gbs({})")
+JSON_KEYS = BatchNames('"train_batch_size"', '"train_micro_batch_size_per_gpu"', '"gradient_accumulation_steps"',
+                       '"train_batch_size":', "{}")
+DEEPSPEED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def resolve_batch(dp: int, mbs: int | None = None, gas: int | None = None, gbs: int | None = None,
+                  names: BatchNames = FLAGS) -> Batch:
+    """The batch from any of gbs / mbs / gas, deriving the missing ones as DeepSpeed does
+    (runtime/config.py _set_batch_related_parameters: gas defaults to 1), but refusing numbers
+    that do not divide where DeepSpeed would floor them and fail later."""
+    for key, value in (("gbs", gbs), ("mbs", mbs), ("gas", gas)):
+        if value is not None:
+            _positive(getattr(names, key), value)
+    if gbs is None and mbs is None:
+        raise ConfigError(f"set {names.gbs} or {names.mbs}: DeepSpeed needs one of them")
+    if gbs is None:
+        return Batch(mbs, gas or 1, dp)
+    if mbs is not None and gas is not None:
+        if gbs != mbs * gas * dp:
+            raise ConfigError(f"{names.gbs} {gbs} != {names.mbs}({mbs}) * {names.gas}({gas}) * dp({dp}) = "
+                              f"{names.product.format(mbs * gas * dp)}; set {names.set_gbs} {mbs * gas * dp} "
+                              f"or leave out one of the three")
+        return Batch(mbs, gas, dp)
+    known, name = (mbs, names.mbs) if mbs is not None else (gas or 1, names.gas)
+    per_step = known * dp
     if gbs % per_step:
         lower, upper = (gbs // per_step) * per_step, (gbs // per_step + 1) * per_step
         closest = " or ".join(str(v) for v in (lower, upper) if v > 0)
-        raise ConfigError(
-            f"global batch {gbs} is not divisible by mbs({mbs}) * dp({dp}) = {per_step}; "
-            f"use --gbs {closest}, or a micro-batch that divides {gbs // dp if gbs % dp == 0 else gbs}"
-        )
-    return Batch(mbs, gbs // per_step, dp)
+        raise ConfigError(f"{names.gbs} {gbs} is not divisible by {name}({known}) * dp({dp}) = {per_step}; use "
+                          f"{names.set_gbs} {closest}, or a {name} that divides {gbs // dp if gbs % dp == 0 else gbs}")
+    return Batch(mbs, gbs // per_step, dp) if mbs is not None else Batch(gbs // per_step, known, dp)
+
+
+def config_batch(cfg: dict, dp: int) -> Batch:
+    """The batch a DeepSpeed config dict gives `dp` replicas (values must be numbers, not "auto")."""
+    gbs, mbs, gas = (cfg.get(k) for k in DEEPSPEED_KEYS)
+    return resolve_batch(dp, mbs=mbs, gas=gas, gbs=gbs, names=JSON_KEYS)
 
 
 def divisors(n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""toolkit.memory's model-state bytes vs what real DeepSpeed engines hold, per rank (issue 5: within 5%).
+"""toolkit.plan.memory's model-state bytes vs what real DeepSpeed engines hold, per rank (issue 5: within 5%).
 
 One launch of the deepspeed launcher (2 CPU processes, gloo) builds six engines in turn:
 ZeRO 0/1/2/3 with pp 1 (dp 2) and ZeRO 0/1 with pp 2 (dp 1). This file is also the script each
@@ -21,7 +21,6 @@ engine runs a whole step inside train_batch(), so pp 2 is measured at the optimi
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +53,7 @@ def measured(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero,pp", CASES, ids=[f"zero{z}-pp{p}" for z, p in CASES])
 def test_model_states_within_5_percent(measured, zero, pp):
-    from toolkit.memory import model_state_bytes
+    from toolkit.plan.memory import model_state_bytes
 
     stage_params = (LAYERS // pp) * (HIDDEN * HIDDEN + HIDDEN)  # uniform split: 4 Linear layers per stage
     predicted = model_state_bytes(stage_params, dp=2 // pp, zero=zero, precision="fp32", optimizer="adam",
@@ -155,12 +154,11 @@ def _measure(zero: int, pp: int) -> dict:
 
 
 def main(out_dir: str) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
     import torch
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build on CPU
-    deepspeed.init_distributed(dist_backend="gloo")
+    from toolkit import dist
+
+    dist.init(cpu=True)
     results = {f"zero{z}-pp{p}": _measure(z, p) for z, p in CASES}
     Path(out_dir, f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results, indent=1))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.launch import run_deepspeed
-from toolkit.parity import TOLERANCE
+from toolkit.train.parity import TOLERANCE
 
 SCRIPT = Path(__file__).parent / "scripts" / "pipeline_models_parity.py"
 
@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "pipeline_models_parity.py"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """rank -> case -> differences, from one 2-process launch."""
-    from toolkit.parity import small_model
+    from toolkit.train.parity import small_model
 
     out = tmp_path_factory.mktemp("pp_parity")
     small_model("llama").save_pretrained(out / "llama_dir", max_shard_size="100KB")

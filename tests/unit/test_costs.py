@@ -8,10 +8,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
-from toolkit.arch import BUILTINS, load_arch, to_hf_config
-from toolkit.costs import PRECISIONS, layer_costs
+from toolkit.plan.arch import BUILTINS, load_arch, to_hf_config
+from toolkit.plan.costs import layer_costs
+from toolkit.plan.precision import PRECISIONS
 from toolkit.errors import ConfigError
-from toolkit.profile import build_layers, sample_batch
+from toolkit.plan.profile import build_layers, sample_batch
 
 B, T = 2, 128
 

@@ -1,13 +1,13 @@
-"""toolkit.data: formats, packing, masks, splits and the per-rank order (no process group)."""
+"""toolkit.train.data: formats, packing, masks, splits and the per-rank order (no process group)."""
 
 import json
 
 import pytest
 import torch
 
-from toolkit import data
+from toolkit.train import data
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.train_models import byte_tokenizer
+from toolkit.train.hf import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

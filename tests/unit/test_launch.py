@@ -56,7 +56,7 @@ def test_bad_launch_options_are_refused(tmp_path, args, message):
 
 
 def test_config_from_another_topology_or_world_is_refused(tmp_path):
-    from toolkit.train import read_checked_config
+    from toolkit.train.runner import read_checked_config
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -69,19 +69,19 @@ def test_config_from_another_topology_or_world_is_refused(tmp_path):
 
 
 def test_more_stages_than_pipeline_layers_is_refused():
-    from toolkit import train_models
+    from toolkit.train import hf
     from toolkit.topology import Topology
-    from toolkit.train_pipe import pipeline_module
+    from toolkit.train.pipe import pipeline_module
 
-    tok = train_models.byte_tokenizer()
-    model = train_models.build_model("tiny-gpt2", train_models.load_config("tiny-gpt2", tok, "causal-lm"),
+    tok = hf.byte_tokenizer()
+    model = hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"),
                                      "causal-lm", 0)
     with pytest.raises(ConfigError, match="pp 8 is more stages than the model's 7 pipeline layers"):
         pipeline_module(model, "causal-lm", Topology(8, 8), {})
 
 
 def _args(tmp_path, zero, **kw):
-    from toolkit.train import TrainArgs
+    from toolkit.train.runner import TrainArgs
 
     cfg = tmp_path / f"ds{zero}.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -96,14 +96,14 @@ def test_pp1_run_checkpoints_and_its_export_reloads_with_the_engines_eval_loss(d
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit import data, train_models
-    from toolkit.train import run
+    from toolkit.train import data, hf
+    from toolkit.train.runner import run
 
     summary = run(_args(tmp_path, zero))
     ckpt = tmp_path / "run" / "checkpoints"
     assert (ckpt / "latest").read_text() == "global_step4" and summary["last_loss"] < summary["first_loss"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").eval()
-    rows = data.tokenize(data.read_records(CORPUS), train_models.byte_tokenizer(), 32)
+    rows = data.tokenize(data.read_records(CORPUS), hf.byte_tokenizer(), 32)
     _, held = data.split(rows, 0.05, 1234)
     with torch.no_grad():
         losses = [float(model(input_ids=i, attention_mask=m, labels=y).loss)
@@ -112,8 +112,34 @@ def test_pp1_run_checkpoints_and_its_export_reloads_with_the_engines_eval_loss(d
 
 
 def test_resuming_another_models_checkpoint_is_refused(ds_world1, tmp_path):
-    from toolkit.train import run
+    from toolkit.train.runner import run
 
     run(_args(tmp_path, 0, steps=2, export=False))
-    with pytest.raises(ConfigError, match="written by another model"):
+    with pytest.raises(ConfigError, match=r"written by another run \(model: checkpoint 'tiny-gpt2', now 'tiny-llama'\)"):
         run(_args(tmp_path, 0, model="tiny-llama", resume=True, steps=4))
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"zero_optimisation": {"stage": 2}}, 'unknown key "zero_optimisation": did you mean "zero_optimization"?'),
+    ({"bf16": {"enable": True}}, 'unknown key "enable": did you mean "enabled"?'),
+    ({"gradient_accumulation_steps": "auto"}, '"gradient_accumulation_steps" is "auto"'),
+])
+def test_train_refuses_what_validate_rejects_before_building_anything(tmp_path, section, fragment):
+    """`python -m toolkit.train` (what every launcher starts) with a config `dstk validate --strict` rejects:
+    the same problem lines, exit 1, no traceback. --model does not exist: the config is checked
+    first, so nothing was loaded or built."""
+    from tests.conftest import child_env
+    from toolkit.cli.validate import check_file
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, **section}))
+    result = subprocess.run([sys.executable, "-m", "toolkit.train", "--config", str(cfg), "--model",
+                             str(tmp_path / "no-model"), "--data", str(CORPUS),
+                             "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO,
+                            env=child_env(), timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and fragment in result.stderr
+    expected = [f"{p['severity']}: {p['path']}: {p['message']}" for p in check_file(str(cfg), 1, strict=True)["problems"]
+                if p["severity"] == "error"]
+    assert expected and all(line in result.stderr for line in expected)
+    assert "no-model" not in result.stderr and not (tmp_path / "run").exists()

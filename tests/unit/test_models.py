@@ -4,7 +4,7 @@ PipelineModule in a gloo world of one (small random configs, fp32, dropout off).
 import pytest
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.parity import TOLERANCE, check_model, small_model
+from toolkit.train.parity import TOLERANCE, check_model, small_model
 
 CASES = [  # (model_type, task, config overrides)
     ("llama", None, {}),
@@ -39,7 +39,7 @@ def test_padding_changes_the_result(ds_world1):
     import torch
 
     import models
-    from toolkit.parity import batch
+    from toolkit.train.parity import batch
 
     model = small_model("llama", attn_implementation="eager")
     layers_module = models.build_pipeline_module(models.pipeline_layers(model), num_stages=1)

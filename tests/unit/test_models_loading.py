@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from toolkit.parity import TOLERANCE, check_model, load_model, small_model
+from toolkit.train.parity import TOLERANCE, check_model, load_model, small_model
 
 TEXT = ["DeepSpeed splits the model into pipeline stages.", "A short one."]
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from toolkit.cli import main
-from toolkit.parity import TOLERANCE, ParityReport
+from toolkit.train.parity import TOLERANCE, ParityReport
 
 
 def run_cli(capsys, *args):
@@ -24,7 +24,7 @@ def test_parity_of_a_model_type_passes(ds_world1, capsys):
 
 
 def test_parity_text_report_of_a_directory(ds_world1, capsys, tmp_path):
-    from toolkit.parity import small_model
+    from toolkit.train.parity import small_model
 
     small_model("gpt2").save_pretrained(tmp_path)
     code, out, _ = run_cli(capsys, str(tmp_path), "--attn", "eager")

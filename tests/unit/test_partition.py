@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from toolkit.arch import load_arch
-from toolkit.costs import layer_costs
+from toolkit.plan.arch import load_arch
+from toolkit.plan.costs import layer_costs
 from toolkit.errors import ConfigError
-from toolkit.partition import (imbalance, min_bottleneck_split, partition_balanced, partition_layers,
+from toolkit.plan.partition import (imbalance, min_bottleneck_split, partition_balanced, partition_layers,
                                partition_uniform, split, stage_sums)
 
 

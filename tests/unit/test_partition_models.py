@@ -9,10 +9,10 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import models  # noqa: E402
-from toolkit.arch import BUILTINS, to_hf_config  # noqa: E402
-from toolkit.costs import layer_costs  # noqa: E402
-from toolkit.partition import partition_layers  # noqa: E402
-from toolkit.profile import profile_layers, sample_batch  # noqa: E402
+from toolkit.plan.arch import BUILTINS, to_hf_config  # noqa: E402
+from toolkit.plan.costs import layer_costs  # noqa: E402
+from toolkit.plan.partition import partition_layers  # noqa: E402
+from toolkit.plan.profile import profile_layers, sample_batch  # noqa: E402
 
 
 def _deepspeed_param_counts(layers):

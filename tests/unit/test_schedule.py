@@ -1,4 +1,4 @@
-"""toolkit.schedule: the timeline read from DeepSpeed's TrainSchedule, its bubble, and `dstk schedule`."""
+"""toolkit.plan.schedule: the timeline read from DeepSpeed's TrainSchedule, its bubble, and `dstk schedule`."""
 
 import importlib.util
 
@@ -6,7 +6,7 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.errors import ConfigError
-from toolkit.schedule import IDLE, render_ascii, train_timeline
+from toolkit.plan.schedule import IDLE, render_ascii, train_timeline
 
 CASES = [(1, 1), (1, 4), (2, 1), (2, 3), (3, 5), (4, 4), (4, 8), (5, 2), (8, 16)]
 

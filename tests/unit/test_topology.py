@@ -1,7 +1,7 @@
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.topology import Topology, bubble_fraction, solve_batch
+from toolkit.topology import Topology, bubble_fraction, config_batch, resolve_batch
 
 
 def test_coords_follow_deepspeed_pipe_data_order():
@@ -27,21 +27,43 @@ def test_world_not_divisible_shows_arithmetic():
         Topology(world_size=6, pp=4)
 
 
-def test_solve_batch_derives_gas_and_gbs():
-    assert solve_batch(dp=2, mbs=2, gbs=64).gas == 16
-    assert solve_batch(dp=2, mbs=2, gas=3).gbs == 12
+def test_resolve_batch_derives_gas_and_gbs():
+    assert resolve_batch(dp=2, mbs=2, gbs=64).gas == 16
+    assert resolve_batch(dp=2, mbs=2, gas=3).gbs == 12
 
 
-def test_solve_batch_refuses_non_dividing_global_batch():
+def test_resolve_batch_refuses_non_dividing_global_batch():
     with pytest.raises(ConfigError, match=r"global batch 30 is not divisible by mbs\(2\) \* dp\(4\) = 8; use --gbs 24 or 32"):
-        solve_batch(dp=4, mbs=2, gbs=30)
+        resolve_batch(dp=4, mbs=2, gbs=30)
 
 
-def test_solve_batch_refuses_inconsistent_triplet():
+def test_resolve_batch_refuses_inconsistent_triplet():
     with pytest.raises(ConfigError, match=r"global batch 10 != mbs\(2\) \* gas\(2\) \* dp\(2\) = gbs\(8\)"):
-        solve_batch(dp=2, mbs=2, gbs=10, gas=2)
+        resolve_batch(dp=2, mbs=2, gbs=10, gas=2)
 
 
 @pytest.mark.parametrize("pp,m,expected", [(1, 8, 0.0), (4, 4, 3 / 7), (2, 15, 1 / 16)])
 def test_bubble_fraction(pp, m, expected):
     assert bubble_fraction(pp, m) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("cfg,dp,expected", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}, 4, (2, 8)),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 4, (4, 4)),
+    ({"train_batch_size": 64}, 4, (16, 1)),
+    ({"train_micro_batch_size_per_gpu": 3}, 2, (3, 1)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 4, (3, 2)),
+])
+def test_config_batch_derives_like_deepspeed(cfg, dp, expected):
+    batch = config_batch(cfg, dp)
+    assert (batch.mbs, batch.gas) == expected and batch.gbs == batch.mbs * batch.gas * dp
+
+
+def test_config_batch_names_json_keys_and_refuses_auto():
+    with pytest.raises(ConfigError, match=r'"train_batch_size" 30 is not divisible by '
+                                          r'"train_micro_batch_size_per_gpu"\(2\) \* dp\(4\) = 8; use "train_batch_size": 24 or 32'):
+        config_batch({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 2}, 4)
+    with pytest.raises(ConfigError, match=r'"train_micro_batch_size_per_gpu" must be a positive integer, got \'auto\''):
+        config_batch({"train_micro_batch_size_per_gpu": "auto"}, 1)
+    with pytest.raises(ConfigError, match='set "train_batch_size" or "train_micro_batch_size_per_gpu"'):
+        config_batch({}, 1)

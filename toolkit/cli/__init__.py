@@ -63,19 +63,26 @@ def cli():
 
 
 def main(argv=None):
-    """Console entry point: library errors become one line on stderr and an exit code."""
+    """Console entry point: library errors become one line on stderr and an exit code. Under a
+    launcher every rank reaches the same refusal: only rank 0 prints it, every rank exits with it."""
+    from toolkit.dist import env_rank
+
+    loud = env_rank() == 0
     try:
         rv = cli.main(args=argv, prog_name="dstk", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as exc:
-        exc.show()
+        if loud:
+            exc.show()
         sys.exit(exc.exit_code)
     except UnusableInput as exc:
-        click.echo(f"error: {exc}", err=True)
+        if loud:
+            click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except ConfigError as exc:
-        click.echo(f"error: {exc}", err=True)
+        if loud:
+            click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -9,7 +9,7 @@ import click
 @click.option("--tag", metavar="TAG", help="Checkpoint tag (default: the one `latest` names).")
 def export(checkpoint_dir, out_dir, tag):
     """Convert a DeepSpeed checkpoint (pipeline layers or ZeRO shards) to a HF directory."""
-    from toolkit.checkpoint import export as export_checkpoint
+    from toolkit.train.export import export as export_checkpoint
 
     out = export_checkpoint(checkpoint_dir, out_dir, tag)
     click.echo(f"wrote {out} (safetensors, config.json, tokenizer)")

@@ -26,39 +26,45 @@ def _choice(values):
 @click.option("--world-size", type=int, metavar="N", help="Total processes (GPUs). Default: --nodes x --gpus-per-node, else --pp.")
 @click.option("--nodes", type=int, metavar="N", help="Nodes (with --gpus-per-node) instead of --world-size.")
 @click.option("--gpus-per-node", type=int, metavar="N", help="GPUs per node (with --nodes).")
-@click.option("--pp", type=int, default=1, show_default=True, metavar="N", help=describe("pipeline.stages"))
+@click.option("--pp", type=int, default=1, show_default=True, metavar="N", help="Pipeline stages (pp); written as pipeline.stages.")
 @click.option("--partition-method", default="compute", show_default=True, metavar="METHOD", help=describe("pipeline.partition_method"))
 @click.option("--mbs", type=int, default=1, show_default=True, metavar="N", help=describe("train_micro_batch_size_per_gpu"))
 @click.option("--gbs", type=int, metavar="N", help=describe("train_batch_size") + " Derived from --gas when omitted.")
 @click.option("--gas", type=int, metavar="N", help=describe("gradient_accumulation_steps") + " Derived from --gbs when omitted.")
-@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help=describe("zero_optimization.stage"))
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, metavar="0-3",
+              help="ZeRO stage: 0 off, 1 partitions optimizer states, 2 also gradients, 3 also parameters.")
 @click.option("--precision", type=_choice(opts.PRECISIONS), help="Training precision (default fp32).")
 @click.option("--bf16", is_flag=True, help="Same as --precision bf16.")
 @click.option("--fp16", is_flag=True, help="Same as --precision fp16.")
-@click.option("--loss-scale", type=float, default=0.0, show_default=True, help=describe("fp16.loss_scale"))
-@click.option("--initial-scale-power", type=int, default=16, show_default=True, help=describe("fp16.initial_scale_power"))
-@click.option("--loss-scale-window", type=int, default=1000, show_default=True, help=describe("fp16.loss_scale_window"))
-@click.option("--hysteresis", type=int, default=2, show_default=True, help=describe("fp16.hysteresis"))
-@click.option("--min-loss-scale", type=float, default=1.0, show_default=True, help=describe("fp16.min_loss_scale"))
-@click.option("--optimizer", type=_choice(opts.OPTIMIZERS), default="AdamW", show_default=True, help=describe("optimizer.type"))
-@click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate.")
+@click.option("--loss-scale", type=float, default=0.0, show_default=True, help="fp16: a fixed loss scale, or 0 for dynamic loss scaling.")
+@click.option("--initial-scale-power", type=int, default=16, show_default=True, help="fp16: dynamic loss scaling starts at 2**POWER (0-127).")
+@click.option("--loss-scale-window", type=int, default=1000, show_default=True, help="fp16: steps without overflow before the dynamic loss scale doubles.")
+@click.option("--hysteresis", type=int, default=2, show_default=True, help="fp16: overflows tolerated before the dynamic loss scale halves.")
+@click.option("--min-loss-scale", type=float, default=1.0, show_default=True, help="fp16: the dynamic loss scale never drops below this (> 0).")
+@click.option("--optimizer", type=_choice(opts.OPTIMIZERS), default="AdamW", show_default=True, help="Optimizer DeepSpeed builds (any case), or none when the training script brings its own. "
+              "For Lion, Muon or a torch.optim class, edit the written config.")
+@click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate, > 0 (LRRangeTest: the starting one).")
 @click.option("--betas", default="0.9,0.999", show_default=True, callback=_betas, metavar="B1,B2", help="Adam/AdamW/Lamb betas.")
-@click.option("--eps", type=float, default=1e-8, show_default=True, help="Optimizer epsilon.")
-@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="Weight decay.")
-@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum.")
-@click.option("--scheduler", type=_choice(opts.SCHEDULERS), default="none", show_default=True, help=describe("scheduler.type"))
-@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Warm-up steps (OneCycle: steps of the rising half).")
+@click.option("--eps", type=float, default=1e-8, show_default=True, help="Optimizer epsilon, >= 0.")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True, help="Weight decay, >= 0.")
+@click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum, >= 0.")
+@click.option("--scheduler", type=_choice(opts.SCHEDULERS), default="none", show_default=True, help="Learning-rate schedule DeepSpeed builds (any case; written as spelled here), or none.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Warm-up steps (OneCycle: steps of the rising half; LRRangeTest: steps between lr increases).")
 @click.option("--total-steps", type=int, help="Total training steps (WarmupDecayLR, WarmupCosineLR).")
 @click.option("--warmup-min-lr", type=float, default=0.0, show_default=True, help="Learning rate at step 0 (OneCycle: the cycle's minimum).")
 @click.option("--grad-clip", "gradient_clipping", type=float, default=1.0, show_default=True, help=describe("gradient_clipping") + " Always written: DeepSpeed clips at 1.0 when the key is absent.")
-@click.option("--offload-optimizer", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help=describe("zero_optimization.offload_optimizer.device"))
-@click.option("--offload-param", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help=describe("zero_optimization.offload_param.device"))
-@click.option("--nvme-path", metavar="DIR", help=describe("zero_optimization.offload_param.nvme_path"))
+@click.option("--offload-optimizer", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help="Keep optimizer states in host memory (cpu) or on --nvme-path (nvme); the optimizer step "
+              "then runs on the CPU. Needs --zero >= 1.")
+@click.option("--offload-param", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help="Keep parameters in host memory (cpu) or on --nvme-path (nvme). Needs --zero 3.")
+@click.option("--nvme-path", metavar="DIR", help="A fast local disk for --offload-optimizer/--offload-param nvme.")
 @click.option("--activation-checkpointing/--no-activation-checkpointing", default=False, show_default=True, help="Recompute activations in the backward pass (pipeline: every layer).")
 @click.option("--monitor", "monitors", multiple=True, type=_choice(opts.MONITORS), help="Log to tensorboard / csv / wandb (repeatable).")
-@click.option("--monitor-dir", default="runs/monitor", show_default=True, help=describe("tensorboard.output_path"))
-@click.option("--job-name", default="dstk", show_default=True, help=describe("tensorboard.job_name"))
-@click.option("--steps-per-print", type=int, default=10, show_default=True, help=describe("steps_per_print"))
+@click.option("--monitor-dir", default="runs/monitor", show_default=True, metavar="DIR",
+              help="Where tensorboard and csv monitors write, relative to where training starts.")
+@click.option("--job-name", default="dstk", show_default=True, metavar="NAME",
+              help="Monitor run name: a folder under --monitor-dir (wandb: the project).")
+@click.option("--steps-per-print", type=int, default=10, show_default=True, metavar="N",
+              help="DeepSpeed logs progress every N optimizer steps (N >= 1).")
 @click.option("--hf", is_flag=True, help='Write "auto" where the HF Trainer / Accelerate fill values (pp = 1 only).')
 @click.option("--cpu", is_flag=True, help="CPU-only machines: torch's Adam (no JIT-built ops), no fp16, no offload.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE (atomically) instead of stdout.")
@@ -84,11 +90,15 @@ def generate_config(output, force, bf16, fp16, **kwargs):
 
 
 def _precision(precision, bf16, fp16) -> str:
-    asked = {p for p, on in ((precision, precision), ("bf16", bf16), ("fp16", fp16)) if on}
-    if len(asked) > 1:
-        raise click.UsageError(f"precisions {' and '.join(sorted(asked))} are exclusive (DeepSpeed asserts fp16 and "
-                               "bf16 are not both enabled); pick one")
-    return asked.pop().lower() if asked else "fp32"
+    """The one precision asked for by --precision, --bf16 and --fp16; a UsageError naming the flags when they differ."""
+    asked = [(f"--precision {precision}", precision.lower())] if precision else []
+    asked += [(flag, name) for flag, name, on in (("--bf16", "bf16", bf16), ("--fp16", "fp16", fp16)) if on]
+    names = {name for _, name in asked}
+    if len(names) > 1:
+        why = " (DeepSpeed asserts fp16 and bf16 are not both enabled)" if {"bf16", "fp16"} <= names else ""
+        raise click.UsageError(f"{' and '.join(flag for flag, _ in asked)} ask for different precisions{why}; "
+                               "give one of them")
+    return names.pop() if names else "fp32"
 
 
 def _canonical(value: str, names) -> str:

@@ -25,7 +25,7 @@ def parity(ctx, model, task, seq_len, attn, no_pad, as_json):
     """
     from dataclasses import asdict
 
-    from toolkit.parity import TOLERANCE, run_parity
+    from toolkit.train.parity import TOLERANCE, run_parity
 
     report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attn)
     if as_json:

@@ -12,8 +12,8 @@ import json
 
 import click
 
-from toolkit.costs import PRECISIONS
-from toolkit.partition import METHODS
+from toolkit.plan.precision import PRECISIONS
+from toolkit.plan.partition import METHODS
 
 
 @click.command()
@@ -37,16 +37,16 @@ from toolkit.partition import METHODS
 def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_json, config_path):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, or a local HF directory) into P
     pipeline stages; compare with DeepSpeed's `parameters` and `uniform` splits."""
-    from toolkit.arch import load_arch
-    from toolkit.partition_report import format_report, partition_report
+    from toolkit.plan.arch import load_arch
+    from toolkit.plan.partition_report import format_report, partition_report
 
     arch = load_arch(model)
     seq_len = seq_len or min(1024, arch.max_positions)
     times = None
     if method == "profile":  # check the cheap things before minutes of timing
-        from toolkit.costs import check_shape
-        from toolkit.partition import check_stages
-        from toolkit.profile import profile_model
+        from toolkit.plan.costs import check_shape
+        from toolkit.plan.partition import check_stages
+        from toolkit.plan.profile import profile_model
 
         check_stages(arch.num_pipeline_layers, pp)
         check_shape(arch, seq_len, mbs)

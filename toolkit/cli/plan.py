@@ -6,7 +6,7 @@ import click
 
 
 def _size(ctx, param, value):
-    from toolkit.gpus import parse_size
+    from toolkit.plan.gpus import parse_size
 
     return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
 
@@ -43,8 +43,8 @@ def plan(as_json, emit_config, force, **kwargs):
     dstk plan --model llama-3.2-1b --gpu a100-80gb --gpus-per-node 8 --gbs 256
     dstk plan --model gpt2 --gpu-mem 24GiB --gpus-per-node 2 --gbs 32 --seq-len 1024 --json
     """
-    from toolkit.plan import PlanRequest, make_plan
-    from toolkit.plan_report import layout_config, render_text
+    from toolkit.plan.planner import PlanRequest, make_plan
+    from toolkit.plan.report import layout_config, render_text
 
     result = make_plan(PlanRequest(**kwargs))
     if emit_config and result.fitting:

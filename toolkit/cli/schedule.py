@@ -18,7 +18,7 @@ def schedule(pp, micro_batches, png, as_json):
     dstk schedule --pp 4 --micro-batches 8
     dstk schedule --pp 4 -m 8 --png schedule.png
     """
-    from toolkit.schedule import render_ascii, render_png, train_timeline
+    from toolkit.plan.schedule import render_ascii, render_png, train_timeline
 
     timeline = train_timeline(pp, micro_batches)
     if png:

@@ -1,6 +1,7 @@
-"""`dstk train`: run on every rank by the launcher (see launch.sh); parse, call toolkit.train.run, print."""
+"""`dstk train`: run on every rank by the launcher (see launch.sh); parse, call toolkit.train.runner.run, print."""
 
 import json
+from pathlib import Path
 
 import click
 
@@ -16,25 +17,40 @@ import click
               help="Run folder: checkpoints/, hf/ (the export), metrics.jsonl.")
 @click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's; bytes for built-ins).")
 @click.option("--task", type=click.Choice(["causal-lm", "classification"]), default="causal-lm", show_default=True)
-@click.option("--pp", type=int, help="Pipeline stages (default: the config's pipeline.stages, else 1).")
-@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per row.")
-@click.option("--steps", type=int, help="Optimizer steps (default: one epoch).")
-@click.option("--eval-every", type=int, default=0, show_default=True, help="Steps between eval losses (0: at the end).")
-@click.option("--eval-batches", type=int, default=2, show_default=True, help="Global batches per evaluation.")
-@click.option("--save-every", type=int, default=0, show_default=True, help="Steps between checkpoints (0: at the end).")
+@click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages (default: the config's pipeline.stages, else 1).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens per row.")
+@click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one epoch).")
+@click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Steps between eval losses (0: at the end).")
+@click.option("--eval-batches", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Global batches per evaluation.")
+@click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Steps between checkpoints (0: at the end).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/latest with the same data order.")
+@click.option("--overwrite", is_flag=True, help="Delete what OUT holds, then start a fresh run there.")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Model init and data order.")
-@click.option("--eval-fraction", type=float, default=0.05, show_default=True, help="Share of rows held out.")
+@click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
+              help="Share of rows held out for evaluation, in [0, 1); 0: no evaluation.")
 @click.option("--text-field", default="text", show_default=True, help="JSONL key holding the text.")
+@click.option("--encoding", default="utf-8", show_default=True, help="Text encoding of --data (e.g. latin-1).")
 @click.option("--export/--no-export", default=True, show_default=True, help="Write OUT/hf at the end.")
-@click.option("--progress/--no-progress", default=True, help="tqdm bar on rank 0.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Progress on rank 0: a bar on a terminal, else a line every --log-every steps.")
+@click.option("--log-every", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Steps between progress lines when not on a terminal (0: about 20 per run).")
+@click.option("--verbose", is_flag=True, help="Keep DeepSpeed's and every rank's INFO logs.")
 @click.option("--crash-at-step", type=int, hidden=True)
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def train(local_rank, **options):
     """Train a HF model (run on every rank by the launcher)."""
-    from toolkit.train import TrainArgs, run, shutdown
+    from toolkit.dist import shutdown
+    from toolkit.train.runner import TrainArgs, run
 
     summary = run(TrainArgs(**options))
     if summary.get("rank0"):
+        from toolkit.train.report import read_metrics, table
+
+        click.echo(table(*read_metrics(Path(options["out"]) / "metrics.jsonl")))
+        click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else ""))
         click.echo("summary: " + json.dumps({k: v for k, v in summary.items() if k != "rank0"}))
     shutdown()

@@ -15,16 +15,13 @@ STATUS = {VALID: "valid", INVALID: "invalid", UNUSABLE: "unusable"}
 
 def check_file(path: str, world_size=None, pp=None, strict=False) -> dict:
     """One file -> a report dict: status code, problems (schema first, then rules)."""
-    from toolkit.config.loader import read_config
-    from toolkit.config.rules import check_rules
-    from toolkit.config.validate import check_schema
+    from toolkit.config.loader import load_config
     from toolkit.errors import UnusableInput
 
     try:
-        cfg, problems = read_config(path)
+        _, problems = load_config(path, world_size=world_size, pp=pp, strict=strict)
     except UnusableInput as exc:
         return {"path": path, "code": UNUSABLE, "problems": [{"path": "$", "message": str(exc), "severity": ERROR}]}
-    problems = list(problems) + check_schema(cfg, strict=strict) + check_rules(cfg, world_size=world_size, pp=pp)
     code = INVALID if has_errors(problems) else VALID
     return {"path": path, "code": code, "problems": [p.to_dict() for p in problems]}
 

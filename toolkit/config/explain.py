@@ -76,12 +76,8 @@ def explain(err, parent_schema) -> list:
     if err.validator in ("minItems", "maxItems"):
         return [Problem(json_path(path), f'{_name(path)} has {len(err.instance)} items; expected '
                         f'{err.validator_value} {"or more" if err.validator == "minItems" else "or fewer"}')]
-    if err.validator == "pattern" and "examples" in err.schema:  # optimizer type: names in words
-        names = err.schema["examples"]
-        hint = S.suggest(err.instance, names)
-        case = " (torch.optim names are case-sensitive)" if hint and hint.lower() == err.instance.lower() else ""
-        return [Problem(json_path(path), f'{_name(path)} is {show(err.instance)}; expected one of '
-                        + ", ".join(names) + (f'; did you mean "{hint}"?{case}' if hint else ""))]
+    if err.validator == "pattern" and "examples" in err.schema:  # optimizer/scheduler type: names in words
+        return [Problem(json_path(path), _unknown_name(path, err.instance, err.schema))]
     if err.validator == "pattern":
         return [Problem(json_path(path), f'{_name(path)} is {show(err.instance)}; expected a string '
                         f'matching {err.validator_value}')]
@@ -89,6 +85,19 @@ def explain(err, parent_schema) -> list:
                          "pattern", "const"):
         return [Problem(json_path(path), _bad_value(path, err.instance, err.schema, parent_schema))]
     return [Problem(json_path(path), f"{_name(path)}: {err.message[:200]}")]
+
+
+def _unknown_name(path, value: str, node: dict) -> str:
+    """A class name DeepSpeed does not resolve, or resolves to a class that cannot work from JSON."""
+    refused = node.get("x-refused", {})
+    if value in refused:
+        return (f'{_name(path)} is {show(value)}: DeepSpeed finds the class, but {refused[value]}; '
+                "use one of " + ", ".join(node["examples"]))
+    names = node["examples"]
+    hint = S.suggest(value, names)
+    case = f' ({node.get("x-case-note", "names are case-sensitive")})' if hint and hint.lower() == value.lower() else ""
+    return (f'{_name(path)} is {show(value)}; expected one of ' + ", ".join(names)
+            + (f'; did you mean "{hint}"?{case}' if hint else ""))
 
 
 def _one_branch_errors(err) -> list:

@@ -87,6 +87,10 @@ def _scheduler(o: GenerateOptions, auto) -> dict:
     if o.scheduler == "OneCycle":  # rises from warmup_min_lr to lr over warmup_steps, then falls back
         params = {"cycle_min_lr": o.warmup_min_lr, "cycle_max_lr": o.lr, "cycle_first_step_size": o.warmup_steps}
         return {"type": "OneCycle", "params": params}
+    if o.scheduler == "LRRangeTest":  # lr = lr * (1 + step / warmup_steps): rises until training diverges
+        params = {"lr_range_test_min_lr": o.lr, "lr_range_test_step_size": o.warmup_steps,
+                  "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False}
+        return {"type": "LRRangeTest", "params": params}
     if o.scheduler == "WarmupCosineLR":  # ratios of the optimizer's lr
         params = {"warmup_num_steps": auto(o.warmup_steps), "total_num_steps": auto(o.total_steps),
                   "warmup_min_ratio": o.warmup_min_lr / o.lr, "cos_min_ratio": 0.0001}
@@ -112,12 +116,11 @@ def _monitors(o: GenerateOptions) -> dict:
 def record_partition(path: str, pp: int, method: str, parts: list) -> dict:
     """Write a partition into the `pipeline` section of an existing config (atomically), so every
     rank builds the same stages. Refuses a config made for another stage count."""
-    from toolkit.config.loader import read_config
-    from toolkit.config.problems import has_errors
+    from toolkit.config.loader import load_config
+    from toolkit.config.problems import raise_errors
 
-    cfg, problems = read_config(path)
-    if has_errors(problems):
-        raise ConfigError(f"{path}: {'; '.join(str(p) for p in problems if p.severity == 'error')}")
+    cfg, problems = load_config(path)
+    raise_errors(problems, path)
     section = cfg.setdefault("pipeline", {})
     if not isinstance(section, dict):
         raise ConfigError(f'{path}: "pipeline" must be an object, got {type(section).__name__}')
@@ -134,22 +137,30 @@ def dumps(cfg: dict) -> str:
     return json.dumps(cfg, indent=2) + "\n"
 
 
-def write_config(cfg: dict, path: str, force: bool = False) -> None:
+def write_config(cfg: dict, path: str, force: bool = False, flag: str = "-o") -> None:
+    """Write `cfg` as JSON atomically; see write_text."""
+    write_text(dumps(cfg), path, force=force, flag=flag)
+
+
+def write_text(text: str, path: str, force: bool = False, flag: str = "-o") -> None:
     """Write atomically (temp file + rename): a crash never leaves half a file, and an existing file
-    is replaced only with force."""
+    is replaced only with force. `flag` is the option that named `path`, for the messages."""
     if os.path.isdir(path):
-        raise ConfigError(f"-o {path} is a directory; give a file name such as {os.path.join(path, 'ds_config.json')}")
+        raise ConfigError(f"{flag} {path} is a directory; give a file name such as {os.path.join(path, 'ds_config.json')}")
     if os.path.exists(path) and not force:
-        raise ConfigError(f"{path} exists; pass --force to overwrite it")
+        raise ConfigError(f"{flag} {path} exists; pass --force to overwrite it, or give another file name")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise ConfigError(f"cannot write {path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=".json", dir=directory)
+        raise ConfigError(f"cannot write {flag} {path}: directory {directory} does not exist; create it first "
+                          f"(mkdir -p {directory})")
+    tmp = None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(dumps(cfg))
+        fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=os.path.splitext(path)[1] or ".tmp", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except OSError as exc:  # permissions, a full disk: one line, and no temp file left
+        raise ConfigError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise

@@ -1,5 +1,9 @@
 """Read a DeepSpeed config file the way DeepSpeed does, or say in one line why it cannot be read.
 
+`load_config(path, world_size=, pp=, strict=)` is the one reader every command uses (validate,
+train, partition --config): reading, then the schema, then the rules across fields, as one list
+of Problems. The callers decide what is fatal (`problems.raise_errors`).
+
 DeepSpeed reads files with hjson (comments, trailing commas and unquoted strings pass) and raises
 on duplicate keys (runtime/config.py). dstk reads strict JSON first and falls back to hjson with a
 WARNING, reports duplicate keys as ERRORs with their path, and raises UnusableInput for input no
@@ -32,6 +36,17 @@ class _Pairs(dict):
             if key in seen and key not in self.duplicates:
                 self.duplicates.append(key)
             seen.add(key)
+
+
+def load_config(path, world_size: int | None = None, pp: int | None = None, strict: bool = False) -> tuple:
+    """(config dict, problems): read like DeepSpeed, then the schema, then the rules for `world_size`
+    processes and `pp` stages. strict: "auto" is an error. Raises UnusableInput when unreadable."""
+    from toolkit.config.rules import check_rules
+    from toolkit.config.validate import check_schema
+
+    cfg, problems = read_config(path)
+    problems += check_schema(cfg, strict=strict) + check_rules(cfg, world_size=world_size, pp=pp)
+    return cfg, problems
 
 
 def read_config(path) -> tuple:

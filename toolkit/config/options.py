@@ -5,18 +5,22 @@ naming the flag, the numbers and the fix. `toolkit.config.generate.build_config`
 object into a DeepSpeed config dict.
 """
 
+import math
 from dataclasses import dataclass, field
 
 from toolkit.errors import ConfigError
-from toolkit.topology import Batch, Topology, solve_batch
+from toolkit.topology import Batch, Topology, resolve_batch
 
 STRATEGIES = ("dp", "pp", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "Lamb", "Adagrad", "none")
-SCHEDULERS = ("none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+SCHEDULERS = ("none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")  # lr_schedules.VALID_LR_SCHEDULES
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 MONITORS = ("tensorboard", "csv", "wandb")
 PARTITION_METHODS = ("compute", "memory", "profile", "parameters", "uniform")
+MAX_PROCESSES = 2**20  # world size, nodes, GPUs per node, stages: beyond any cluster; bounds divisor searches
+MAX_COUNT = 2**31 - 1  # batch sizes and step counts: beyond any run; larger numbers are typos
+MAX_SCALE_POWER = 127  # 2**128 overflows fp32, where DeepSpeed keeps the loss scale
 
 
 @dataclass
@@ -77,7 +81,7 @@ class GenerateOptions:
         return self.pp  # pure pipeline: one process per stage
 
     def batch(self) -> Batch:
-        return solve_batch(self.topology().dp, self.mbs, self.gbs, self.gas)
+        return resolve_batch(self.topology().dp, mbs=self.mbs, gas=self.gas, gbs=self.gbs)
 
     def check(self) -> tuple[Topology, Batch]:
         """Every rule at once; raises one ConfigError listing all problems."""
@@ -90,6 +94,8 @@ class GenerateOptions:
                 batch = self.batch()
             except ConfigError as exc:
                 problems.append(str(exc))
+        if batch is not None:
+            problems += _check_batch_size(batch)
         if topo is not None:
             problems += _check_strategy(self, topo)
         problems += _check_memory(self)
@@ -101,26 +107,50 @@ class GenerateOptions:
         return topo, batch
 
 
-def _positive(name, value, minimum=1):
+def _positive(name, value, minimum=1, maximum=MAX_COUNT, why="more than any real run uses"):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
         return [f"{name} must be an integer >= {minimum}, got {value!r}"]
+    if value is not None and value > maximum:
+        return [f"{name} {value} is {why} (at most {maximum}); check for extra digits"]
+    return []
+
+
+def _real(name, value, minimum=0.0, above=False):
+    """A finite float >= minimum (> minimum when above): NaN and inf pass `<` checks silently."""
+    if value is None:
+        return []
+    if not math.isfinite(value):
+        return [f"{name} must be a finite number, got {value}; JSON has no NaN or Infinity"]
+    if value < minimum or (above and value == minimum):
+        return [f"{name} must be {'>' if above else '>='} {minimum:g}, got {value:g}"]
     return []
 
 
 def _check_sizes(o: GenerateOptions) -> list[str]:
     problems = []
     for flag, value in (("--world-size", o.world_size), ("--nodes", o.nodes), ("--gpus-per-node", o.gpus_per_node),
-                        ("--pp", o.pp), ("--mbs", o.mbs), ("--gbs", o.gbs), ("--gas", o.gas)):
+                        ("--pp", o.pp)):
+        problems += _positive(flag, value, maximum=MAX_PROCESSES, why="more processes than any cluster has")
+    for flag, value in (("--mbs", o.mbs), ("--gbs", o.gbs), ("--gas", o.gas), ("--steps-per-print", o.steps_per_print)):
         problems += _positive(flag, value)
-    problems += _positive("--steps-per-print", o.steps_per_print)
     if (o.nodes is None) != (o.gpus_per_node is None):
         problems.append("--nodes and --gpus-per-node go together; give both, or --world-size alone")
+    elif o.nodes is not None and not problems and o.nodes * o.gpus_per_node > MAX_PROCESSES:
+        problems.append(f"--nodes({o.nodes}) * --gpus-per-node({o.gpus_per_node}) = {o.nodes * o.gpus_per_node} "
+                        f"processes is more than any cluster has (at most {MAX_PROCESSES}); check for extra digits")
     elif o.world_size is not None and o.nodes is not None and o.world_size != o.nodes * o.gpus_per_node:
         problems.append(f"--world-size {o.world_size} != --nodes({o.nodes}) * --gpus-per-node({o.gpus_per_node}) = "
                         f"{o.nodes * o.gpus_per_node}; give one or the other")
     if o.strategy in ("dp", "hybrid") and o.world_size is None and o.nodes is None:
         problems.append(f"--strategy {o.strategy} needs --world-size N (or --nodes and --gpus-per-node)")
     return problems
+
+
+def _check_batch_size(batch: Batch) -> list[str]:
+    if batch.gbs > MAX_COUNT:
+        return [f"global batch {batch.describe()} is more than any real run uses (at most {MAX_COUNT}); "
+                "lower --mbs, --gas or --gbs"]
+    return []
 
 
 def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
@@ -180,8 +210,11 @@ def _check_precision(o: GenerateOptions) -> list[str]:
         changed = [flag for flag, (value, default) in fp16_only.items() if value != default]
         if changed:
             problems.append(f"{', '.join(changed)} only apply to fp16 (precision is {o.precision}); add --precision fp16 or drop them")
-    elif o.loss_scale < 0:
-        problems.append(f"--loss-scale must be >= 0 (0 = dynamic), got {o.loss_scale}")
+    else:
+        problems += _real("--loss-scale (0 = dynamic)", o.loss_scale) + _real("--min-loss-scale", o.min_loss_scale, above=True)
+        problems += _positive("--initial-scale-power", o.initial_scale_power, 0, MAX_SCALE_POWER,
+                              why="too large: 2**128 overflows fp32, where DeepSpeed keeps the scale")
+        problems += _positive("--loss-scale-window", o.loss_scale_window) + _positive("--hysteresis", o.hysteresis)
     return problems
 
 
@@ -191,22 +224,26 @@ def _check_optimization(o: GenerateOptions) -> list[str]:
         problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
     if o.cpu and o.optimizer == "Lamb":
         problems.append("--cpu with --optimizer Lamb: Lamb (FusedLamb) is not implemented on DeepSpeed's CPU backend; use AdamW")
-    if o.lr <= 0:
-        problems.append(f"--lr must be > 0, got {o.lr}")
+    problems += _real("--lr", o.lr, above=True) + _real("--eps", o.eps) + _real("--weight-decay", o.weight_decay)
+    problems += _real("--momentum", o.momentum) + _real("--warmup-min-lr", o.warmup_min_lr)
+    problems += _real("--grad-clip (0 = off)", o.gradient_clipping)
     if not all(0 <= b < 1 for b in o.betas):
         problems.append(f"--betas must both be in [0, 1), got {o.betas}")
     if o.scheduler not in SCHEDULERS:
         problems.append(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {o.scheduler!r}")
+    if o.scheduler == "WarmupCosineLR" and math.isfinite(o.lr) and o.lr > 0 and o.warmup_min_lr > o.lr:
+        problems.append(f"--warmup-min-lr {o.warmup_min_lr:g} exceeds --lr {o.lr:g}: WarmupCosineLR writes their "
+                        "ratio, which DeepSpeed expects in [0, 1]; lower --warmup-min-lr")
     if o.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and not o.total_steps and not o.hf:
         problems.append(f"--scheduler {o.scheduler} needs --total-steps N (the step at which the decay ends)")
-    if o.total_steps is not None and o.total_steps <= o.warmup_steps:
+    steps = _positive("--warmup-steps", o.warmup_steps, 0) + _positive("--total-steps", o.total_steps)
+    problems += steps
+    if not steps and o.total_steps is not None and o.total_steps <= o.warmup_steps:
         problems.append(f"--total-steps {o.total_steps} must exceed --warmup-steps {o.warmup_steps}")
     if o.scheduler == "OneCycle" and o.warmup_steps < 1:
         problems.append("--scheduler OneCycle needs --warmup-steps >= 1 (the length of the rising half of the cycle)")
-    if o.warmup_steps < 0:
-        problems.append(f"--warmup-steps must be >= 0, got {o.warmup_steps}")
-    if o.gradient_clipping is not None and o.gradient_clipping < 0:
-        problems.append(f"--grad-clip must be >= 0 (0 = off), got {o.gradient_clipping}")
+    if o.scheduler == "LRRangeTest" and o.warmup_steps < 1:
+        problems.append("--scheduler LRRangeTest needs --warmup-steps >= 1 (the steps between lr increases)")
     bad_monitors = [m for m in o.monitors if m not in MONITORS]
     if bad_monitors:
         problems.append(f"--monitor {bad_monitors[0]!r} is not one of {', '.join(MONITORS)}")

@@ -2,6 +2,8 @@
 
 from dataclasses import asdict, dataclass
 
+from toolkit.errors import ConfigError
+
 ERROR = "error"
 WARNING = "warning"
 NOTE = "note"
@@ -22,3 +24,11 @@ class Problem:
 
 def has_errors(problems) -> bool:
     return any(p.severity == ERROR for p in problems)
+
+
+def raise_errors(problems, source: str, why: str = "is not a valid DeepSpeed config") -> None:
+    """ConfigError listing every ERROR (one per line, as `dstk validate` prints them), if any."""
+    errors = [p for p in problems if p.severity == ERROR]
+    if errors:
+        raise ConfigError(f"{source} {why}: {len(errors)} error(s), as `dstk validate {source}` reports them:\n  "
+                          + "\n  ".join(str(p) for p in errors))

@@ -1,15 +1,19 @@
 """Rules across fields that a schema cannot express, for a given world size and stage count.
 
-Each rule is a plain function (cfg, ctx) -> list[Problem]; `check_rules` runs them all. Values that
-are "auto" (filled by the HF Trainer) or of the wrong type are skipped here: the schema reports them.
+Each rule is a plain function (cfg, ctx) -> list[Problem]; `check_rules` runs them all. Values of
+the wrong type are skipped here: the schema reports them. "auto" (filled by the HF Trainer /
+Accelerate) counts as set but unknown: the schema gives its NOTE (an ERROR under --strict), and a
+rule checks only what holds whatever gets filled in. null reads as absent, as in DeepSpeed.
 """
 
 from dataclasses import dataclass
 
-from toolkit.config.problems import NOTE, Problem
-from toolkit.topology import divisors
+from toolkit.config.problems import NOTE, WARNING, Problem
+from toolkit.config.zero_stages import stage_problems
+from toolkit.errors import ConfigError
+from toolkit.topology import DEEPSPEED_KEYS as BATCH_KEYS, JSON_KEYS, divisors, resolve_batch
 
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None)
     """All cross-field problems of `cfg` for `world_size` processes and `pp` stages."""
     problems, file_pp = _stages(cfg, pp)
     ctx = Context(world_size, pp or file_pp or 1)
-    for rule in (_topology, _batch, _zero_with_pipeline, _offload, _precision, _parts):
+    for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _null_types):
         problems += rule(cfg, ctx)
     return problems
 
@@ -53,9 +57,9 @@ def _topology(cfg: dict, ctx: Context) -> list[Problem]:
 
 
 def _batch(cfg: dict, ctx: Context) -> list[Problem]:
+    if AUTO in (cfg.get(k) for k in BATCH_KEYS):
+        return _batch_with_auto(cfg, ctx)
     gbs, mbs, gas = (_int(cfg.get(k)) for k in BATCH_KEYS)
-    if all(cfg.get(k) == "auto" for k in BATCH_KEYS if k in cfg) and any(k in cfg for k in BATCH_KEYS):
-        return []
     if gbs is None and mbs is None:
         return [Problem("$", 'set "train_batch_size" or "train_micro_batch_size_per_gpu": DeepSpeed needs one of them')]
     if ctx.world_size is None:
@@ -63,19 +67,37 @@ def _batch(cfg: dict, ctx: Context) -> list[Problem]:
     if ctx.world_size % ctx.pp:
         return []  # reported by _topology
     dp = ctx.world_size // ctx.pp
-    where = f"dp = world({ctx.world_size}) / pp({ctx.pp}) = {dp}"
-    if gbs and mbs and gas and gbs != mbs * gas * dp:
-        return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} != "train_micro_batch_size_per_gpu"({mbs}) * '
-                        f'"gradient_accumulation_steps"({gas}) * dp({dp}) = {mbs * gas * dp} ({where}); set '
-                        f'"train_batch_size": {mbs * gas * dp}, or regenerate for this world size')]
-    if gbs and mbs and not gas and gbs % (mbs * dp):
-        return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} is not divisible by '
-                        f'"train_micro_batch_size_per_gpu"({mbs}) * dp({dp}) = {mbs * dp} ({where}); DeepSpeed would '
-                        f'derive gradient_accumulation_steps = {gbs} // {mbs * dp} = {gbs // (mbs * dp)} and fail')]
-    if gbs and gas and not mbs and gbs % (gas * dp):
-        return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} is not divisible by '
-                        f'"gradient_accumulation_steps"({gas}) * dp({dp}) = {gas * dp} ({where})')]
+    try:
+        resolve_batch(dp, mbs=mbs, gas=gas, gbs=gbs, names=JSON_KEYS)
+    except ConfigError as exc:
+        return [Problem("$.train_batch_size", f"{exc} (dp = world({ctx.world_size}) / pp({ctx.pp}) = {dp})")]
     return []
+
+
+def _batch_with_auto(cfg: dict, ctx: Context) -> list[Problem]:
+    """Some batch key is "auto": the HF Trainer fills mbs and gas from its arguments and gbs as
+    world * mbs * gas. Only a fixed "train_batch_size" can still be checked: it must be a multiple of
+    dp times the numbers written, whatever fills the "auto" ones."""
+    gbs = _int(cfg.get("train_batch_size"))
+    if gbs is None:
+        if cfg.get("train_batch_size") == AUTO or cfg.get("train_micro_batch_size_per_gpu") == AUTO:
+            return []  # one of the two DeepSpeed needs will be filled
+        return [Problem("$", 'set "train_batch_size" or "train_micro_batch_size_per_gpu" (a number or "auto"): '
+                        'DeepSpeed needs one of them, and "gradient_accumulation_steps": "auto" fills neither')]
+    if ctx.world_size is None or ctx.world_size % ctx.pp:
+        return []
+    dp = ctx.world_size // ctx.pp
+    known = [(k, _int(cfg.get(k))) for k in BATCH_KEYS[1:] if _int(cfg.get(k))]
+    per_step = dp
+    for _, value in known:
+        per_step *= value
+    if gbs % per_step == 0:
+        return []
+    autos = " and ".join(f'"{k}"' for k in BATCH_KEYS[1:] if cfg.get(k) == AUTO)
+    factors = " * ".join([f'"{k}"({v})' for k, v in known] + [f"dp({dp})"])
+    return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} is not divisible by {factors} = {per_step} '
+                    f"(dp = world({ctx.world_size}) / pp({ctx.pp}) = {dp}): no value the HF Trainer fills into {autos} "
+                    f'("auto") fits; set "train_batch_size": "auto", or a multiple of {per_step}')]
 
 
 def _batch_without_world(gbs, mbs, gas, pp) -> list[Problem]:
@@ -110,8 +132,8 @@ def _offload(cfg: dict, ctx: Context) -> list[Problem]:
     for key, need, why in (("offload_param", 3, "parameters are offloaded only in stage 3"),
                            ("offload_optimizer", 1, "DeepSpeed silently ignores it at stage 0")):
         device = _section(zero, key).get("device", "none")
-        if device in (None, "none") or stage is None:
-            continue
+        if device in (None, "none", AUTO) or stage is None:
+            continue  # "auto": Accelerate fills the device from its own config; nothing to check yet
         if stage < need:
             problems.append(Problem(f"$.zero_optimization.{key}", f'"{key}" to {device} needs "stage" >= {need}, '
                                     f'got {stage}: {why}; set "stage": {need} or remove "{key}"'))
@@ -119,6 +141,10 @@ def _offload(cfg: dict, ctx: Context) -> list[Problem]:
             problems.append(Problem(f"$.zero_optimization.{key}.nvme_path", f'"{key}" to nvme needs "nvme_path" '
                                     "(a directory on a fast local disk)"))
     return problems
+
+
+def _zero_stages(cfg: dict, ctx: Context) -> list[Problem]:
+    return stage_problems(cfg)  # ZeRO knobs of another stage (zero_stages.py)
 
 
 def _precision(cfg: dict, ctx: Context) -> list[Problem]:
@@ -139,6 +165,20 @@ def _parts(cfg: dict, ctx: Context) -> list[Problem]:
         return [Problem("$.pipeline.parts", f'"parts" {parts} must start at 0 and strictly increase (every stage '
                         "holds at least one layer)")]
     return []
+
+
+def _null_types(cfg: dict, ctx: Context) -> list[Problem]:
+    """"type": null is DeepSpeed's default (get_optimizer_name / get_scheduler_name): no optimizer or
+    scheduler is built from the section, and its "params" are never read."""
+    problems = []
+    for key, what in (("optimizer", "optimizer"), ("scheduler", "scheduler")):
+        section = cfg.get(key)
+        if isinstance(section, dict) and "type" in section and section["type"] is None:
+            unread = ' and ignores its "params"' if section.get("params") else ""
+            problems.append(Problem(f"$.{key}.type", f'"type" is null: DeepSpeed builds no {what} from "{key}"{unread} '
+                                    f'(the HF Trainer, seeing "{key}", does not build one either); name a type, or '
+                                    f'remove "{key}"', WARNING))
+    return problems
 
 
 __all__ = ["check_rules", "Context"]

@@ -89,8 +89,49 @@ OPTIMIZERS = {
     "adagrad_params": (["Adagrad"], adagrad_params),
     "sgd_params": (["SGD"], sgd_params),
 }
+# runtime/config.py DEEPSPEED_OPTIMIZERS, spelt as the docs spell them (checked at build time).
 DEEPSPEED_NAMES = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", "MuAdam", "MuAdamW", "MuSGD"]
-TORCH_NAMES = ["SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Adadelta", "Rprop", "Adafactor", "SparseAdam"]
+# Classes DeepSpeed resolves by name but that cannot work from a JSON config: refused, with the reason.
+TORCH_OPTIMIZERS_REFUSED = {
+    "Optimizer": "the abstract base class of torch.optim, not an optimizer",
+    "LBFGS": "DeepSpeed builds it but calls step() without the closure LBFGS needs, so the first step fails",
+}
+TORCH_SCHEDULERS_REFUSED = {
+    "LRScheduler": "the abstract base class of torch.optim.lr_scheduler, not a schedule",
+    "LambdaLR": "it needs lr_lambda, a Python function that a JSON config cannot hold",
+    "MultiplicativeLR": "it needs lr_lambda, a Python function that a JSON config cannot hold",
+    "SequentialLR": "it needs scheduler objects, which a JSON config cannot hold",
+    "ChainedScheduler": "it needs scheduler objects, which a JSON config cannot hold",
+}
+TYPE_NAME = {"type": ["string", "null"]}  # null: DeepSpeed builds nothing from the section (its default)
+
+
+def torch_optimizer_names() -> list:
+    """torch.optim classes that `getattr(torch.optim, type)` in runtime/engine.py
+    _configure_basic_optimizer reaches: not DeepSpeed's own names (those match in any case first)."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    if sorted(n.lower() for n in DEEPSPEED_NAMES) != sorted(DEEPSPEED_OPTIMIZERS):
+        raise RuntimeError(f"DeepSpeed's optimizer names changed: {DEEPSPEED_OPTIMIZERS}; update DEEPSPEED_NAMES")
+    return sorted(n for n, c in vars(torch.optim).items() if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer)
+                  and not n.startswith("_") and n.lower() not in DEEPSPEED_OPTIMIZERS)
+
+
+def scheduler_names() -> tuple[list, list]:
+    """(DeepSpeed's schedulers, torch's) as runtime/engine.py _scheduler_from_config resolves a type:
+    an attribute of runtime/lr_schedules.py first, else of torch.optim.lr_scheduler; case-sensitive."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+    from torch.optim import lr_scheduler
+
+    bases = (lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
+    torch_names = sorted(n for n, c in vars(lr_scheduler).items() if inspect.isclass(c) and issubclass(c, bases)
+                         and not n.startswith("_") and not hasattr(lr_schedules, n))
+    return list(lr_schedules.VALID_LR_SCHEDULES), torch_names
 
 
 def _name_pattern(names: list) -> str:
@@ -104,25 +145,36 @@ def _name_pattern(names: list) -> str:
     return "^(" + "|".join(one(n) for n in names) + ")$"
 
 
+def _type_key(names: list, refused: dict, description: str, case_note: str) -> dict:
+    """The "type" key: one of `names` (explain.py turns a miss into did-you-mean), or null."""
+    return {**TYPE_NAME, "pattern": _name_pattern(names), "examples": names, "description": description,
+            "default": None, "x-refused": refused, "x-case-note": case_note}
+
+
 def optimizer() -> tuple[dict, dict]:
-    """The `optimizer` section and the `$defs` it refers to (one closed params object per type)."""
+    """The `optimizer` section and the `$defs` it refers to (one closed params object per type).
+    `params` may be null: DeepSpeed reads `optimizer_params() or {}`."""
     defs, rules = {}, []
     for def_name, (types, params) in OPTIMIZERS.items():
-        defs[def_name] = section(f"params of optimizer type {'/'.join(types)}.", params())
+        defs[def_name] = section(f"params of optimizer type {'/'.join(types)}.", params(), default=None)
         rules.append(_if_type(_name_pattern(types), def_name))
-    names = DEEPSPEED_NAMES + [n for n in TORCH_NAMES if n not in DEEPSPEED_NAMES]
+    torch_names = torch_optimizer_names()
+    names = DEEPSPEED_NAMES + [n for n in torch_names if n not in TORCH_OPTIMIZERS_REFUSED]
+    refused = {n: why for n, why in TORCH_OPTIMIZERS_REFUSED.items() if n in torch_names}
     body = section("Optimizer DeepSpeed builds (omit it when the script passes its own optimizer).", {
-        "type": {"type": "string", "pattern": _name_pattern(names), "examples": names,
-                 "description": "Optimizer class: one of DeepSpeed's (Adam, AdamW, Lamb, Lion, Adagrad, Muon, "
-                 "...; any case) or a torch.optim class name (case-sensitive)."},
-        "params": {"type": "object", "description": "Keyword arguments of the optimizer class.", "default": {}},
+        "type": _type_key(names, refused, "Optimizer class: one of DeepSpeed's (Adam, AdamW, Lamb, Lion, Adagrad, "
+                          "Muon, ...; any case) or a torch.optim class name (case-sensitive). null: no optimizer "
+                          "from the config.", "torch.optim names are case-sensitive"),
+        "params": {"type": ["object", "null"], "description": "Keyword arguments of the optimizer class (null: "
+                   "none).", "default": None},
         "legacy_fusion": flag("Legacy fused fp16 optimizer path."),
     }, required=["type"], allOf=rules)
     return body, defs
 
 
 def _if_type(pattern: str, def_name: str) -> dict:
-    return {"if": {"properties": {"type": {"pattern": pattern}}, "required": ["type"]},
+    """params must fit `def_name` when "type" is a string matching `pattern` (not when it is null)."""
+    return {"if": {"properties": {"type": {"type": "string", "pattern": pattern}}, "required": ["type"]},
             "then": {"properties": {"params": {"$ref": f"#/$defs/{def_name}"}}}}
 
 
@@ -135,13 +187,13 @@ def _warmup(total: bool) -> dict:
         "last_batch_iteration": prop("integer", "Index of the last batch (-1: start fresh).", -1, minimum=-1),
     }
     if total:
-        out["total_num_steps"] = count("Total training steps (decay ends here).", None, minimum=1, auto=True)
+        out["total_num_steps"] = count("Total training steps (decay ends here).", minimum=1, auto=True)
     return out
 
 
 def _cosine() -> dict:
     return {
-        "total_num_steps": count("Total training steps.", None, minimum=1, auto=True),
+        "total_num_steps": count("Total training steps.", minimum=1, auto=True),
         "warmup_min_ratio": real("Warm-up start as a fraction of the optimizer lr.", 0.0, minimum=0, maximum=1),
         "warmup_num_steps": count("Warm-up steps (> 0).", 1000, minimum=1, auto=True),
         "cos_min_ratio": real("Final lr as a fraction of the optimizer lr.", 0.0001, minimum=0, maximum=1),
@@ -195,11 +247,14 @@ def scheduler() -> tuple[dict, dict]:
         defs[def_name] = section(f"params of scheduler {name} (runtime/lr_schedules.py).", params(),
                                  required=REQUIRED_SCHEDULER_PARAMS.get(name, []))
         rules.append(_if_type(f"^{name}$", def_name))
+    ours, torch_names = scheduler_names()
+    names = ours + [n for n in torch_names if n not in TORCH_SCHEDULERS_REFUSED]
+    refused = {n: why for n, why in TORCH_SCHEDULERS_REFUSED.items() if n in torch_names}
     body = section("Learning-rate scheduler DeepSpeed builds from runtime/lr_schedules.py or "
                    "torch.optim.lr_scheduler.", {
-                       "type": {"type": "string", "description": "Scheduler class name (case-sensitive): "
-                                "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a "
-                                "torch.optim.lr_scheduler class.", "pattern": "^[A-Z][A-Za-z]*$"},
+                       "type": _type_key(names, refused, "Scheduler class name (case-sensitive): " + ", ".join(ours)
+                                         + ", or a torch.optim.lr_scheduler class. null: no scheduler from the "
+                                         "config.", "scheduler names are case-sensitive"),
                        "params": {"type": "object", "description": "Keyword arguments of the scheduler.",
                                   "default": {}},
                    }, required=["type"], allOf=rules)

@@ -12,8 +12,12 @@ def prop(type_, description, default=_NO_DEFAULT, auto=False, **constraints):
 
     auto=True allows the string "auto" (a value the HF Trainer / Accelerate fills in) through an
     anyOf with `$defs/auto`, so validation can tell "auto" apart from other strings.
+    A default of None (DeepSpeed's `param_dict.get(key, None)`) also allows null: written as null,
+    the key reads exactly as if it were absent.
     """
     body = {"type": type_, **constraints}
+    if default is None:
+        body = nullable(body)
     out = {"description": description}
     if auto:
         out["anyOf"] = [body, AUTO_REF]
@@ -24,12 +28,22 @@ def prop(type_, description, default=_NO_DEFAULT, auto=False, **constraints):
     return out
 
 
+def nullable(body: dict) -> dict:
+    """`body` that also accepts null (and None among its enum values)."""
+    types = [body["type"]] if isinstance(body["type"], str) else list(body["type"])
+    out = {**body, "type": types + ["null"] if "null" not in types else types}
+    if "enum" in out and None not in out["enum"]:
+        out["enum"] = out["enum"] + [None]
+    return out
+
+
 def section(description, properties, closed=True, **extra):
-    """An object with a fixed key set (closed) or one DeepSpeed passes on as a whole (open)."""
+    """An object with a fixed key set (closed) or one DeepSpeed passes on as a whole (open).
+    default=None in `extra`: DeepSpeed reads the section with `.get(key, None)`, so null is allowed."""
     out = {"type": "object", "description": description, "properties": properties}
     out["additionalProperties"] = not closed
     out.update(extra)
-    return out
+    return nullable(out) if "default" in extra and extra["default"] is None else out
 
 
 def flag(description, default=False, auto=False):

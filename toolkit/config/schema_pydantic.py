@@ -2,7 +2,8 @@
 
 Every field becomes a property (under its alias too: DeepSpeed sets populate_by_name, so both
 spellings work), with DeepSpeed's own default, bounds (Field gt/ge/lt/le), enum values and the
-docstring DeepSpeed writes below the field. Used by `schema_build` and by the test that checks
+docstring DeepSpeed writes below the field. A field takes null where DeepSpeed's model does
+(Optional[...] types, or a validator that maps None to the default). Used by `schema_build` and by the test that checks
 schema.json against the installed DeepSpeed.
 """
 
@@ -45,6 +46,8 @@ def model_schema(model, description: str) -> dict:
     props = {}
     for name, field in model.model_fields.items():
         prop = field_schema(field, docs.get(name) or field.description or FALLBACK_DOCS.get(name, ""))
+        if not _allows_null(prop) and accepts_null(model, field.alias or name):
+            prop = _nullable(prop)  # e.g. leaf_module: a before-validator turns null into the defaults
         if field.alias and field.alias != name:
             props[field.alias] = prop
             props[name] = {**prop, "description": f"Same as \"{field.alias}\". {prop['description']}"}
@@ -53,6 +56,16 @@ def model_schema(model, description: str) -> dict:
     return {"type": "object", "description": description, "additionalProperties": False,
             "x-deepspeed-parser": "pydantic", "x-deepspeed-model": f"{model.__module__}.{model.__qualname__}",
             "properties": props}
+
+
+def accepts_null(model, key: str) -> bool:
+    """Whether DeepSpeed's model takes `key: null` (Optional fields, validators that map None to a
+    default). Builds the model with that one key, as DeepSpeed does from the JSON section."""
+    try:
+        model(**{key: None})
+    except Exception:  # pydantic's ValidationError, or a validator's own AssertionError/ValueError
+        return False
+    return True
 
 
 def field_docs(model) -> dict:
@@ -122,6 +135,11 @@ def _json_type(py) -> str:
     if py is str or (inspect.isclass(py) and issubclass(py, PurePath)):
         return "string"
     return "null"  # a Python object (process group, torch.dtype): cannot be written in JSON
+
+
+def _allows_null(schema: dict) -> bool:
+    types = schema.get("type", [])
+    return "null" in ([types] if isinstance(types, str) else types)
 
 
 def _nullable(schema: dict) -> dict:

@@ -35,8 +35,10 @@ def top_level_scalars() -> dict:
         "communication_data_type": prop(["string", "null"], "Dtype of gradient communication; "
                                         "null picks it from the training precision.", None,
                                         enum=DTYPE_NAMES + [None]),
-        "seq_parallel_communication_data_type": text("Dtype of sequence-parallel gradient "
-                                                     "communication.", "fp32", enum=DTYPE_NAMES),
+        "seq_parallel_communication_data_type": prop(["string", "null"], "Dtype of sequence-parallel "
+                                                     "gradient communication (null: from the training "
+                                                     "precision, as communication_data_type).", "fp32",
+                                                     enum=DTYPE_NAMES + [None]),
         "disable_allgather": flag("Disable all-gather (legacy ZeRO option)."),
         "dump_state": flag("Print DeepSpeed's state after initialisation."),
         "disable_python_gc": flag("Disable Python's automatic cyclic garbage collector during training."),
@@ -108,7 +110,7 @@ def flops_profiler() -> dict:
 
 def checkpoint() -> dict:
     modes = ["WARN", "IGNORE", "FAIL", "Warn", "Ignore", "Fail", "warn", "ignore", "fail"]
-    writer = section("Checkpoint writer (model_checkpointing/config.py).", {
+    writer = section("Checkpoint writer (model_checkpointing/config.py; null: the default writer).", {
         "type": text("Writer implementation (case-insensitive).", "FAST",
                      enum=["FAST", "PYTHON", "MOCK", "fast", "python", "mock"]),
         "decoupled": flag("Write checkpoints from a separate process."),
@@ -118,7 +120,7 @@ def checkpoint() -> dict:
         "data_parallel": prop(["string", "null"], "Unit of data-parallel writing.", None,
                               enum=["REPLICA", "SOCKET", "MACHINE", "replica", "socket", "machine", None]),
         "io_multiplier": count("I/O multiplier.", 1, minimum=1),
-    })
+    }, default=None)
     return section("Checkpoint save/load options (read as a plain dict).", {
         "tag_validation": text("Check that all ranks save the same tag (case-insensitive).", "WARN", enum=modes),
         "load_universal": flag("Load a universal (reshapeable) checkpoint."),

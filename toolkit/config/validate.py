@@ -48,7 +48,7 @@ def _auto_problem(path: list, strict: bool) -> Problem:
     fate = "drops it silently and uses the default" if pydantic else "cannot use it"
     message = f'"{path[-1]}" ' + AUTO_NOTE.format(fate=fate)
     if strict:
-        message += "; --strict refuses it: write the value"
+        message += "; refused here (dstk train, validate --strict): write the value"
     return Problem(json_path(path), message, ERROR if strict else NOTE)
 
 

@@ -20,7 +20,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 import models  # noqa: E402
-from toolkit import parity  # noqa: E402
+from toolkit import dist  # noqa: E402
+from toolkit.train import parity  # noqa: E402
 
 CASES = [  # (model_type, task, config overrides, parts over L + 3 (or L + 2) layers with L = 2)
     ("llama", None, {}, [0, 2, 5]),
@@ -99,8 +100,7 @@ def run_dir_case(path, parts):
 
 
 def main(out_dir, hf_dir=None):
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist.init()
     results = {}
     for model_type, task, overrides, parts in CASES:
         hf = parity.small_model(model_type, task, **overrides)

@@ -12,7 +12,7 @@ import sys
 import deepspeed
 import torch
 
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build on CPU
+from toolkit import dist
 
 
 def layers():
@@ -28,7 +28,7 @@ def batches(mbs):
 
 
 def main(config_path, out_path):
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist.init()
     cfg = json.load(open(config_path))
     pp = cfg.get("pipeline", {}).get("stages", 1)
     if pp > 1:

@@ -10,6 +10,8 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 
 EOT = "<|endoftext|>"
+# `dstk train --task` -> the models/ task whose head (and Auto class) it trains.
+MODEL_TASKS = {"causal-lm": "causal-lm", "classification": "sequence-classification"}
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0, attention_dropout=0.0)
 
@@ -93,9 +95,10 @@ def _dropout_keys(model_type: str) -> dict:
 def build_model(model: str, config, task: str, seed: int):
     """Pretrained weights from a directory, or random ones from `seed` (the same on every rank)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    import models
+
+    cls = models.auto_class(MODEL_TASKS[task])
     torch.manual_seed(seed)  # heads that a pretrained directory lacks get the same init everywhere
     if Path(model).is_dir():
         return cls.from_pretrained(model, config=config)

@@ -1,82 +1,16 @@
-"""DeepSpeed checkpoints written by `dstk train`, and their conversion to a HF directory.
+"""A dstk-trained DeepSpeed checkpoint -> a HF directory (safetensors, config, tokenizer).
 
-Layout of CHECKPOINT_DIR:
-  global_stepN/          DeepSpeed's own files: mp_rank_00_model_states.pt (+ ZeRO shards) for
-                         pp = 1, layer_XX-model_states.pt per pipeline layer for pp > 1
-  latest                 the tag of the newest COMPLETE checkpoint, written by us after every rank
-                         finished saving (os.replace: a run killed mid-save leaves the old one)
-  dstk/                  config.json + tokenizer + layout.json (task, pp, HF names per layer)
+Pipeline checkpoints hold one file per layer (layer_XX-model_states.pt): the layout saved beside
+them maps each layer's keys back to HF names. pp = 1 checkpoints hold the HF state dict itself
+(ZeRO-3 as shards, gathered with DeepSpeed's zero_to_fp32).
 """
 
 import json
-import os
-import re
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
-
-META = "dstk"
-
-
-def save(engine, ckpt_dir: Path, step: int) -> str:
-    """Save every rank's part under tag global_step<step>, then point `latest` at it."""
-    import torch.distributed as dist
-
-    tag = f"global_step{step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
-    dist.barrier()  # every rank's files are on disk before `latest` names the tag
-    if dist.get_rank() == 0:
-        write_latest(ckpt_dir, tag)
-    dist.barrier()
-    return tag
-
-
-def write_latest(ckpt_dir: Path, tag: str) -> None:
-    """Atomically replace CHECKPOINT_DIR/latest with `tag`."""
-    tmp = Path(ckpt_dir) / f".latest.{os.getpid()}"
-    tmp.write_text(tag)
-    os.replace(tmp, Path(ckpt_dir) / "latest")
-
-
-def read_latest(ckpt_dir: Path) -> str | None:
-    path = Path(ckpt_dir) / "latest"
-    return path.read_text().strip() if path.is_file() else None
-
-
-def step_of(tag: str) -> int:
-    match = re.fullmatch(r"global_step(\d+)", tag)
-    if not match:
-        raise UnusableInput(f"checkpoint tag {tag!r} is not global_stepN; was it written by dstk train?")
-    return int(match.group(1))
-
-
-def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
-    """What export needs besides the weights: the HF config, the tokenizer, the layer layout."""
-    meta = Path(ckpt_dir) / META
-    meta.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(meta)
-    tokenizer.save_pretrained(meta)
-    (meta / "layout.json").write_text(json.dumps(layout, indent=1))
-
-
-def _shape_keys(config) -> dict:
-    keep = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n_embd", "n_layer",
-            "intermediate_size", "num_attention_heads", "n_head", "num_labels")
-    d = config.to_dict()
-    return {k: d.get(k) for k in keep if k in d}
-
-
-def check_same_model(ckpt_dir: Path, config) -> None:
-    """Refuse to resume a checkpoint that another model (other shapes) wrote."""
-    from transformers import AutoConfig
-
-    saved = _shape_keys(AutoConfig.from_pretrained(Path(ckpt_dir) / META))
-    now = _shape_keys(config)
-    diff = {k: (saved.get(k), now.get(k)) for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
-    if diff:
-        pairs = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items()))
-        raise ConfigError(f"checkpoint {ckpt_dir} was written by another model ({pairs}); "
-                          f"use a fresh --out, or the --model it was trained with")
+from toolkit.train.checkpoint import META, read_latest
+from toolkit.train.hf import MODEL_TASKS
 
 
 def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
@@ -131,14 +65,16 @@ def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:
 
 def export(ckpt_dir, out_dir, tag: str | None = None) -> Path:
     """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    import models
 
     meta = Path(ckpt_dir) / META
     if not meta.is_dir():
         raise UnusableInput(f"{ckpt_dir} has no {META}/ folder: it was not written by dstk train")
     state, layout = load_state_dict(ckpt_dir, tag)
     config = AutoConfig.from_pretrained(meta)
-    cls = AutoModelForSequenceClassification if layout["task"] == "classification" else AutoModelForCausalLM
+    cls = models.auto_class(MODEL_TASKS[layout["task"]])
     model = cls.from_config(config)  # CPU, fp32; every weight is then overwritten
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not _tied(model, k)]

@@ -118,7 +118,7 @@ def profile_model(model: str, seq_len: int, mbs: int = 1, reps: int = 3) -> list
     import os
 
     import models
-    from toolkit.arch import load_arch, to_hf_config
+    from toolkit.plan.arch import load_arch, to_hf_config
 
     source = model if os.path.isdir(model) else to_hf_config(load_arch(model))
     spec = models.pipeline_layers(source, seq_len=seq_len)

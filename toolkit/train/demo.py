@@ -1,7 +1,7 @@
 """The embedded default: train a small GPT-2 from scratch on the shipped corpus, pp = 2.
 
-    python -m toolkit.demo                 # or: make demo
-    python -m toolkit.demo --steps 60 --out runs/demo
+    python -m toolkit.train.demo                 # or: make demo
+    python -m toolkit.train.demo --steps 60 --out runs/demo
 
 What it does, each step a real dstk piece: generate a DeepSpeed config for pp = 2 over 2
 processes (CPU processes on gloo without CUDA, GPUs with it), launch `toolkit.train` on both
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import click
 
-REPO = Path(__file__).resolve().parents[1]
-CORPUS = Path(__file__).with_name("corpus") / "corpus.txt"
+from toolkit.corpus import PATH as CORPUS
+
+REPO = Path(__file__).resolve().parents[2]  # launch.sh lives at the repository root
 
 
 def demo_config(out: Path, lr: float) -> Path:
@@ -38,7 +39,8 @@ def train(out: Path, steps: int, lr: float, model: str) -> int:
     config = demo_config(out, lr)
     cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(config), "--",
            "--model", model, "--data", str(CORPUS), "--seq-len", "128", "--steps", str(steps),
-           "--eval-every", str(max(steps // 4, 1)), "--save-every", str(max(steps // 2, 1)), "--out", str(out)]
+           "--eval-every", str(max(steps // 4, 1)), "--save-every", str(max(steps // 2, 1)), "--out", str(out),
+           "--overwrite"]
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                os.environ.get("PYTHONPATH")])))
     click.echo("$ " + " ".join(cmd))
@@ -46,19 +48,11 @@ def train(out: Path, steps: int, lr: float, model: str) -> int:
 
 
 def report(out: Path) -> None:
-    """The loss curve in a few lines, the summary, and a sample from the exported model."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "step" in r]
-    summary = [r["summary"] for r in records if "summary" in r][-1]
-    click.echo("\nstep   loss    eval    tokens/s")
-    for r in steps:
-        if r is steps[-1]:  # the final eval runs after the last step: it is in the summary
-            r = dict(r, eval_loss=summary["eval_loss"])
-        if r is steps[0] or "eval_loss" in r:
-            evaluated = f"{r['eval_loss']:6.3f}" if "eval_loss" in r else "     -"
-            click.echo(f"{r['step']:>4}  {r['loss']:6.3f}  {evaluated}  {r['tokens_per_s']:8.0f}")
-    click.echo(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}, eval {summary['eval_loss']:.3f}, "
-               f"{summary['tokens_per_s']:.0f} tokens/s, {summary['seconds']:.0f} s")
+    """The loss table the run printed, and a sample from the exported model."""
+    from toolkit.train.report import read_metrics, table
+
+    click.echo("\n" + table(*read_metrics(out / "metrics.jsonl")))
+    click.echo(f"loss curve: {out / 'loss.png'}")
     click.echo(f"exported HF model: {out / 'hf'}")
     click.echo(f"sample: {sample(out / 'hf')!r}")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit import checkpoint, data, train_models
+from toolkit.topology import config_batch
+from toolkit.train import checkpoint, data, hf
 
 
 @dataclass
@@ -31,65 +32,58 @@ class Job:
     ckpt_dir: Path
 
 
-def prepare(args, cfg: dict, topo, dp_rank: int) -> Job:
-    """Tokenizer, data, model and engine; resumes from the latest checkpoint when asked."""
+def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
+    """Tokenizer, data, model and engine; resumes from checkpoint `resume_tag` when given."""
     import deepspeed
 
-    tokenizer = train_models.load_tokenizer(args.model, args.tokenizer)
-    rows = data.read_records(args.data)
-    probe = train_models.load_config(args.model, tokenizer, "causal-lm")
-    tokens = data.tokenize(rows, tokenizer, args.seq_len, args.task, train_models.max_positions(probe),
-                           args.text_field)
+    tokenizer = hf.load_tokenizer(args.model, args.tokenizer)
+    rows = data.read_records(args.data, args.encoding)
+    probe = hf.load_config(args.model, tokenizer, "causal-lm")
+    tokens = data.tokenize(rows, tokenizer, args.seq_len, args.task, hf.max_positions(probe), args.text_field)
     num_labels = int(tokens.labels.max()) + 1 if args.task == "classification" else 2
-    config = train_models.load_config(args.model, tokenizer, args.task, num_labels)
+    config = hf.load_config(args.model, tokenizer, args.task, num_labels)
     train_set, eval_set = data.split(tokens, args.eval_fraction, args.seed)
-    mbs, gas = _batch_sizes(cfg, topo.dp)
-    sampler = data.ShardedBatches(train_set, mbs, gas, topo.dp, dp_rank, args.seed)
+    batch = config_batch(cfg, topo.dp)
+    sampler = data.ShardedBatches(train_set, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = Path(args.out) / "checkpoints"
-    start = _resume_step(ckpt_dir, config) if args.resume else 0
+    if resume_tag:
+        checkpoint.check_same_model(ckpt_dir, config)
     model, layout = _model(args, config, topo, cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                      if p.requires_grad], config=cfg)
-    if dist.get_rank() == 0 and start == 0:
-        checkpoint.save_meta(ckpt_dir, config, tokenizer, dict(layout, task=args.task))
-    if start:
-        engine.load_checkpoint(str(ckpt_dir), tag=checkpoint.read_latest(ckpt_dir))
+    if dist.get_rank() == 0 and not resume_tag:
+        checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
+    if resume_tag:
+        engine.load_checkpoint(str(ckpt_dir), tag=resume_tag)
+    start = checkpoint.step_of(resume_tag) if resume_tag else 0
     steps = args.steps or sampler.steps_per_epoch
-    return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, mbs * gas * topo.dp * args.seq_len,
+    return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, batch.gbs * args.seq_len,
                topo.dp, dp_rank, ckpt_dir)
+
+
+def run_identity(args, topo, cfg: dict) -> dict:
+    """What a resumed run must share with the checkpoint it continues (checkpoint.RUN_KEYS)."""
+    def where(path):
+        return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+    zero = cfg.get("zero_optimization") or {}
+    return {"model": where(args.model), "tokenizer": where(args.tokenizer), "task": args.task,
+            "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero.get("stage", 0)}
 
 
 def _model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, layout). pp > 1 with a local directory: no rank builds the
-    whole model; each stage reads its own layers' tensors (toolkit.train_pipe)."""
+    whole model; each stage reads its own layers' tensors (toolkit.train.pipe)."""
     if topo.pp == 1:
-        return train_models.build_model(args.model, config, args.task, args.seed), {"pp": 1}
-    from toolkit.train_pipe import pipeline_module
+        return hf.build_model(args.model, config, args.task, args.seed), {"pp": 1}
+    from toolkit.train.pipe import pipeline_module
 
     if Path(args.model).is_dir():
         torch.manual_seed(args.seed)  # heads the directory lacks: the same init on every dp replica
         source = args.model
     else:  # built-in: tiny, random from the seed, identical on every rank and layout
-        source = train_models.build_model(args.model, config, args.task, args.seed)
+        source = hf.build_model(args.model, config, args.task, args.seed)
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config)
-
-
-def _batch_sizes(cfg: dict, dp: int) -> tuple[int, int]:
-    """(mbs, gas) from the config, deriving the missing one as DeepSpeed does."""
-    gbs, mbs, gas = (cfg.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                          "gradient_accumulation_steps"))
-    mbs = mbs or gbs // ((gas or 1) * dp)
-    gas = gas or (gbs // (mbs * dp) if gbs else 1)
-    return mbs, gas
-
-
-def _resume_step(ckpt_dir: Path, config) -> int:
-    """The step of the latest complete checkpoint (0 when there is none); refuses another model's."""
-    tag = checkpoint.read_latest(ckpt_dir)
-    if tag is None:
-        return 0
-    checkpoint.check_same_model(ckpt_dir, config)
-    return checkpoint.step_of(tag)
 
 
 def train_step(job: Job, it) -> float:
@@ -115,10 +109,11 @@ def _dp_mean(loss: torch.Tensor) -> float:
     return float(loss) / dist.get_world_size()
 
 
-def eval_loss(job: Job, args) -> float:
-    """Mean loss over eval_batches steps' worth of eval rows (wrapping around a small split)."""
+def eval_loss(job: Job, args) -> float | None:
+    """Mean loss over eval_batches steps' worth of eval rows (wrapping around a small split); None
+    without an eval split (--eval-fraction 0)."""
     if len(job.eval_set) == 0:
-        return float("nan")
+        return None
     gas = job.engine.gradient_accumulation_steps()
     it = data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank, gas * args.eval_batches)
     if job.pipeline:
@@ -133,14 +128,14 @@ def eval_loss(job: Job, args) -> float:
 def loop(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
     it = job.train.micro_batches(job.start_step)
-    log = _Log(Path(args.out) / "metrics.jsonl", job, args.progress) if is_logger else None
+    log = _Log(Path(args.out) / "metrics.jsonl", job, args) if is_logger else None
     losses, rates, start = [], [], time.perf_counter()
     for step in range(job.start_step + 1, job.steps + 1):
         t0 = time.perf_counter()
         loss = train_step(job, it)
         rates.append(job.tokens_per_step / (time.perf_counter() - t0))  # tokens/s of this step
         record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], "tokens_per_s": rates[-1]}
-        if args.eval_every and step % args.eval_every == 0 and step != job.steps:
+        if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
             record["eval_loss"] = eval_loss(job, args)
         if step == job.steps or (args.save_every and step % args.save_every == 0):
             checkpoint.save(job.engine, job.ckpt_dir, step)
@@ -168,14 +163,21 @@ def _params_per_rank(engine) -> list:
 
 
 class _Log:
-    """Rank 0's output: a tqdm bar (loss, lr, tokens/s) and one JSON line per step."""
+    """Rank 0's output: one JSON line per step in metrics.jsonl, and progress for a person: a tqdm bar
+    (loss, lr, tokens/s) on a terminal, else (a log file, a batch job) a plain line every N steps."""
 
-    def __init__(self, path: Path, job: Job, progress: bool):
+    def __init__(self, path: Path, job: Job, args):
+        import sys
+
         from tqdm import tqdm
 
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a")
-        self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not progress, unit="step")
+        self.every = args.log_every or max(1, (job.steps - job.start_step) // 20)
+        self.last = job.steps
+        tty = args.progress and sys.stderr.isatty()
+        self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
+        self.plain = args.progress and not tty
 
     def write(self, record: dict):
         self.file.write(json.dumps(record) + "\n")
@@ -183,6 +185,8 @@ class _Log:
         shown = {k: f"{v:.4g}" for k, v in record.items() if k != "step"}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
+        if self.plain and (record["step"] % self.every == 0 or record["step"] == self.last):
+            self.bar.write(f"step {record['step']}/{self.last} " + " ".join(f"{k} {v}" for k, v in shown.items()))
 
     def close(self, summary: dict):
         self.file.write(json.dumps({"summary": summary}) + "\n")

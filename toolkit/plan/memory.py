@@ -14,7 +14,7 @@ tests/distributed/test_memory_accuracy.py measures on real engines. A step has t
 `peak` is the larger one. Master weights: ZeRO >= 1 always keeps its own fp32 copy of the rank's
 partition (a clone even when the model is fp32).
 
-Activations: bytes per layer per micro-batch (N = mbs*seq tokens) come from toolkit.costs, which
+Activations: bytes per layer per micro-batch (N = mbs*seq tokens) come from toolkit.plan.costs, which
 counts the tensors HF's modules save for backward (norm inputs, q/k/v, attention output, MLP
 intermediates; (seq x seq) probabilities only under eager attention). It plays the role of Korthikanti
 et al. 2022's sbh(34 + 5as/h) bytes per 16-bit Megatron layer, fitted to HF layers instead. Here they
@@ -24,12 +24,10 @@ are multiplied by the micro-batches 1F1B keeps in flight on each stage.
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import ConfigError
+from toolkit.plan.precision import FP32, optimizer_bytes, weight_bytes
 
-PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per parameter (and per gradient) in the model
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; SGD momentum
 OFFLOADS = ("none", "optimizer", "all")  # all = optimizer and parameters (ZeRO-3 only)
 DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size (elements)
-FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -59,8 +57,8 @@ def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf1
     `overlap_comm` (ZeRO 1/2): DeepSpeed double-buffers the reduction bucket (stage_1_and_2.py
     setup_buckets), so two buckets are held during backward."""
     _check_states(num_params, dp, zero, precision, optimizer, offload)
-    w = PARAM_BYTES[precision]
-    k = OPTIMIZER_STATE_BYTES[optimizer]
+    w = weight_bytes(precision)
+    k = optimizer_bytes(optimizer)
     n, shard = num_params, dp if zero >= 1 else 1
     if zero == 0:
         master_n, opt_n, grad_bw, grad_step = _zero0_layout(n, dp, w, pipeline)
@@ -96,7 +94,7 @@ def _zero0_layout(n: int, dp: int, w: int, pipeline: bool) -> tuple[int, int, in
     Otherwise fp16/bf16: FP16_Optimizer (full fp32 master and states, fp32 gradients at the step)."""
     if w == FP32:
         return 0, n, n * w, n * w
-    if pipeline and w == PARAM_BYTES["bf16"]:
+    if pipeline and w == weight_bytes("bf16"):
         return _ceil(n, dp), _ceil(n, dp), n * w, n * w + _ceil(n, dp) * FP32
     return n, n, n * w, n * w + n * FP32
 
@@ -133,10 +131,7 @@ def _check_states(num_params, dp, zero, precision, optimizer, offload) -> None:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
-    if precision not in PARAM_BYTES:
-        raise ConfigError(f"precision {precision!r} unknown; use one of {', '.join(PARAM_BYTES)}")
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ConfigError(f"optimizer {optimizer!r} unknown; use one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+    weight_bytes(precision), optimizer_bytes(optimizer)  # refuse unknown names
     if offload not in OFFLOADS:
         raise ConfigError(f"offload {offload!r} unknown; use one of {', '.join(OFFLOADS)}")
     if offload != "none" and zero == 0:

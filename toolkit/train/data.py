@@ -42,17 +42,54 @@ class TokenData:
         return (self.input_ids, self.attention_mask), self.labels
 
 
-def read_records(path) -> list:
-    """Documents (str) from plain text, or dicts from JSONL. Missing or empty -> ConfigError."""
-    path = Path(path)
-    if not path.is_file():
-        raise UnusableInput(f"data file {str(path)!r} does not exist; pass --data PATH to a .txt or .jsonl file")
-    text = path.read_text(encoding="utf-8", errors="replace")
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def read_records(path, encoding: str = "utf-8") -> list:
+    """Documents (str) from plain text, or dicts from JSONL. Unreadable input -> UnusableInput that
+    names the file and the way out: missing, a directory, binary, not `encoding`, empty, unknown kind."""
+    path = check_path(path)
+    text = decode_text(path.read_bytes(), path, encoding)
     if not text.strip():
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or JSONL rows to train on")
-    if path.suffix in (".jsonl", ".json"):
+    if path.suffix.lower() in JSON_SUFFIXES:
         return [_json_line(line, path, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     return [doc.strip() for doc in text.split("\n\n") if doc.strip()]
+
+
+def check_path(path) -> Path:
+    """The data file, if it is one dstk can read (exists, a file, a known extension)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UnusableInput(f"--data {path} is a directory; pass a .txt or .jsonl file")
+    if not path.is_file():
+        raise UnusableInput(f"data file {str(path)!r} does not exist; pass --data PATH to a .txt or .jsonl file")
+    if path.suffix.lower() not in TEXT_SUFFIXES + JSON_SUFFIXES:
+        raise UnusableInput(f"--data {path}: unknown format {path.suffix or '(no extension)'!r}; dstk train reads "
+                            f"plain text ({', '.join(TEXT_SUFFIXES)}) or JSON lines ({', '.join(JSON_SUFFIXES)}): "
+                            "rename or convert the file")
+    return path
+
+
+def decode_text(raw: bytes, path: Path, encoding: str = "utf-8") -> str:
+    """The file's text, strictly: a byte that is not `encoding` is refused with its offset (training on
+    replacement characters teaches the model garbage), NUL bytes mean binary data."""
+    nul = raw.find(b"\x00")
+    if nul >= 0 and not encoding.lower().replace("-", "").startswith(("utf16", "utf32")):
+        raise UnusableInput(f"--data {path}: binary data (a NUL byte at offset {nul}), not text; "
+                            "pass a .txt or .jsonl file")
+    try:
+        return raw.decode("utf-8-sig" if encoding.lower() in ("utf-8", "utf8") else encoding)
+    except LookupError:
+        raise UnusableInput(f"--encoding {encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, "
+                            "cp1252, utf-16)") from None
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise UnusableInput(f"--data {path} is not {encoding} text: byte 0x{raw[exc.start]:02x} at offset "
+                            f"{exc.start} (line {line}); pass --encoding with the "
+                            f"file's encoding (e.g. --encoding latin-1), or convert it: "
+                            f"iconv -f LATIN1 -t UTF-8 {path} > {path.stem}.utf8{path.suffix}") from None
 
 
 def _json_line(line: str, path: Path, lineno: int) -> dict:
@@ -77,7 +114,7 @@ def tokenize(records, tokenizer, seq_len: int, task: str = "causal-lm", max_posi
         return _classification(records, tokenizer, seq_len, text_field)
     if records and isinstance(records[0], dict) and "prompt" in records[0]:
         return _prompt_response(records, tokenizer, seq_len)
-    docs = [r if isinstance(r, str) else _field(r, text_field, n) for n, r in enumerate(records, 1)]
+    docs = [r if isinstance(r, str) else _text(r, text_field, n) for n, r in enumerate(records, 1)]
     return _packed(docs, tokenizer, seq_len)
 
 
@@ -86,6 +123,14 @@ def _field(record: dict, key: str, n: int):
         raise ConfigError(f"JSONL row {n} has no {key!r} field (keys: {sorted(record)}); "
                           f"use --text-field, or rows with 'prompt' and 'response'")
     return record[key]
+
+
+def _text(record: dict, key: str, n: int) -> str:
+    value = _field(record, key, n)
+    if not isinstance(value, str):
+        raise ConfigError(f"JSONL row {n}: {key!r} is {type(value).__name__} {json.dumps(value)[:40]}, not a string; "
+                          f"fix the row, or point --text-field at the field that holds the text")
+    return value
 
 
 def _eos(tokenizer) -> list:
@@ -115,8 +160,8 @@ def _prompt_response(records, tokenizer, seq_len: int) -> TokenData:
     """One row per example: prompt + response + eos, padded; labels -100 outside the response."""
     ids, mask, labels = [], [], []
     for n, r in enumerate(records, 1):
-        prompt = tokenizer(_field(r, "prompt", n), add_special_tokens=False)["input_ids"]
-        answer = tokenizer(_field(r, "response", n), add_special_tokens=False)["input_ids"] + _eos(tokenizer)
+        prompt = tokenizer(_text(r, "prompt", n), add_special_tokens=False)["input_ids"]
+        answer = tokenizer(_text(r, "response", n), add_special_tokens=False)["input_ids"] + _eos(tokenizer)
         if len(prompt) >= seq_len:
             raise ConfigError(f"JSONL row {n}: the prompt alone is {len(prompt)} tokens, leaving no room for "
                               f"the response in --seq-len {seq_len}; raise --seq-len or shorten the prompt")
@@ -130,7 +175,7 @@ def _prompt_response(records, tokenizer, seq_len: int) -> TokenData:
 
 def _classification(records, tokenizer, seq_len: int, text_field: str) -> TokenData:
     """{"text", "label": int} rows -> padded/truncated to seq_len; labels (N,)."""
-    texts = [_field(r, text_field, n) for n, r in enumerate(records, 1)]
+    texts = [_text(r, text_field, n) for n, r in enumerate(records, 1)]
     labels = [_field(r, "label", n) for n, r in enumerate(records, 1)]
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in labels):
         raise ConfigError("classification rows need an integer 'label' >= 0 (a class index)")

@@ -1,9 +1,9 @@
 """A PlanResult as text for a terminal, and its chosen layout as a DeepSpeed config."""
 
 from toolkit.errors import ConfigError
-from toolkit.gpus import format_bytes as fb
-from toolkit.plan import PlanResult
-from toolkit.plan_estimate import Estimate
+from toolkit.plan.gpus import format_bytes as fb
+from toolkit.plan.planner import PlanResult
+from toolkit.plan.estimate import Estimate
 
 OPTIMIZER_TYPES = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
 

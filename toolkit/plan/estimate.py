@@ -21,7 +21,8 @@ Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`
 
 from dataclasses import dataclass, field
 
-from toolkit.memory import activation_bytes, model_state_bytes
+from toolkit.plan.memory import activation_bytes, model_state_bytes
+from toolkit.plan.precision import weight_bytes
 from toolkit.topology import bubble_fraction
 
 CPU_ADAM = 1e9  # parameters per second DeepSpeedCPUAdam updates (order of magnitude, many cores)
@@ -130,7 +131,7 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
                                    overlap_comm=lay.zero == 2)  # generate-config turns it on for ZeRO >= 2
         totals.append((states.peak + acts[s], s, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
-    w = 4 if precision == "fp32" else 2
+    w = weight_bytes(precision)
     working = 2 * max(model.params) * w if lay.zero == 3 else 0
     est = Estimate(lay, heaviest, parts, states, acts[heaviest], working, hw.capacity, hw.host_capacity,
                    bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0)
@@ -141,7 +142,7 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
 def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     """Seconds per step by part; a pipeline slot is the slowest stage's micro-batch plus its send/receive."""
     lay, parts = est.layout, est.parts
-    w = 4 if precision == "fp32" else 2
+    w = weight_bytes(precision)
     tokens = lay.mbs * model.tokens
     rate = hw.flops * tokens / (tokens + HALF_TOKENS)
     slot = 0.0

@@ -10,7 +10,7 @@ Methods:
   compute      exact split minimising the slowest stage's forward+backward FLOPs (default)
   memory       exact split minimising the largest stage memory: model states + activations of the
                micro-batches 1F1B keeps in flight there (min(pp - s, micro_batches) on stage s)
-  profile      exact split over measured per-layer times (pass `times`; toolkit.profile measures)
+  profile      exact split over measured per-layer times (pass `times`; toolkit.plan.profile measures)
   parameters   DeepSpeed's: partition_balanced over parameter counts (a tied head counts its copy)
   uniform      DeepSpeed's: partition_uniform over the layer count
   type:REGEX   DeepSpeed's: partition_balanced over 1 for layers whose typename matches REGEX
@@ -22,7 +22,7 @@ minimises (largest - smallest) stage, which is not the same as minimising the la
 
 import re
 
-from toolkit.costs import LayerCost
+from toolkit.plan.costs import LayerCost
 from toolkit.errors import ConfigError
 
 METHODS = ("compute", "memory", "profile", "parameters", "uniform", "type:REGEX")
@@ -40,7 +40,7 @@ def partition_layers(costs: list[LayerCost], pp: int, method: str = "compute", t
     if method == "profile":
         if times is None or len(times) != len(costs):
             raise ConfigError(f"method 'profile' needs one measured time per layer ({len(costs)}), "
-                              f"got {None if times is None else len(times)}; see toolkit.profile.profile_layers")
+                              f"got {None if times is None else len(times)}; see toolkit.plan.profile.profile_layers")
         return min_bottleneck_split(list(times), pp)
     if method == "parameters":
         return partition_balanced([c.params for c in costs], pp)

@@ -6,9 +6,9 @@
 
 from dataclasses import asdict, dataclass, field
 
-from toolkit.arch import Arch
-from toolkit.costs import layer_costs
-from toolkit.partition import check_stages, partition_layers, stage_sums
+from toolkit.plan.arch import Arch
+from toolkit.plan.costs import layer_costs
+from toolkit.plan.partition import check_stages, partition_layers, stage_sums
 
 COMPARED = ("parameters", "uniform")  # DeepSpeed's own methods, shown next to dstk's
 

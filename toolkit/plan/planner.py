@@ -7,17 +7,17 @@
 Layouts: pp dividing the world and the model's block count; dp = world / pp; ZeRO 0-3 with pp = 1,
 0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses 2/3); mbs * gas * dp = gbs; offload of the
 optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation checkpointing on or off. Each stage's
-layers come from toolkit.partition's exact split (least slowest stage); the stage with the most
-memory is reported. Estimates: toolkit.memory (bytes) and toolkit.plan_estimate (seconds).
-Activations come from toolkit.costs: attention="sdpa" (flash / memory-efficient kernels) stores no
+layers come from toolkit.plan.partition's exact split (least slowest stage); the stage with the most
+memory is reported. Estimates: toolkit.plan.memory (bytes) and toolkit.plan.estimate (seconds).
+Activations come from toolkit.plan.costs: attention="sdpa" (flash / memory-efficient kernels) stores no
 (seq x seq) attention probabilities, "eager" does.
 """
 
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
-from toolkit.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overrides
-from toolkit.plan_estimate import Estimate, Hardware, Layout, Model, estimate
+from toolkit.plan.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overrides
+from toolkit.plan.estimate import Estimate, Hardware, Layout, Model, estimate
 from toolkit.topology import divisors
 
 ATTENTION = ("sdpa", "eager")
@@ -29,7 +29,7 @@ class PlanRequest:
     gbs: int  # global batch (sequences per optimizer step)
     gpus_per_node: int = 8
     nodes: int = 1
-    gpu: str | None = None  # preset name (toolkit.gpus.GPUS)
+    gpu: str | None = None  # preset name (toolkit.plan.gpus.GPUS)
     gpu_mem: int | None = None  # bytes; overrides the preset's memory
     seq_len: int | None = None  # default: min(2048, the model's max_positions)
     precision: str = "bf16"
@@ -93,7 +93,7 @@ def make_plan(req: PlanRequest) -> PlanResult:
 
 def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
     """The estimate of one given layout (benchmarks compare it with a measured run)."""
-    from toolkit.partition import partition_layers
+    from toolkit.plan.partition import partition_layers
 
     gpu, arch, seq, costs = _prepare(req)
     parts = partition_layers(costs, layout.pp, "compute")
@@ -103,8 +103,8 @@ def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
 
 def _prepare(req: PlanRequest) -> tuple:
     """(gpu, arch, seq_len, per-layer costs for one sequence) after checking the request."""
-    from toolkit.arch import load_arch
-    from toolkit.costs import layer_costs
+    from toolkit.plan.arch import load_arch
+    from toolkit.plan.costs import layer_costs
 
     _check_request(req)
     gpu, arch = _gpu(req), load_arch(req.model)
@@ -149,7 +149,7 @@ def _gpu(req: PlanRequest) -> Gpu:
 
 
 def _model(costs, arch, seq: int, precision: str) -> Model:
-    from toolkit.costs import boundary_bytes
+    from toolkit.plan.costs import boundary_bytes
 
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], [c.act_bytes for c in costs], boundary_bytes(arch, seq, 1, precision),
@@ -158,7 +158,7 @@ def _model(costs, arch, seq: int, precision: str) -> Model:
 
 def _layouts(req: PlanRequest, arch, costs: list):
     """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none."""
-    from toolkit.partition import partition_layers
+    from toolkit.plan.partition import partition_layers
 
     world = req.gpus_per_node * req.nodes
     pps = [pp for pp in divisors(world) if arch.layers % pp == 0 and pp <= len(costs)]

@@ -23,7 +23,7 @@ FLOPs (a multiply-add counts 2), per micro-batch, forward:
 Elementwise terms are rough and small next to the matmuls; on CPUs they cost more time than
 their FLOPs suggest (memory bound): the `profile` partition method measures instead.
 
-Memory, bytes (see PRECISIONS): model states = params * (param + grad + optimizer bytes); activations
+Memory, bytes (see toolkit.plan.precision): model states = params * (param + grad + optimizer bytes); activations
 held per micro-batch between its forward and backward (no activation checkpointing), with
 e = bytes per activation element:
   embed   8*N (token ids) (+ 2*e*N*h BERT's LayerNorm)
@@ -47,21 +47,9 @@ Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flig
 
 from dataclasses import dataclass
 
-from toolkit.arch import Arch
 from toolkit.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of each model state, and per activation element."""
-
-    param: int
-    grad: int
-    optim: int  # Adam: exp_avg + exp_avg_sq (8), plus an fp32 master copy (4) under mixed precision
-    act: int
-
-
-PRECISIONS = {"fp32": Precision(4, 4, 8, 4), "bf16": Precision(2, 2, 12, 2), "fp16": Precision(2, 2, 12, 2)}
+from toolkit.plan.arch import Arch, layer_params
+from toolkit.plan.precision import PRECISIONS, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -81,37 +69,6 @@ class LayerCost:
     def memory(self, in_flight: int = 1) -> int:
         """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
         return self.state_bytes + in_flight * self.act_bytes
-
-
-def _norm(arch: Arch) -> int:
-    return (2 if arch.norm == "layernorm" else 1) * arch.hidden
-
-
-def _block_params(arch: Arch) -> int:
-    h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    attn = h * (qd + 2 * kd) + qd * h + arch.qkv_bias * (qd + 2 * kd) + arch.out_bias * h
-    up = 2 if arch.gated_mlp else 1  # gate and up, or fc
-    mlp = (up + 1) * h * i + arch.out_bias * (up * i + h)
-    return 2 * _norm(arch) + attn + mlp
-
-
-def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
-    """(name, params held, of which copies) per pipeline layer, laid out as models/ builds them:
-    a tied head is a TiedLayerSpec of the whole first layer, so its stage holds a full copy of it
-    (DeepSpeed's `parameters` method counts it there too); BERT's first layer also owns the MLM
-    transform and output bias, which the head uses. Unique parameters = sum(held - copies)."""
-    h, v = arch.hidden, arch.vocab
-    embed = v * h + arch.learned_positions * arch.max_positions * h
-    if arch.is_encoder:  # token types and a LayerNorm inside BERT's embeddings
-        embed += arch.type_vocab * h + _norm(arch)
-    blocks = [(f"block.{i}", _block_params(arch), 0) for i in range(arch.layers)]
-    if arch.is_encoder:  # MLM head: dense h->h, LayerNorm, decoder (tied to word embeddings) + bias V
-        head_own = h * h + h + _norm(arch) + v
-        if arch.tied:
-            return [("embed", embed + head_own, 0)] + blocks + [("head", embed + head_own, embed + head_own)]
-        return [("embed", embed, 0)] + blocks + [("head", head_own + v * h, 0)]
-    head = ("head", embed, embed) if arch.tied else ("head", v * h, 0)
-    return [("embed", embed, 0)] + blocks + [("norm", _norm(arch), 0), head]
 
 
 def _block_flops(arch: Arch, b: int, t: int) -> float:
@@ -178,8 +135,7 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
     check_shape(arch, seq_len, mbs)
     if attention not in ("eager", "sdpa"):
         raise ConfigError(f"attention {attention!r} is not 'eager' or 'sdpa'")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    weight_bytes(precision)  # refuses an unknown precision
     p = PRECISIONS[precision]
     costs = []
     for name, params, tied in layer_params(arch):

@@ -9,10 +9,8 @@ a live (tiny, seeded) model, the same on every rank, whose modules the layers sh
 from pathlib import Path
 
 from toolkit.errors import ConfigError
+from toolkit.train.hf import MODEL_TASKS
 
-TASKS = {"causal-lm": "causal-lm", "classification": "sequence-classification"}
-_AUTO = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
-         "sequence-classification": "AutoModelForSequenceClassification"}
 
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None):
@@ -24,7 +22,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     is_dir = isinstance(model, (str, Path))
-    spec = models.pipeline_layers(str(model) if is_dir else model, task=TASKS[task])
+    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task])
     if is_dir and config is not None:
         _check_labels(str(model), spec.config, config)
     if topo.pp > spec.num_layers:
@@ -51,7 +49,7 @@ def choose_parts(spec, pp: int, cfg: dict, seq_len: int = 128) -> list:
     if section.get("parts"):
         return list(section["parts"])
     method = section.get("partition_method", "compute")
-    from toolkit import partition
+    from toolkit.plan import partition
 
     costs = _costs(spec, cfg, seq_len)
     if costs is None or method in ("parameters",):  # no cost model: balance parameters (DeepSpeed's way)
@@ -60,9 +58,9 @@ def choose_parts(spec, pp: int, cfg: dict, seq_len: int = 128) -> list:
 
 
 def _costs(spec, cfg: dict, seq_len: int):
-    """toolkit.costs per layer (for rows of seq_len tokens) when its layer list matches the spec's, else None."""
-    from toolkit.arch import arch_from_config
-    from toolkit.costs import layer_costs
+    """toolkit.plan.costs per layer (for rows of seq_len tokens) when its layer list matches the spec's, else None."""
+    from toolkit.plan.arch import arch_from_config
+    from toolkit.plan.costs import layer_costs
 
     try:
         arch = arch_from_config(spec.config.to_dict(), name=spec.config.model_type)
@@ -81,10 +79,9 @@ def hf_name_map(spec) -> list:
     names under its spec.hf_names entry."""
     import models
     import torch
-    import transformers
 
     with torch.device("meta"):
-        skeleton = getattr(transformers, _AUTO[spec.task]).from_config(spec.config)
+        skeleton = models.auto_class(spec.task).from_config(spec.config)
     by_id = {}
     for name, t in skeleton.state_dict(keep_vars=True).items():
         by_id.setdefault(id(t), name)  # a tied weight keeps its first name (the embedding's)

@@ -53,7 +53,7 @@ def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=N
     import torch
     from transformers import AutoConfig
 
-    from models.api import _auto_class, _default_task
+    from models import auto_class, default_task
 
     try:
         config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
@@ -61,23 +61,23 @@ def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=N
         raise ConfigError(f"unknown model {model_type!r}: not a local directory nor a transformers "
                           "model_type (try llama, gpt2, bert, qwen2, mistral, gemma, phi3)") from None
     no_dropout(config)
-    task = task or _default_task(config)
+    task = task or default_task(config)
     torch.manual_seed(seed)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    return _auto_class(task, config)._from_config(config, **kwargs).float().eval()
+    return auto_class(task, config)._from_config(config, **kwargs).float().eval()
 
 
 def load_model(path: str, task=None, attn_implementation=None):
     """The full HF model saved at `path`, fp32, dropout off."""
     from transformers import AutoConfig
 
-    from models.api import _auto_class, _default_task
+    from models import auto_class, default_task
 
     if not os.path.isdir(path):
         raise UnusableInput(f"{path}: no such directory")
     config = no_dropout(AutoConfig.from_pretrained(path))
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    cls = _auto_class(task or _default_task(config), config)
+    cls = auto_class(task or default_task(config), config)
     return cls.from_pretrained(path, config=config, **kwargs).float().eval()
 
 
@@ -99,22 +99,9 @@ def batch(config, task, batch_size=2, seq_len=8, pad=True, seed=0):
 
 def ensure_world_of_one():
     """A gloo process group of one in this process, as PipelineModule needs (no-op if one exists)."""
-    import socket
+    from toolkit import dist
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-        os.environ.setdefault(key, value)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # else a minutes-long JIT build
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    dist.init(cpu=True)
 
 
 def hf_loss_logits(model, inputs, labels):

@@ -71,9 +71,38 @@ class Arch:
 
     def num_params(self) -> int:
         """Unique parameters of the HF model (tied matrices once). Summed from the cost model."""
-        from toolkit.costs import layer_params  # costs imports arch: import here to avoid a cycle
-
         return sum(held - tied for _, held, tied in layer_params(self))
+
+
+def _norm(arch: Arch) -> int:
+    return (2 if arch.norm == "layernorm" else 1) * arch.hidden
+
+
+def _block_params(arch: Arch) -> int:
+    h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    attn = h * (qd + 2 * kd) + qd * h + arch.qkv_bias * (qd + 2 * kd) + arch.out_bias * h
+    up = 2 if arch.gated_mlp else 1  # gate and up, or fc
+    mlp = (up + 1) * h * i + arch.out_bias * (up * i + h)
+    return 2 * _norm(arch) + attn + mlp
+
+
+def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
+    """(name, params held, of which copies) per pipeline layer, laid out as models/ builds them:
+    a tied head is a TiedLayerSpec of the whole first layer, so its stage holds a full copy of it
+    (DeepSpeed's `parameters` method counts it there too); BERT's first layer also owns the MLM
+    transform and output bias, which the head uses. Unique parameters = sum(held - copies)."""
+    h, v = arch.hidden, arch.vocab
+    embed = v * h + arch.learned_positions * arch.max_positions * h
+    if arch.is_encoder:  # token types and a LayerNorm inside BERT's embeddings
+        embed += arch.type_vocab * h + _norm(arch)
+    blocks = [(f"block.{i}", _block_params(arch), 0) for i in range(arch.layers)]
+    if arch.is_encoder:  # MLM head: dense h->h, LayerNorm, decoder (tied to word embeddings) + bias V
+        head_own = h * h + h + _norm(arch) + v
+        if arch.tied:
+            return [("embed", embed + head_own, 0)] + blocks + [("head", embed + head_own, embed + head_own)]
+        return [("embed", embed, 0)] + blocks + [("head", head_own + v * h, 0)]
+    head = ("head", embed, embed) if arch.tied else ("head", v * h, 0)
+    return [("embed", embed, 0)] + blocks + [("norm", _norm(arch), 0), head]
 
 
 def _gpt2(name, hidden, layers, heads):

@@ -1,0 +1,108 @@
+"""The one place a process group starts: launcher environment, device, backend, free ports.
+
+    from toolkit import dist
+    dist.init()        # under any launcher, or by hand (then a world of one)
+    ...
+    dist.shutdown()    # at the end of a training process
+
+Launchers tell ranks apart through the environment. The deepspeed launcher (pdsh/ssh runner) and
+torchrun set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; DeepSpeed's openmpi and slurm runners do not:
+`deepspeed.init_distributed` discovers ranks from the MPI (mpi4py) or scheduler variables itself.
+So a world of one is assumed only when no launcher variable at all is present; filling RANK=0
+under mpirun would turn N ranks into N independent runs writing the same output folder.
+
+On a machine without CUDA: DeepSpeed's CPU accelerator and gloo. With CUDA: this rank's GPU is
+selected from its local rank before NCCL starts (else every rank of a node opens GPU 0).
+"""
+
+import os
+import socket
+
+# Variables that mean "a launcher started this process as one rank of many", first match wins.
+LAUNCHER_VARS = {
+    "RANK": "torchrun / deepspeed",
+    "OMPI_COMM_WORLD_RANK": "OpenMPI",
+    "PMI_RANK": "MPICH / Intel MPI",
+    "PMIX_RANK": "PMIx",
+    "MV2_COMM_WORLD_RANK": "MVAPICH",
+    "SLURM_PROCID": "slurm",
+}
+# Local rank (GPU index on the node) as each launcher names it.
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                   "SLURM_LOCALID")
+WORLD_OF_ONE = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a rendezvous on this machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(env=None) -> str | None:
+    """The launcher that started this process (from its variables), or None when started by hand."""
+    env = os.environ if env is None else env
+    return next((name for var, name in LAUNCHER_VARS.items() if var in env), None)
+
+
+def env_rank(env=None) -> int:
+    """This process's global rank as its launcher set it (0 when started by hand). Readable before any
+    process group exists: what decides that only rank 0 prints a refusal every rank reaches."""
+    env = os.environ if env is None else env
+    return next((int(env[var]) for var in LAUNCHER_VARS if env.get(var, "").isdigit()), 0)
+
+
+def local_rank(env=None) -> int:
+    """This process's index on its node (0 when no launcher says otherwise)."""
+    env = os.environ if env is None else env
+    return next((int(env[var]) for var in LOCAL_RANK_VARS if env.get(var, "").isdigit()), 0)
+
+
+def prepare(cpu: bool = False) -> None:
+    """Before DeepSpeed starts: its CPU accelerator when there is no CUDA (or `cpu`), and the
+    `deepspeed_shm_comm` op off. That op serves only inference all-reduce on CPU, and loading it
+    JIT-compiles C++ for minutes on a fresh machine (shared/DEEPSPEED_NOTES.md)."""
+    import torch
+
+    if cpu or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init(cpu: bool = False, verbose: bool = False):
+    """Start this rank's process group through DeepSpeed (a no-op when one exists); returns
+    torch.distributed. cpu=True: gloo on CPU even where CUDA exists (in-process checks).
+
+    Started through `deepspeed.init_distributed`, not torch's: DeepSpeed's config code reads the
+    world size from deepspeed.comm and silently takes 1 when that was not initialised."""
+    import torch
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        return tdist
+    if launcher() is None:  # started by hand: a world of one on a free port
+        for key, value in WORLD_OF_ONE.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    prepare(cpu)
+    use_cuda = torch.cuda.is_available() and not cpu
+    if use_cuda:
+        torch.cuda.set_device(local_rank())
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=verbose)
+    return tdist
+
+
+def shutdown() -> None:
+    """End of a training process: tear the process group down explicitly. Left to interpreter exit,
+    gloo's threads can abort a rank after a successful run ("terminate called without an active
+    exception", exit -6). Only a process entry calls this: an in-process caller keeps its group."""
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        tdist.barrier()
+        tdist.destroy_process_group()

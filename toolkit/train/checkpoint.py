@@ -1,0 +1,111 @@
+"""DeepSpeed checkpoints written by `dstk train`: saving, `latest`, and what export needs beside them.
+
+Layout of CHECKPOINT_DIR:
+  global_stepN/          DeepSpeed's own files: mp_rank_00_model_states.pt (+ ZeRO shards) for
+                         pp = 1, layer_XX-model_states.pt per pipeline layer for pp > 1
+  latest                 the tag of the newest COMPLETE checkpoint, written by us after every rank
+                         finished saving (os.replace: a run killed mid-save leaves the old one)
+  dstk/                  config.json + tokenizer + layout.json (task, pp, HF names per layer)
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+from toolkit.errors import ConfigError, UnusableInput
+
+META = "dstk"
+
+
+def save(engine, ckpt_dir: Path, step: int) -> str:
+    """Save every rank's part under tag global_step<step>, then point `latest` at it."""
+    import torch.distributed as dist
+
+    tag = f"global_step{step}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    dist.barrier()  # every rank's files are on disk before `latest` names the tag
+    if dist.get_rank() == 0:
+        write_latest(ckpt_dir, tag)
+    dist.barrier()
+    return tag
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    """Atomically replace CHECKPOINT_DIR/latest with `tag`, durably: the new file's bytes reach the
+    disk before the rename, and the rename before we return (a power cut leaves old or new)."""
+    tmp = Path(ckpt_dir) / f".latest.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(ckpt_dir) / "latest")
+    directory = os.open(ckpt_dir, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def read_latest(ckpt_dir: Path) -> str | None:
+    path = Path(ckpt_dir) / "latest"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def agreed_latest(ckpt_dir: Path) -> str | None:
+    """`latest` as rank 0 reads it, on every rank (node-local disks or caches can disagree)."""
+    import torch.distributed as dist
+
+    box = [read_latest(ckpt_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def step_of(tag: str) -> int:
+    match = re.fullmatch(r"global_step(\d+)", tag)
+    if not match:
+        raise UnusableInput(f"checkpoint tag {tag!r} is not global_stepN; was it written by dstk train?")
+    return int(match.group(1))
+
+
+def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
+    """What export needs besides the weights: the HF config, the tokenizer, the layer layout."""
+    meta = Path(ckpt_dir) / META
+    meta.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(meta)
+    tokenizer.save_pretrained(meta)
+    (meta / "layout.json").write_text(json.dumps(layout, indent=1))
+
+
+RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "pp", "dp", "zero_stage")  # what a resume must match
+
+
+def check_resumable(ckpt_dir: Path, now: dict) -> None:
+    """Refuse to resume a checkpoint written with another model, tokenizer, task, seq-len or layout
+    (pp, dp, ZeRO stage): DeepSpeed would fail deep inside load_checkpoint, or load mismatched state."""
+    saved = json.loads((Path(ckpt_dir) / META / "layout.json").read_text())
+    diffs = [f"{k}: checkpoint {saved[k]!r}, now {now.get(k)!r}" for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
+    if diffs:
+        raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(diffs)}); resume with the same "
+                          "--model, --tokenizer, --task, --seq-len and config layout, or start a fresh --out "
+                          "(a checkpoint cannot move between layouts yet)")
+
+
+def _shape_keys(config) -> dict:
+    keep = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n_embd", "n_layer",
+            "intermediate_size", "num_attention_heads", "n_head", "num_labels")
+    d = config.to_dict()
+    return {k: d.get(k) for k in keep if k in d}
+
+
+def check_same_model(ckpt_dir: Path, config) -> None:
+    """Refuse to resume a checkpoint that another model (other shapes) wrote."""
+    from transformers import AutoConfig
+
+    saved = _shape_keys(AutoConfig.from_pretrained(Path(ckpt_dir) / META))
+    now = _shape_keys(config)
+    diff = {k: (saved.get(k), now.get(k)) for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
+    if diff:
+        pairs = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items()))
+        raise ConfigError(f"checkpoint {ckpt_dir} was written by another model ({pairs}); "
+                          f"use a fresh --out, or the --model it was trained with")

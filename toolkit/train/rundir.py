@@ -1,0 +1,46 @@
+"""The run folder (--out): one run per folder, never mixed, never silently lost.
+
+    OUT/checkpoints/   DeepSpeed's tags + `latest` + dstk/ (see checkpoint.py)
+    OUT/metrics.jsonl  one JSON line per step, then the summary
+    OUT/hf/            the export at the end
+
+A fresh run needs an empty (or missing) OUT; --resume continues the run OUT holds; --overwrite
+deletes OUT's contents first (rank 0, once every rank has agreed to start).
+"""
+
+import shutil
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+
+
+def check_out(out, resume: bool, overwrite: bool) -> None:
+    """Refuse, before anything is built or written, a run that would mix with or lose another."""
+    out = Path(out)
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
+                          "--overwrite deletes it; pass one")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; --out names the run's folder (checkpoints/, metrics.jsonl, hf/)")
+    if resume:
+        if not (out / "checkpoints" / "latest").is_file():
+            raise ConfigError(f"--resume: {out} holds no checkpoint to resume (no {out / 'checkpoints' / 'latest'}); "
+                              "drop --resume to start a fresh run there, or point --out at the run to continue")
+        return
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise ConfigError(f"--out {out} already holds files ({shown}); pass --resume to continue that run, "
+                          "--overwrite to delete it and start again, or another --out")
+
+
+def clear(out) -> None:
+    """Delete what OUT holds (not OUT itself: it may be a mount point or carry permissions)."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for entry in out.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()

@@ -1,0 +1,94 @@
+"""The program every rank runs. Any of these starts it (the config decides the layout):
+
+    ./launch.sh --num-gpus 2 --config ds.json -- --model tiny-gpt2 --data corpus.txt --steps 50
+    deepspeed --num_gpus 2 --module toolkit.train --config ds.json --model tiny-gpt2 --data corpus.txt
+    torchrun --nproc-per-node 2 -m toolkit.train --config ds.json --model tiny-gpt2 --data corpus.txt
+
+pp = 1: the HF model itself under deepspeed.initialize (ZeRO 1/2/3 apply). pp > 1: the model's
+layer list (models/) as a PipelineModule over PipeDataParallelTopology(pp, dp), stepped with
+train_batch(). Every rank checks the config against the real world size before building anything.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit import dist as toolkit_dist
+from toolkit.topology import Topology
+
+
+@dataclass
+class TrainArgs:
+    model: str  # local HF directory, or a built-in name (toolkit.train.hf.BUILTIN)
+    data: str  # .txt or .jsonl (see toolkit.train.data)
+    config: str  # DeepSpeed JSON
+    out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
+    tokenizer: str | None = None
+    task: str = "causal-lm"  # or "classification"
+    pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
+    seq_len: int = 128
+    steps: int | None = None  # optimizer steps; default: one epoch
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 2  # optimizer-step-sized eval batches per evaluation
+    save_every: int = 0  # 0: only at the end
+    resume: bool = False
+    overwrite: bool = False  # clear a used --out first
+    seed: int = 1234
+    eval_fraction: float = 0.05
+    text_field: str = "text"
+    encoding: str = "utf-8"  # of --data
+    export: bool = True
+    progress: bool = True
+    log_every: int = 0  # steps between plain progress lines (0: about 20 per run)
+    verbose: bool = False  # DeepSpeed INFO logs and every rank's output
+    crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
+
+
+def read_checked_config(path: str, world_size: int, pp: int | None) -> tuple[dict, int]:
+    """The DeepSpeed dict and pp, through the same loader, schema and rules as `dstk validate`
+    (strict: "auto" is for the HF Trainer, which is not running here); every error raised at once."""
+    from toolkit.config.loader import load_config
+    from toolkit.config.problems import raise_errors
+
+    cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=True)
+    raise_errors(problems, path, f"is refused for training on {world_size} process(es)")
+    stages = pp or cfg.get("pipeline", {}).get("stages") or 1
+    return cfg, stages
+
+
+def run(args: TrainArgs) -> dict:
+    """Train, checkpoint and export; returns the summary (the same dict on every rank)."""
+    from toolkit.train import checkpoint, data, rundir
+    from toolkit.train import loop as train_loop
+    from toolkit.train.export import export
+
+    data.check_path(args.data)  # the cheap refusals first: before a process group or a model exists
+    rundir.check_out(args.out, args.resume, args.overwrite)
+    dist = toolkit_dist.init()
+    cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
+    topo = Topology(dist.get_world_size(), pp)
+    stage, dp_rank = topo.coords(dist.get_rank())
+    ckpt_dir = Path(args.out) / "checkpoints"
+    resume_tag = checkpoint.agreed_latest(ckpt_dir) if args.resume else None
+    if resume_tag:
+        checkpoint.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg))
+    if args.overwrite and dist.get_rank() == 0:
+        rundir.clear(args.out)
+    dist.barrier()  # nobody writes into --out before it is cleared
+    job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
+    summary = train_loop.loop(args, job, is_logger=dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        summary["loss_png"] = str(_loss_png(Path(args.out)))
+    if args.export and dist.get_rank() == 0:
+        out = Path(args.out) / "hf"
+        export(ckpt_dir, out)
+        summary["export"] = str(out)
+    dist.barrier()
+    summary["rank0"] = dist.get_rank() == 0
+    job.engine.destroy()  # autograd hooks keep an engine (and its buffers) alive otherwise
+    return summary
+
+
+def _loss_png(out: Path) -> Path:
+    from toolkit.train.report import loss_png, read_metrics
+
+    return loss_png(*read_metrics(out / "metrics.jsonl"), out / "loss.png")
