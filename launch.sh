@@ -14,18 +14,29 @@ set -euo pipefail
 
 usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "launch.sh: $*" >&2; exit 2; }
+usage_error() { die "$* (see ./launch.sh --help)"; }
+need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || usage_error "$1 needs a value"; }
+# A count given on the command line: digits only, so bash arithmetic never sees text or overflows.
+count() {  # count FLAG VALUE MIN [MAX]
+  local max=${4:-999999}
+  [[ "$2" =~ ^[0-9]{1,6}$ ]] && (( 10#$2 >= $3 && 10#$2 <= max )) \
+    || usage_error "$1 must be a whole number from $3 to $max, got '$2'"
+}
 
 PYTHON=${PYTHON:-python}
 num_gpus="" num_nodes="" hostfile="" launcher="" node_rank="" master_addr="" master_port="" config="" dry_run=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --num-gpus) num_gpus=$2; shift 2 ;;
-    --num-nodes) num_nodes=$2; shift 2 ;;
+    --num-gpus|--num-nodes|--hostfile|--launcher|--node-rank|--master-addr|--master-port|--config) need_value "$@" ;;
+  esac
+  case "$1" in
+    --num-gpus) count "$1" "$2" 1; num_gpus=$((10#$2)); shift 2 ;;
+    --num-nodes) count "$1" "$2" 1; num_nodes=$((10#$2)); shift 2 ;;
     --hostfile) hostfile=$2; shift 2 ;;
     --launcher) launcher=$2; shift 2 ;;
-    --node-rank) node_rank=$2; shift 2 ;;
+    --node-rank) count "$1" "$2" 0; node_rank=$((10#$2)); shift 2 ;;
     --master-addr) master_addr=$2; shift 2 ;;
-    --master-port) master_port=$2; shift 2 ;;
+    --master-port) count "$1" "$2" 1 65535; master_port=$((10#$2)); shift 2 ;;
     --config) config=$2; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
@@ -42,6 +53,30 @@ if [[ -n "$node_rank" ]]; then
   [[ -n "$master_addr" ]] || die "--node-rank needs --master-addr (the address of node 0)"
   [[ -n "$hostfile" || ( -n "$num_nodes" && -n "$num_gpus" ) ]] \
     || die "--node-rank needs --hostfile, or --num-nodes and --num-gpus"
+  [[ -z "$num_nodes" ]] || (( node_rank < num_nodes )) \
+    || die "--node-rank $node_rank is not below --num-nodes $num_nodes (nodes are numbered from 0)"
+fi
+
+# The config's pipeline.stages must divide the processes; say which --num-gpus would.
+check_stages() {
+  "$PYTHON" - "$config" "$num_gpus" "${num_nodes:-1}" <<'EOF'
+import json, math, sys
+path, gpus, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    stages = json.load(open(path)).get("pipeline", {}).get("stages")
+except Exception:  # not plain JSON: dstk train reads it as DeepSpeed does and checks it on every rank
+    sys.exit(0)
+if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or (gpus * nodes) % stages == 0:
+    sys.exit(0)
+step = stages // math.gcd(stages, nodes)  # --num-gpus must be a multiple of this
+fits = " or ".join(str(g) for g in (gpus // step * step, gpus // step * step + step) if g > 0)
+print(f"--num-gpus {gpus} x {nodes} node(s) = {gpus * nodes} processes, but {path} has pipeline.stages {stages}, "
+      f"which does not divide {gpus * nodes}; use --num-gpus {fits}, or a config made for this many processes")
+sys.exit(1)
+EOF
+}
+if [[ -n "$num_gpus" ]]; then
+  message=$(check_stages) || die "$message"
 fi
 
 cmd=("$PYTHON" -m deepspeed.launcher.runner)

@@ -53,6 +53,17 @@ def env_rank(env=None) -> int:
     return next((int(env[var]) for var in LAUNCHER_VARS if env.get(var, "").isdigit()), 0)
 
 
+def env_world_size(env=None) -> int | None:
+    """The world size the launcher announced, or None (by hand: 1 once init() runs; unknown launcher)."""
+    env = os.environ if env is None else env
+    if launcher(env) is None:
+        return 1
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return None
+
+
 def local_rank(env=None) -> int:
     """This process's index on its node (0 when no launcher says otherwise)."""
     env = os.environ if env is None else env

@@ -176,12 +176,19 @@ def test_killed_rank_fails_the_launch_fast_and_resume_under_torchrun_continues_e
     assert close(losses(out), losses(layouts / "pp1dp2"), range(1, 21), rel=1e-5)
 
 
-def test_config_for_another_world_fails_on_every_rank_before_training(tmp_path):
+def test_config_for_another_world_is_refused_once_before_training(tmp_path):
+    """launch.sh refuses before starting a rank; under the deepspeed launcher itself every rank refuses,
+    and only rank 0 prints the message."""
     cfg = ds_config(tmp_path / "pp3.json", 2, 4, 3)
     rc, log = launch(cfg, tmp_path / "bad", 2, "--steps", 2)
-    assert rc != 0
-    assert log.count("world size 2 is not divisible by pp 3") == 2, log[-3000:]
-    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    assert rc != 0 and log.count("does not divide 2; use --num-gpus 3") == 1, log[-3000:]
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           "--module", "toolkit.train", "--config", str(cfg), *COMMON, "--out", str(tmp_path / "bad"), "--steps", "2"]
+    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in log, log[-3000:]
+    assert log.count("world size 2 is not divisible by pp 3") == 1, log[-3000:]
+    assert not (tmp_path / "bad").exists()
 
 
 def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):

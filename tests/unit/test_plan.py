@@ -84,8 +84,8 @@ def test_json_and_emit_config(tmp_path, capsys):
     (["--gbs", "8", "--gpu-mem", "lots"], "expected a size"),
     (["--gbs", "8", "--gpu", "a100-80"], "Did you mean 'a100-80gb'"),
     (["--gbs", "8"], "give --gpu NAME"),
-    (["--gbs", "7", "--gpu", "a100"], "--gbs 7: no layout can form it"),
-    (["--gbs", "8", "--gpu", "a100", "--seq-len", "4096"], "exceeds gpt2's max_positions"),
+    (["--gbs", "7", "--gpu", "a100-80gb"], "--gbs 7: no layout can form it"),
+    (["--gbs", "8", "--gpu", "a100-80gb", "--seq-len", "4096"], "exceeds gpt2's max_positions"),
 ])
 def test_bad_input_exits_nonzero_with_a_clear_message(capsys, args, needle):
     code, _, err = run(capsys, "--model", "gpt2", *args)
@@ -94,7 +94,7 @@ def test_bad_input_exits_nonzero_with_a_clear_message(capsys, args, needle):
 
 def test_v100_has_no_bf16():
     with pytest.raises(ConfigError, match="no bf16"):
-        make_plan(PlanRequest(model="gpt2", gpus_per_node=2, gpu="v100", gbs=8))
+        make_plan(PlanRequest(model="gpt2", gpus_per_node=2, gpu="v100-32gb", gbs=8))
 
 
 def test_sizes_and_presets():

@@ -1,15 +1,30 @@
 """`dstk export CHECKPOINT_DIR OUT_DIR`: a dstk-trained DeepSpeed checkpoint -> a HF directory."""
 
+from pathlib import Path
+
 import click
 
 
 @click.command()
 @click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--tag", metavar="TAG", help="Checkpoint tag (default: the one `latest` names).")
-def export(checkpoint_dir, out_dir, tag):
-    """Convert a DeepSpeed checkpoint (pipeline layers or ZeRO shards) to a HF directory."""
-    from toolkit.train.export import export as export_checkpoint
+@click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+def export(checkpoint_dir, out_dir, tag, force):
+    """Convert a DeepSpeed checkpoint (pipeline layers or ZeRO shards) to a HF directory.
 
-    out = export_checkpoint(checkpoint_dir, out_dir, tag)
+    CHECKPOINT_DIR is a run's checkpoints/ folder, or the run's --out folder that holds it.
+    OUT_DIR is written whole or not at all.
+
+    \b
+    dstk export runs/dstk runs/dstk/hf_again
+    dstk export runs/dstk/checkpoints exported --tag global_step500 --force
+    """
+    from toolkit.train.export import export as export_checkpoint
+    from toolkit.train.export import find_checkpoint_dir
+
+    found = find_checkpoint_dir(checkpoint_dir)
+    if found != Path(checkpoint_dir):
+        click.echo(f"reading {found} (the checkpoints of run {checkpoint_dir})", err=True)
+    out = export_checkpoint(found, out_dir, tag, overwrite=force)
     click.echo(f"wrote {out} (safetensors, config.json, tokenizer)")

@@ -36,26 +36,36 @@ def _choice(values):
 @click.option("--precision", type=_choice(opts.PRECISIONS), help="Training precision (default fp32).")
 @click.option("--bf16", is_flag=True, help="Same as --precision bf16.")
 @click.option("--fp16", is_flag=True, help="Same as --precision fp16.")
-@click.option("--loss-scale", type=float, default=0.0, show_default=True, help="fp16: a fixed loss scale, or 0 for dynamic loss scaling.")
-@click.option("--initial-scale-power", type=int, default=16, show_default=True, help="fp16: dynamic loss scaling starts at 2**POWER (0-127).")
-@click.option("--loss-scale-window", type=int, default=1000, show_default=True, help="fp16: steps without overflow before the dynamic loss scale doubles.")
-@click.option("--hysteresis", type=int, default=2, show_default=True, help="fp16: overflows tolerated before the dynamic loss scale halves.")
-@click.option("--min-loss-scale", type=float, default=1.0, show_default=True, help="fp16: the dynamic loss scale never drops below this (> 0).")
-@click.option("--optimizer", type=_choice(opts.OPTIMIZERS), default="AdamW", show_default=True, help="Optimizer DeepSpeed builds (any case), or none when the training script brings its own. "
+@click.option("--loss-scale", type=float, default=0.0, show_default=True,
+              help="fp16: a fixed loss scale, or 0 for dynamic loss scaling.")
+@click.option("--initial-scale-power", type=int, default=16, show_default=True, metavar="POWER",
+              help="fp16: dynamic loss scaling starts at 2**POWER (0-127).")
+@click.option("--loss-scale-window", type=int, default=1000, show_default=True,
+              help="fp16: steps without overflow before the dynamic loss scale doubles.")
+@click.option("--hysteresis", type=int, default=2, show_default=True,
+              help="fp16: overflows tolerated before the dynamic loss scale halves.")
+@click.option("--min-loss-scale", type=float, default=1.0, show_default=True,
+              help="fp16: the dynamic loss scale never drops below this (> 0).")
+@click.option("--optimizer", type=_choice(opts.OPTIMIZERS), default="AdamW", show_default=True,
+              help="Optimizer DeepSpeed builds (any case), or none when the training script brings its own. "
               "For Lion, Muon or a torch.optim class, edit the written config.")
 @click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate, > 0 (LRRangeTest: the starting one).")
 @click.option("--betas", default="0.9,0.999", show_default=True, callback=_betas, metavar="B1,B2", help="Adam/AdamW/Lamb betas.")
 @click.option("--eps", type=float, default=1e-8, show_default=True, help="Optimizer epsilon, >= 0.")
 @click.option("--weight-decay", type=float, default=0.01, show_default=True, help="Weight decay, >= 0.")
 @click.option("--momentum", type=float, default=0.0, show_default=True, help="SGD momentum, >= 0.")
-@click.option("--scheduler", type=_choice(opts.SCHEDULERS), default="none", show_default=True, help="Learning-rate schedule DeepSpeed builds (any case; written as spelled here), or none.")
-@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Warm-up steps (OneCycle: steps of the rising half; LRRangeTest: steps between lr increases).")
+@click.option("--scheduler", type=_choice(opts.SCHEDULERS), default="none", show_default=True,
+              help="Learning-rate schedule DeepSpeed builds (any case; written as spelled here), or none.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True,
+              help="Warm-up steps (OneCycle: steps of the rising half; LRRangeTest: steps between lr increases).")
 @click.option("--total-steps", type=int, help="Total training steps (WarmupDecayLR, WarmupCosineLR).")
 @click.option("--warmup-min-lr", type=float, default=0.0, show_default=True, help="Learning rate at step 0 (OneCycle: the cycle's minimum).")
 @click.option("--grad-clip", "gradient_clipping", type=float, default=1.0, show_default=True, help=describe("gradient_clipping") + " Always written: DeepSpeed clips at 1.0 when the key is absent.")
-@click.option("--offload-optimizer", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help="Keep optimizer states in host memory (cpu) or on --nvme-path (nvme); the optimizer step "
+@click.option("--offload-optimizer", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True,
+              help="Keep optimizer states in host memory (cpu) or on --nvme-path (nvme); the optimizer step "
               "then runs on the CPU. Needs --zero >= 1.")
-@click.option("--offload-param", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True, help="Keep parameters in host memory (cpu) or on --nvme-path (nvme). Needs --zero 3.")
+@click.option("--offload-param", type=_choice(opts.OFFLOAD_DEVICES), default="none", show_default=True,
+              help="Keep parameters in host memory (cpu) or on --nvme-path (nvme). Needs --zero 3.")
 @click.option("--nvme-path", metavar="DIR", help="A fast local disk for --offload-optimizer/--offload-param nvme.")
 @click.option("--activation-checkpointing/--no-activation-checkpointing", default=False, show_default=True, help="Recompute activations in the backward pass (pipeline: every layer).")
 @click.option("--monitor", "monitors", multiple=True, type=_choice(opts.MONITORS), help="Log to tensorboard / csv / wandb (repeatable).")

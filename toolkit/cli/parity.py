@@ -9,12 +9,14 @@ import click
 @click.argument("model", metavar="MODEL")
 @click.option("--task", type=click.Choice(["causal-lm", "masked-lm", "sequence-classification"]),
               help="Head to wrap (default: causal-lm, masked-lm for bert).")
-@click.option("--seq-len", type=int, default=8, show_default=True, metavar="T", help="Tokens per sequence.")
-@click.option("--attn", type=click.Choice(["eager", "sdpa"]), help="Attention implementation (default: HF's).")
+@click.option("--seq-len", type=int, default=8, show_default=True, metavar="T",
+              help="Tokens per sequence: >= 4 (>= 2 with --no-pad), at most the model's max_position_embeddings.")
+@click.option("--attention", type=click.Choice(["eager", "sdpa"]), help="Attention implementation (default: HF's).")
+@click.option("--attn", type=click.Choice(["eager", "sdpa"]), hidden=True)  # the old name of --attention
 @click.option("--no-pad", is_flag=True, help="Do not right-pad the first sequence of the batch.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def parity(ctx, model, task, seq_len, attn, no_pad, as_json):
+def parity(ctx, model, task, seq_len, attention, attn, no_pad, as_json):
     """Compare loss, logits and gradients of MODEL and its pipeline layer list.
 
     MODEL is a local HF directory or a transformers model type (small random weights).
@@ -27,7 +29,10 @@ def parity(ctx, model, task, seq_len, attn, no_pad, as_json):
 
     from toolkit.train.parity import TOLERANCE, run_parity
 
-    report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attn)
+    if attention and attn and attention != attn:
+        raise click.UsageError(f"--attention {attention} and --attn {attn} disagree; --attn is the old name of "
+                               "--attention: give --attention alone")
+    report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attention or attn)
     if as_json:
         click.echo(json.dumps({**asdict(report), "ok": report.ok, "tolerance": TOLERANCE}, indent=2))
     else:

@@ -21,7 +21,7 @@ from toolkit.plan.partition import METHODS
 @click.option("--pp", type=click.IntRange(min=1), required=True, metavar="P", help="Pipeline stages.")
 @click.option("--seq-len", type=click.IntRange(min=1), metavar="S",
               help="Tokens per sequence (default: the model's max positions, at most 1024).")
-@click.option("--mbs", type=click.IntRange(min=1), default=1, show_default=True, metavar="B",
+@click.option("--mbs", type=click.IntRange(1, 2**31 - 1), default=1, show_default=True, metavar="B",
               help="Micro-batch size per GPU (sequences).")
 @click.option("--method", default="compute", show_default=True, metavar="M",
               help=f"How to balance stages: {', '.join(METHODS)}.")
@@ -32,7 +32,7 @@ from toolkit.plan.partition import METHODS
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repetitions per layer for --method profile.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Record the split in FILE's pipeline section (stages, partition_method, parts) for every rank.")
 def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_json, config_path):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, or a local HF directory) into P

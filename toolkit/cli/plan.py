@@ -4,6 +4,8 @@ import json
 
 import click
 
+from toolkit.plan.gpus import GPUS
+
 
 def _size(ctx, param, value):
     from toolkit.plan.gpus import parse_size
@@ -15,17 +17,17 @@ def _size(ctx, param, value):
 @click.option("--model", required=True, metavar="NAME|DIR", help="Built-in architecture (gpt2, llama-3.2-1b, ...) or a local HF directory.")
 @click.option("--gpus-per-node", "--gpus", "gpus_per_node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node (--gpus: the same, for one node).")
 @click.option("--nodes", type=int, default=1, show_default=True, metavar="N", help="Nodes.")
-@click.option("--gpu", metavar="NAME", help="GPU preset: a100-40gb, a100-80gb, h100-sxm, h100-pcie, h200, l4, a10g, v100-32gb, rtx-4090, ...")
+@click.option("--gpu", metavar="NAME", help=f"GPU preset: {', '.join(GPUS)} (h100 means h100-sxm).")
 @click.option("--gpu-mem", callback=_size, metavar="SIZE", help="Memory per GPU, e.g. 80GiB or 24GB (overrides the preset's).")
 @click.option("--seq-len", type=int, metavar="T", help="Tokens per sequence. Default: min(2048, the model's maximum).")
 @click.option("--gbs", type=int, required=True, metavar="N", help="Global batch: sequences per optimizer step.")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True, help="Training precision (bf16/fp16 keep fp32 master weights).")
 @click.option("--optimizer", type=click.Choice(["adam", "sgd"]), default="adam", show_default=True, help="Adam(W): 2 fp32 states per parameter; SGD: momentum.")
-@click.option("--tflops", type=float, metavar="X", help="Dense peak TFLOPs per GPU (overrides the preset's).")
-@click.option("--intra-bw", type=float, metavar="GB/S", help="Bandwidth between GPUs of a node, GB/s per direction.")
-@click.option("--inter-bw", type=float, metavar="GB/S", help="Bandwidth per GPU between nodes, GB/s per direction.")
-@click.option("--mfu", type=float, default=0.5, show_default=True, help="Share of peak FLOPs a step reaches.")
-@click.option("--reserve", type=float, default=0.1, show_default=True, help="Share of GPU memory left for the CUDA context and allocator.")
+@click.option("--tflops", type=float, metavar="X", help="Dense peak TFLOPs per GPU, > 0 (overrides the preset's).")
+@click.option("--intra-bw", type=float, metavar="GB/S", help="Bandwidth between GPUs of a node, GB/s per direction, > 0.")
+@click.option("--inter-bw", type=float, metavar="GB/S", help="Bandwidth per GPU between nodes, GB/s per direction, > 0.")
+@click.option("--mfu", type=float, default=0.5, show_default=True, help="Share of peak FLOPs a step reaches, in (0, 1].")
+@click.option("--reserve", type=float, default=0.1, show_default=True, help="Share of GPU memory left for the CUDA context and allocator, in [0, 1).")
 @click.option("--host-mem", callback=_size, default="1TiB", show_default=True, metavar="SIZE", help="Host memory per node, for offload.")
 @click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True, help="sdpa/flash keeps no (seq x seq) attention matrix; eager does.")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
@@ -50,7 +52,7 @@ def plan(as_json, emit_config, force, **kwargs):
     if emit_config and result.fitting:
         from toolkit.config.generate import write_config
 
-        write_config(layout_config(result), emit_config, force=force)
+        write_config(layout_config(result), emit_config, force=force, flag="--emit-config")
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_text(result))
     if emit_config:
         click.echo(f"wrote {emit_config} ({result.best[0].layout.describe()})" if result.fitting

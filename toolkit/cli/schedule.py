@@ -7,22 +7,37 @@ import click
 
 @click.command("schedule")
 @click.option("--pp", type=int, required=True, metavar="P", help="Pipeline stages.")
-@click.option("--micro-batches", "-m", type=int, required=True, metavar="M",
-              help="Micro-batches per step (= gradient_accumulation_steps).")
-@click.option("--png", type=click.Path(dir_okay=False), metavar="FILE", help="Also render the timeline to FILE (needs matplotlib).")
+@click.option("--gas", type=int, metavar="M",
+              help="Gradient accumulation steps = micro-batches per step (gradient_accumulation_steps). Required.")
+@click.option("--micro-batches", "-m", "micro_batches", type=int, hidden=True)  # the old name of --gas
+@click.option("--png", type=click.Path(dir_okay=False), metavar="FILE.png",
+              help="Also render the timeline to FILE.png (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON instead of ASCII.")
-def schedule(pp, micro_batches, png, as_json):
+def schedule(pp, gas, micro_batches, png, as_json):
     """Draw DeepSpeed's own 1F1B schedule for P stages and M micro-batches.
 
     \b
-    dstk schedule --pp 4 --micro-batches 8
-    dstk schedule --pp 4 -m 8 --png schedule.png
+    dstk schedule --pp 4 --gas 8
+    dstk schedule --pp 4 --gas 8 --png schedule.png
     """
-    from toolkit.plan.schedule import render_ascii, render_png, train_timeline
+    from toolkit.plan.schedule import check_png_path, render_ascii, render_png, train_timeline
 
-    timeline = train_timeline(pp, micro_batches)
+    gas = _one_gas(gas, micro_batches)
+    if png:
+        check_png_path(png)  # before DeepSpeed is imported and the timeline computed
+    timeline = train_timeline(pp, gas)
     if png:
         render_png(timeline, png)
     click.echo(json.dumps(timeline.to_dict(), indent=2) if as_json else render_ascii(timeline))
     if png:
         click.echo(f"wrote {png}", err=True)
+
+
+def _one_gas(gas, micro_batches):
+    """--gas, or its old name --micro-batches/-m; both only when they agree."""
+    if gas is None and micro_batches is None:
+        raise click.UsageError("Missing option '--gas' (micro-batches per step).")
+    if gas is not None and micro_batches is not None and gas != micro_batches:
+        raise click.UsageError(f"--gas {gas} and --micro-batches {micro_batches} disagree; --micro-batches is "
+                               "the old name of --gas: give --gas alone")
+    return gas if gas is not None else micro_batches

@@ -129,7 +129,7 @@ def record_partition(path: str, pp: int, method: str, parts: list) -> dict:
         raise ConfigError(f'{path} has "pipeline.stages" {stages} but --pp is {pp}: the config was made for '
                           f"another topology; use --pp {stages}, or regenerate the config with --pp {pp}")
     section.update(stages=pp, partition_method=method, parts=list(parts))
-    write_config(cfg, path, force=True)
+    write_config(cfg, path, force=True, flag="--config")
     return cfg
 
 
@@ -146,7 +146,8 @@ def write_text(text: str, path: str, force: bool = False, flag: str = "-o") -> N
     """Write atomically (temp file + rename): a crash never leaves half a file, and an existing file
     is replaced only with force. `flag` is the option that named `path`, for the messages."""
     if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a directory; give a file name such as {os.path.join(path, 'ds_config.json')}")
+        raise ConfigError(f"{flag} {path} is a directory; give a file name such as "
+                          f"{os.path.join(path, 'ds_config.json')}")
     if os.path.exists(path) and not force:
         raise ConfigError(f"{flag} {path} exists; pass --force to overwrite it, or give another file name")
     directory = os.path.dirname(os.path.abspath(path))

@@ -14,7 +14,8 @@ from toolkit.topology import Batch, Topology, resolve_batch
 STRATEGIES = ("dp", "pp", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("AdamW", "Adam", "SGD", "Lamb", "Adagrad", "none")
-SCHEDULERS = ("none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")  # lr_schedules.VALID_LR_SCHEDULES
+# DeepSpeed's lr_schedules.VALID_LR_SCHEDULES, and none
+SCHEDULERS = ("none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 MONITORS = ("tensorboard", "csv", "wandb")
 PARTITION_METHODS = ("compute", "memory", "profile", "parameters", "uniform")
@@ -211,7 +212,8 @@ def _check_precision(o: GenerateOptions) -> list[str]:
         if changed:
             problems.append(f"{', '.join(changed)} only apply to fp16 (precision is {o.precision}); add --precision fp16 or drop them")
     else:
-        problems += _real("--loss-scale (0 = dynamic)", o.loss_scale) + _real("--min-loss-scale", o.min_loss_scale, above=True)
+        problems += _real("--loss-scale (0 = dynamic)", o.loss_scale)
+        problems += _real("--min-loss-scale", o.min_loss_scale, above=True)
         problems += _positive("--initial-scale-power", o.initial_scale_power, 0, MAX_SCALE_POWER,
                               why="too large: 2**128 overflows fp32, where DeepSpeed keeps the scale")
         problems += _positive("--loss-scale-window", o.loss_scale_window) + _positive("--hysteresis", o.hysteresis)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from toolkit.config import schema_optim, schema_sections
-from toolkit.config.schema_parts import AUTO_REF
+from toolkit.config.schema_parts import AUTO_REF, exclude_auto
 from toolkit.config.schema_pydantic import model_schema
 
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
@@ -120,7 +120,7 @@ def mark_auto(sections: dict) -> None:
         for key in keys:
             prop = node["properties"][key]
             body = {k: prop.pop(k) for k in list(prop) if k not in ("description", "default", "deprecated")}
-            prop["anyOf"] = [body, AUTO_REF]
+            prop["anyOf"] = [exclude_auto(body), AUTO_REF]
 
 
 def build() -> dict:

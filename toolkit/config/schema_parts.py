@@ -20,12 +20,21 @@ def prop(type_, description, default=_NO_DEFAULT, auto=False, **constraints):
         body = nullable(body)
     out = {"description": description}
     if auto:
-        out["anyOf"] = [body, AUTO_REF]
+        out["anyOf"] = [exclude_auto(body), AUTO_REF]
     else:
         out.update(body)
     if default is not _NO_DEFAULT:
         out["default"] = default
     return out
+
+
+def exclude_auto(body: dict) -> dict:
+    """A string-typed branch would take "auto" as a literal value (a path named "auto"): keep it
+    out, so "auto" only matches `$defs/auto` and validation reports it as one."""
+    types = [body.get("type")] if isinstance(body.get("type"), str) else body.get("type", [])
+    if "string" in types and "enum" not in body:
+        return {**body, "not": {"const": "auto"}}
+    return body
 
 
 def nullable(body: dict) -> dict:

@@ -32,7 +32,8 @@ READ_AT = {
     **dict.fromkeys(["round_robin_gradients", "use_multi_rank_bucket_allreduce", "parameter_alignment",
                      "ignore_unused_parameters"], ZERO12),
     # both ZeRO optimizers (and ZeRO checkpoint loading), never at stage 0
-    **dict.fromkeys(["reduce_bucket_size", "contiguous_gradients", "reduce_scatter", "load_from_fp32_weights"], ZERO123),
+    **dict.fromkeys(["reduce_bucket_size", "contiguous_gradients", "reduce_scatter", "load_from_fp32_weights"],
+                    ZERO123),
     # the ZeRO-1/2 optimizer and the BF16 optimizer of stage 0 (bf16 with pipelines); ZeRO-3 never
     "allgather_bucket_size": ZERO012,
 }

@@ -9,6 +9,7 @@ EFA share for that generation), `pcie` between GPU and host (used by offload). T
 """
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -50,9 +51,11 @@ GPUS = {g.name: g for g in [
     Gpu("v100-32gb", 32768 * MiB, None, 125, 15.7, nvlink=150, network=12.5, pcie=12.5),
     Gpu("rtx-4090", 24564 * MiB, 165, 165, 82.6, nvlink=25, network=12.5, pcie=25),
 ]}
-ALIASES = {"a100": "a100-80gb", "a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100": "h100-sxm",
-           "h100-80gb": "h100-sxm", "h200-141gb": "h200", "v100": "v100-32gb", "4090": "rtx-4090",
-           "rtx4090": "rtx-4090"}
+# Short names that leave no doubt about the memory. "a100" and "v100" are not here: each comes in two
+# memory sizes, and a plan for the wrong one says a layout fits when it does not (get_gpu lists them).
+# "h100" means the SXM card: both H100 variants hold 80 GB; `dstk plan` prints the preset it used.
+ALIASES = {"a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100": "h100-sxm",
+           "h100-80gb": "h100-sxm", "h200-141gb": "h200", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
 
 
 def get_gpu(name: str) -> Gpu:
@@ -60,6 +63,10 @@ def get_gpu(name: str) -> Gpu:
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     if key in GPUS or key in ALIASES:
         return GPUS[ALIASES.get(key, key)]
+    several = [g for name, g in GPUS.items() if name.startswith(key + "-")]
+    if len(several) > 1:
+        shown = ", ".join(f"{g.name} ({format_bytes(g.memory)})" for g in several)
+        raise ConfigError(f"--gpu {name!r} matches {len(several)} presets: {shown}; give --gpu one of these names")
     close = difflib.get_close_matches(key, list(GPUS) + list(ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(ALIASES.get(c, c)) for c in close)}?" if close else ""
     raise ConfigError(f"--gpu {name!r} is not a known GPU.{hint} Known: {', '.join(GPUS)}; "
@@ -91,7 +98,10 @@ def parse_size(text: str, flag: str = "--gpu-mem") -> int:
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise ConfigError(f"{flag} {text!r}: expected a size such as 80GiB, 24GB or 16384MiB")
-    size = int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size):
+        raise ConfigError(f"{flag} {text!r} is not a finite size; check for extra digits")
+    size = int(size)
     if size <= 0:
         raise ConfigError(f"{flag} {text!r} must be a positive size")
     return size

@@ -13,14 +13,15 @@ Activations come from toolkit.plan.costs: attention="sdpa" (flash / memory-effic
 (seq x seq) attention probabilities, "eager" does.
 """
 
+import math
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
 from toolkit.plan.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overrides
 from toolkit.plan.estimate import Estimate, Hardware, Layout, Model, estimate
-from toolkit.topology import divisors
 
 ATTENTION = ("sdpa", "eager")
+MAX_MBS = 2**16  # micro-batch sizes tried: sequences per GPU per micro-batch; no model fits more
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,11 @@ def _check_request(req: PlanRequest) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
     for flag, value in (("--tflops", req.tflops), ("--intra-bw", req.intra_bw), ("--inter-bw", req.inter_bw),
+                        ("--gpu-mem", req.gpu_mem), ("--host-mem", req.host_mem), ("--mfu", req.mfu),
+                        ("--reserve", req.reserve)):
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
+    for flag, value in (("--tflops", req.tflops), ("--intra-bw", req.intra_bw), ("--inter-bw", req.inter_bw),
                         ("--gpu-mem", req.gpu_mem), ("--host-mem", req.host_mem)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be positive, got {value!r}")
@@ -157,11 +163,12 @@ def _model(costs, arch, seq: int, precision: str) -> Model:
 
 
 def _layouts(req: PlanRequest, arch, costs: list):
-    """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none."""
+    """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none.
+    Searches are bounded by the model (pp <= its layers) and MAX_MBS, never by --gbs or the world size."""
     from toolkit.plan.partition import partition_layers
 
     world = req.gpus_per_node * req.nodes
-    pps = [pp for pp in divisors(world) if arch.layers % pp == 0 and pp <= len(costs)]
+    pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
     usable = [pp for pp in pps if req.gbs % (world // pp) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
@@ -171,11 +178,16 @@ def _layouts(req: PlanRequest, arch, costs: list):
     for pp in usable:
         parts = partition_layers(costs, pp, "compute")
         dp = world // pp
-        for mbs in divisors(req.gbs // dp):
+        for mbs in _divisors_up_to(req.gbs // dp, MAX_MBS):
             for zero in (range(4) if pp == 1 else range(2)):
                 for offload in _offloads(zero, req.offload):
                     for ckpt in ((False, True) if req.checkpointing else (False,)):
                         yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt)
+
+
+def _divisors_up_to(n: int, limit: int) -> list:
+    """Divisors of n that are <= limit, in O(limit) (n may be astronomically large)."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
 def _offloads(zero: int, allowed: bool) -> tuple:
@@ -207,6 +219,6 @@ def _compare(slower: Estimate, faster: Estimate, name: str) -> str:
     ratio = slower.step_time / faster.step_time - 1
     if ratio < 0.005:
         more = slower.memory - faster.memory
-        return f"{name} is as fast but needs {format_bytes(more)} {'more' if more >= 0 else 'less'} memory per GPU"
+        return f"{name} is as fast but needs {format_bytes(abs(more))} {'more' if more >= 0 else 'less'} memory per GPU"
     part = max(_PARTS, key=lambda k: slower.times[k] - faster.times[k])
     return f"{name} is {ratio:.0%} slower: +{slower.times[part] - faster.times[part]:.3g} s of {_PARTS[part]}"

@@ -21,6 +21,7 @@ from toolkit.errors import ConfigError
 from toolkit.topology import bubble_fraction
 
 IDLE = None  # a slot where the stage computes nothing
+MAX_SLOTS = 2**20  # stages x steps: more than a picture can show (and minutes of DeepSpeed's generators)
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,14 @@ class Timeline:
 
 def train_timeline(pp: int, micro_batches: int) -> Timeline:
     """Run DeepSpeed's TrainSchedule for every stage and collect its compute instructions."""
-    for flag, value in (("--pp", pp), ("--micro-batches", micro_batches)):
+    for flag, value in (("--pp", pp), ("--gas/--micro-batches", micro_batches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+    slots = pp * 2 * (micro_batches + pp - 1)
+    if slots > MAX_SLOTS:
+        raise ConfigError(f"--pp {pp} --gas {micro_batches} draws pp * 2 * (gas + pp - 1) = {slots} slots, more than "
+                          f"a picture can show (at most {MAX_SLOTS}); the bubble is (p-1)/(m+p-1) = "
+                          f"{pp - 1}/{micro_batches + pp - 1} = {bubble_fraction(pp, micro_batches):.1%}")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the schedule needs no device; avoid probing for one
     from deepspeed.runtime.pipe import schedule as ds
 
@@ -100,8 +106,22 @@ def render_ascii(t: Timeline, width: int = 0) -> str:
     return "\n".join(lines)
 
 
+def check_png_path(path: str) -> None:
+    """Refuse, before any work, a --png path that cannot take a PNG: another suffix, a missing folder."""
+    if os.path.splitext(path)[1].lower() != ".png":
+        raise ConfigError(f"--png {path}: the file name must end in .png (the picture is a PNG); "
+                          f"e.g. --png {os.path.splitext(path)[0]}.png")
+    if os.path.isdir(path):
+        raise ConfigError(f"--png {path} is a directory; give a file name such as {os.path.join(path, 'schedule.png')}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--png {path}: directory {directory} does not exist; create it first (mkdir -p {directory})")
+
+
 def render_png(t: Timeline, path: str) -> None:
-    """Draw the timeline with matplotlib (forward light, backward dark, idle blank)."""
+    """Draw the timeline with matplotlib (forward light, backward dark, idle blank), written
+    atomically (temp file + rename): a failure leaves no half-written PNG."""
+    check_png_path(path)
     try:
         import matplotlib
 
@@ -124,5 +144,21 @@ def render_png(t: Timeline, path: str) -> None:
     ax.set_title(f"1F1B pp={t.pp} m={t.micro_batches}: bubble {t.bubble:.1%} "
                  f"(formula {t.expected_bubble:.1%})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_atomically(fig, path)
     plt.close(fig)
+
+
+def _save_atomically(fig, path: str) -> None:
+    import tempfile
+
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
+        os.close(fd)
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --png {path}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

@@ -3,9 +3,16 @@
 Pipeline checkpoints hold one file per layer (layer_XX-model_states.pt): the layout saved beside
 them maps each layer's keys back to HF names. pp = 1 checkpoints hold the HF state dict itself
 (ZeRO-3 as shards, gathered with DeepSpeed's zero_to_fp32).
+
+The HF directory is written into a temporary folder beside OUT_DIR and renamed into place: a
+failure leaves no half-written export, and an existing OUT_DIR is replaced only with overwrite.
 """
 
 import json
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
@@ -13,34 +20,102 @@ from toolkit.train.checkpoint import META, read_latest
 from toolkit.train.hf import MODEL_TASKS
 
 
+def find_checkpoint_dir(path) -> Path:
+    """PATH when it is a checkpoint folder (it holds dstk/), or PATH/checkpoints when PATH is a run's --out."""
+    path = Path(path)
+    if (path / META).is_dir():
+        return path
+    if (path / "checkpoints" / META).is_dir():
+        return path / "checkpoints"
+    raise UnusableInput(f"{path} has no {META}/ folder: it was not written by dstk train; give the run's --out "
+                        "folder or its checkpoints/ folder")
+
+
+def tags(ckpt_dir: Path) -> list:
+    """The checkpoint tags (folders) in CHECKPOINT_DIR, oldest step first."""
+    def order(name):  # global_stepN by N, then any other name
+        match = re.fullmatch(r"global_step(\d+)", name)
+        return (0, int(match.group(1)), "") if match else (1, 0, name)
+
+    names = [p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name != META and not p.name.startswith(".")]
+    return sorted(names, key=order)
+
+
+def resolve_tag(ckpt_dir: Path, tag: str | None) -> str:
+    """`tag`, or the one `latest` names; a message listing the tags there are when it is missing."""
+    there = tags(ckpt_dir)
+    listed = f"tags are {', '.join(there)}" if there else "it holds no tags"
+    if tag is not None:
+        if not (Path(ckpt_dir) / tag).is_dir():
+            raise ConfigError(f"{ckpt_dir}: no tag {tag}; {listed}")
+        return tag
+    tag = read_latest(ckpt_dir)
+    if tag is None or not (Path(ckpt_dir) / tag).is_dir():
+        raise UnusableInput(f"{ckpt_dir} holds no complete checkpoint (no 'latest' file naming a tag directory); "
+                            f"{listed}" + ("; pass --tag" if there else ""))
+    return tag
+
+
 def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
     """(HF state dict in fp32, layout) from a pipeline or pp = 1 (incl. ZeRO) checkpoint."""
-    import torch
-
     ckpt_dir = Path(ckpt_dir)
-    tag = tag or read_latest(ckpt_dir)
-    if tag is None or not (ckpt_dir / tag).is_dir():
-        raise UnusableInput(f"{ckpt_dir} holds no complete checkpoint (no 'latest' file naming a tag directory)")
-    layout = json.loads((ckpt_dir / META / "layout.json").read_text())
+    tag = resolve_tag(ckpt_dir, tag)
+    layout = _read_layout(ckpt_dir / META / "layout.json")
     if layout.get("pp", 1) > 1:
         state = _pipeline_state(ckpt_dir / tag, layout["hf_names"])
     elif list((ckpt_dir / tag).glob("zero_pp_rank_*_mp_rank_00_model_states.pt")) and _zero3(ckpt_dir / tag):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        except (RuntimeError, EOFError, OSError, ValueError) as exc:
+            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO-3 shards cannot be gathered ({_first_line(exc)}); "
+                                "the checkpoint is incomplete or damaged: export another tag with --tag") from None
     else:
-        state = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                           weights_only=False)["module"]
+        saved = _torch_load(ckpt_dir / tag / "mp_rank_00_model_states.pt")
+        if not isinstance(saved, dict) or "module" not in saved:
+            raise UnusableInput(f"{ckpt_dir / tag / 'mp_rank_00_model_states.pt'} holds no 'module' state dict: "
+                                "not a DeepSpeed model checkpoint")
+        state = saved["module"]
     return {k: v.float() for k, v in state.items()}, layout
 
 
-def _zero3(tag_dir: Path) -> bool:
+def _read_layout(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnusableInput(f"{path} is missing: the checkpoint was not written by dstk train") from None
+    except (OSError, ValueError) as exc:
+        raise UnusableInput(f"{path} cannot be read: {_first_line(exc)}") from None
+
+
+def _torch_load(path: Path):
+    """torch.load, with a one-line error for a missing, truncated or foreign file."""
+    import pickle
+    import zipfile
+
     import torch
 
+    if not path.is_file():
+        raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+        raise UnusableInput(f"{path} cannot be read ({_first_line(exc)}): the file is truncated or damaged "
+                            "(a save cut short?); export another tag with --tag") from None
+
+
+def _first_line(exc: Exception) -> str:
+    """The first sentence of an exception's message (torch's run to a paragraph)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line.split(". ")[0].rstrip(".")
+
+
+def _zero3(tag_dir: Path) -> bool:
     files = sorted(tag_dir.glob("*optim_states.pt"))
     if not files:
         return False
-    sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    sd = _torch_load(files[0])
     return sd.get("optimizer_state_dict", {}).get("zero_stage") == 3
 
 
@@ -48,32 +123,35 @@ def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:
     """layer_XX-model_states.pt (keys relative to the layer) -> HF names via the saved layout.
 
     hf_names[i] is {key in layer i's state dict: HF parameter name}."""
-    import torch
-
     state = {}
     for i, names in enumerate(hf_names):
         path = tag_dir / f"layer_{i:02d}-model_states.pt"
         if not names or (not path.exists() and set(names.values()) <= set(state)):
             continue  # DeepSpeed saves a tied module once, with its first layer
-        if not path.exists():
-            raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
-        layer = torch.load(path, map_location="cpu", weights_only=False)
+        layer = _torch_load(path)
         for key, hf in names.items():
             state[hf] = layer[key]
     return state
 
 
-def export(ckpt_dir, out_dir, tag: str | None = None) -> Path:
-    """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights."""
+def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True) -> Path:
+    """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights.
+
+    ckpt_dir: a checkpoint folder or the run folder holding it. overwrite=False refuses an OUT_DIR
+    that already holds files (checked before anything is loaded)."""
     from transformers import AutoConfig, AutoTokenizer
 
     import models
 
-    meta = Path(ckpt_dir) / META
-    if not meta.is_dir():
-        raise UnusableInput(f"{ckpt_dir} has no {META}/ folder: it was not written by dstk train")
+    ckpt_dir = find_checkpoint_dir(ckpt_dir)
+    out_dir = Path(out_dir)
+    _check_out(out_dir, overwrite)
+    meta = ckpt_dir / META
     state, layout = load_state_dict(ckpt_dir, tag)
-    config = AutoConfig.from_pretrained(meta)
+    try:
+        config = AutoConfig.from_pretrained(meta)
+    except (OSError, ValueError) as exc:
+        raise UnusableInput(f"{meta}/config.json cannot be read as a HF config: {_first_line(exc)}") from None
     cls = models.auto_class(MODEL_TASKS[layout["task"]])
     model = cls.from_config(config)  # CPU, fp32; every weight is then overwritten
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -81,10 +159,45 @@ def export(ckpt_dir, out_dir, tag: str | None = None) -> Path:
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(meta).save_pretrained(out_dir)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
+
+    _write_dir_atomically(out_dir, write)
     return out_dir
+
+
+def _check_out(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file; OUT_DIR names the folder to write the HF model into")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"{out_dir} already holds files; pass --force to replace it, or give another OUT_DIR")
+    parent = out_dir.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {out_dir}: directory {parent} does not exist; create it first "
+                          f"(mkdir -p {parent})")
+
+
+def _write_dir_atomically(out_dir: Path, write) -> None:
+    """write(temp folder beside OUT_DIR), then rename it to OUT_DIR (the old one is removed only then)."""
+    parent = out_dir.absolute().parent
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.dstk-", dir=parent))
+    old = None
+    try:
+        write(tmp)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
+            os.replace(out_dir, old / out_dir.name)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out_dir.exists() and (old / out_dir.name).exists():
+            os.replace(old / out_dir.name, out_dir)  # put the previous export back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _tied(model, key: str) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from toolkit.errors import ConfigError, UnusableInput
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
+PAD = 3  # tokens of right padding in row 0 of the batch (pad=True)
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64, pad_token_id=0)
 
@@ -67,18 +68,53 @@ def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=N
     return auto_class(task, config)._from_config(config, **kwargs).float().eval()
 
 
-def load_model(path: str, task=None, attn_implementation=None):
-    """The full HF model saved at `path`, fp32, dropout off."""
+def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
+    """The full HF model saved at `path`, fp32, dropout off; seq_len is checked against the config
+    before any weight is read."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig
 
     from models import auto_class, default_task
 
     if not os.path.isdir(path):
         raise UnusableInput(f"{path}: no such directory")
-    config = no_dropout(AutoConfig.from_pretrained(path))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UnusableInput(f"{path} has no config.json: not a HF model directory (one written by "
+                            "save_pretrained), nor a model type such as llama or gpt2")
+    try:
+        config = no_dropout(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError) as exc:
+        raise UnusableInput(f"{path}/config.json cannot be read as a HF config: {_first_line(exc)}") from None
+    if seq_len is not None:
+        check_seq_len(config, seq_len, path)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cls = auto_class(task or default_task(config), config)
-    return cls.from_pretrained(path, config=config, **kwargs).float().eval()
+    try:
+        return cls.from_pretrained(path, config=config, **kwargs).float().eval()
+    except (OSError, ValueError, SafetensorError) as exc:  # no weights file, a truncated one
+        raise UnusableInput(f"{path}: cannot load the model's weights: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def check_min_seq_len(seq_len: int, pad: bool) -> None:
+    """Row 0 keeps at least one real token after its padding; a causal LM needs two tokens to predict one."""
+    least = PAD + 1 if pad else 2
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < least:
+        raise ConfigError(f"--seq-len must be >= {least}, got {seq_len!r}: " + (
+            f"the first sequence is right-padded by {PAD} tokens (>= 2 with --no-pad)" if pad
+            else "a causal LM predicts token t+1 from token t"))
+
+
+def check_seq_len(config, seq_len: int, name: str, small: bool = False) -> None:
+    """Refuse a sequence longer than the model's position table / rotary range."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        where = f"the small random {name} model" if small else name
+        raise ConfigError(f"--seq-len {seq_len} exceeds the max_position_embeddings of {where} ({limit}); "
+                          f"use --seq-len <= {limit}")
 
 
 def batch(config, task, batch_size=2, seq_len=8, pad=True, seed=0):
@@ -89,7 +125,7 @@ def batch(config, task, batch_size=2, seq_len=8, pad=True, seed=0):
     ids = torch.randint(1, config.vocab_size, (batch_size, seq_len), generator=g)
     mask = torch.ones(batch_size, seq_len, dtype=torch.long)
     if pad:
-        mask[0, -3:] = 0
+        mask[0, -PAD:] = 0
     if task == "sequence-classification":
         labels = torch.randint(0, config.num_labels, (batch_size,), generator=g)
     else:
@@ -163,9 +199,11 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, dat
 
 def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None) -> ParityReport:
     """`dstk parity MODEL`: MODEL is a local HF directory or a transformers model_type."""
+    check_min_seq_len(seq_len, pad)
     looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)
     if looks_like_path:
-        hf = load_model(model, task, attn_implementation)
+        hf = load_model(model, task, attn_implementation, seq_len=seq_len)
     else:
         hf = small_model(model, task, attn_implementation=attn_implementation)
+        check_seq_len(hf.config, seq_len, model, small=True)
     return check_model(hf, name=model, task=task, seq_len=seq_len, pad=pad)

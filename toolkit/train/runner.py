@@ -43,14 +43,15 @@ class TrainArgs:
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
 
 
-def read_checked_config(path: str, world_size: int, pp: int | None) -> tuple[dict, int]:
+def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tuple[dict, int]:
     """The DeepSpeed dict and pp, through the same loader, schema and rules as `dstk validate`
-    (strict: "auto" is for the HF Trainer, which is not running here); every error raised at once."""
+    (strict: "auto" is for the HF Trainer, which is not running here); every error raised at once.
+    world_size None: the rules that need it are skipped (checked again once the group is up)."""
     from toolkit.config.loader import load_config
     from toolkit.config.problems import raise_errors
 
     cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=True)
-    raise_errors(problems, path, f"is refused for training on {world_size} process(es)")
+    raise_errors(problems, path, "is refused for training" + (f" on {world_size} process(es)" if world_size else ""))
     stages = pp or cfg.get("pipeline", {}).get("stages") or 1
     return cfg, stages
 
@@ -61,7 +62,9 @@ def run(args: TrainArgs) -> dict:
     from toolkit.train import loop as train_loop
     from toolkit.train.export import export
 
-    data.check_path(args.data)  # the cheap refusals first: before a process group or a model exists
+    # The refusals that need no process group come first, so a mistake costs seconds, not a rendezvous.
+    read_checked_config(args.config, toolkit_dist.env_world_size(), args.pp)
+    data.check_path(args.data)
     rundir.check_out(args.out, args.resume, args.overwrite)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)

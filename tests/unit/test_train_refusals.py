@@ -1,0 +1,175 @@
+"""`dstk train` refuses bad input the way `dstk validate` does: one message naming the flag or key,
+a non-zero exit, no traceback, printed once, nothing written; and runs never mix in one --out.
+
+Refusals that come before any process group are checked through the real entry point
+(`python -m toolkit.train`, what every launcher starts) in a fresh interpreter; runs that train go
+through toolkit.train.runner.run in this process's world of one (tests/conftest.py ds_world1).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import ConfigError, UnusableInput
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
+GOOD_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+
+
+def _config(tmp_path, cfg=None) -> Path:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(GOOD_CONFIG if cfg is None else cfg))
+    return path
+
+
+def train_cli(tmp_path, *args, env=None, data=CORPUS, config=None):
+    """`python -m toolkit.train ARGS` in a fresh interpreter started by hand (a world of one)."""
+    from tests.conftest import child_env
+
+    cmd = [sys.executable, "-m", "toolkit.train", "--model", "tiny-gpt2", "--data", str(data),
+           "--config", str(config or _config(tmp_path)), "--out", str(tmp_path / "run"), "--seq-len", "32", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(**(env or {})), timeout=300)
+
+
+def refused(result, code: int, *fragments):
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output[-2000:]
+    assert "Traceback" not in output, output[-2000:]
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr[-2000:]
+    heads = [line for line in result.stderr.splitlines() if line.lower().startswith("error:")]
+    assert len(heads) == 1, result.stderr  # one message (a config's problems follow it, indented)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--seq-len", "0"], "--seq-len"), (["--seq-len", "-8"], "--seq-len"), (["--eval-batches", "0"], "--eval-batches"),
+    (["--steps", "0"], "--steps"), (["--steps", "-3"], "--steps"), (["--eval-fraction", "1"], "--eval-fraction"),
+    (["--eval-fraction", "-0.1"], "--eval-fraction"), (["--save-every", "-1"], "--save-every"),
+])
+def test_out_of_range_arguments_are_usage_errors(tmp_path, args, flag):
+    result = train_cli(tmp_path, *args)
+    refused(result, 2, flag)
+    assert not (tmp_path / "run").exists()
+
+
+def test_only_rank_zero_prints_a_refusal_every_rank_reaches(tmp_path):
+    result = train_cli(tmp_path, "--steps", "0", env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert result.returncode == 2 and result.stderr == ""
+
+
+@pytest.mark.parametrize("make, code, fragments", [
+    (lambda d: d, 2, ["--data", "is a directory"]),
+    (lambda d: _write(d / "rows.csv", b"text\nhello\n"), 2, ["--data", "unknown format '.csv'", ".jsonl"]),
+    (lambda d: _write(d / "bin.txt", b"abc\x00\x01\x02"), 2, ["binary data (a NUL byte at offset 3)"]),
+    (lambda d: _write(d / "l1.txt", "caf\u00e9 au lait\n".encode("latin-1")), 2,
+     ["is not utf-8 text: byte 0xe9 at offset 3 (line 1)", "--encoding latin-1", "iconv"]),
+    (lambda d: _write(d / "n.jsonl", b'{"text": "ok"}\n{"text": 123}\n'), 1, ["JSONL row 2: 'text' is int 123, not a string"]),
+])
+def test_unusable_data_is_refused_naming_the_file_and_the_way_out(tmp_path, make, code, fragments):
+    (tmp_path / "d").mkdir()
+    data = make(tmp_path / "d")
+    result = train_cli(tmp_path, "--steps", "1", data=data)
+    refused(result, code, *fragments)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _write(path: Path, raw: bytes) -> Path:
+    path.write_bytes(raw)
+    return path
+
+
+def test_an_encoding_flag_reads_the_same_file():
+    from toolkit.train.data import decode_text
+
+    raw = "caf\u00e9\n".encode("latin-1")
+    assert decode_text(raw, Path("x.txt"), "latin-1") == "caf\u00e9\n"
+    with pytest.raises(UnusableInput, match="--encoding 'klingon' is not an encoding"):
+        decode_text(raw, Path("x.txt"), "klingon")
+
+
+@pytest.mark.parametrize("text, code, fragment", [
+    ('{"train_batch_size": 8,', 2, "broken JSON at line 1"),
+    ("[1, 2]", 2, "the top level is a list"),
+    (None, 2, "is a directory, not a config file"),
+])
+def test_unreadable_config_is_refused_before_the_process_group(tmp_path, text, code, fragment):
+    config = tmp_path / "cfgdir"
+    if text is None:
+        config.mkdir()
+    else:
+        config.write_text(text)
+    refused(train_cli(tmp_path, config=config), code, fragment)
+
+
+def test_out_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "run").write_text("not a folder")
+    refused(train_cli(tmp_path), 1, "--out", "is a file")
+    assert (tmp_path / "run").read_text() == "not a folder"
+
+
+def _args(tmp_path, **kw):
+    from toolkit.train.runner import TrainArgs
+
+    return TrainArgs(**{**dict(model="tiny-gpt2", data=str(CORPUS), config=str(_config(tmp_path)),
+                               out=str(tmp_path / "run"), seq_len=32, steps=2, progress=False, eval_batches=1,
+                               export=False), **kw})
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_runs_never_mix_in_one_out(ds_world1, tmp_path):
+    from toolkit.train.runner import run
+
+    run(_args(tmp_path))
+    before = _snapshot(tmp_path / "run")
+    assert "checkpoints/latest" in before and "loss.png" in before
+    with pytest.raises(ConfigError, match=r"--out .*run already holds files \(checkpoints, loss.png, metrics.jsonl\); "
+                                          "pass --resume to continue that run, --overwrite"):
+        run(_args(tmp_path, steps=3))
+    assert _snapshot(tmp_path / "run") == before  # byte for byte
+    with pytest.raises(ConfigError, match="--resume and --overwrite contradict"):
+        run(_args(tmp_path, resume=True, overwrite=True))
+    with pytest.raises(ConfigError, match=r"--resume: .* was written by another run \(seq_len: checkpoint 32, now 16\)"):
+        run(_args(tmp_path, resume=True, steps=4, seq_len=16))
+    assert _snapshot(tmp_path / "run") == before
+    run(_args(tmp_path, overwrite=True, steps=3))  # a fresh run: the old tags are gone
+    tags = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("global_step*"))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert tags == ["global_step3"] and [json.loads(x).get("step") for x in lines] == [1, 2, 3, None]
+
+
+def test_resume_into_a_folder_without_a_checkpoint_says_so(ds_world1, tmp_path):
+    from toolkit.train.runner import run
+
+    with pytest.raises(ConfigError, match=r"--resume: .*run holds no checkpoint to resume .*drop --resume"):
+        run(_args(tmp_path, resume=True))
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_eval_split_writes_null_not_nan(ds_world1, tmp_path):
+    from toolkit.train.runner import run
+
+    summary = run(_args(tmp_path, eval_fraction=0.0, eval_every=1, steps=2))
+    assert summary["eval_loss"] is None
+
+    def no_constant(name):
+        raise AssertionError(f"{name} in metrics.jsonl is not JSON")
+
+    records = [json.loads(line, parse_constant=no_constant)
+               for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["summary"]["eval_loss"] is None and all("eval_loss" not in r for r in records[:-1])
+
+
+def test_latest_is_replaced_atomically_and_leaves_no_temporary(tmp_path):
+    from toolkit.train.checkpoint import read_latest, write_latest
+
+    write_latest(tmp_path, "global_step4")
+    write_latest(tmp_path, "global_step8")
+    assert read_latest(tmp_path) == "global_step8" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
