@@ -78,6 +78,14 @@ EOF
 if [[ -n "$num_gpus" ]]; then
   message=$(check_stages) || die "$message"
 fi
+# Every refusal dstk train would make on each rank before training (config for this world, data file,
+# run folder), made once here, so a mistake is one message and no rank starts.
+world=""
+[[ -n "$num_gpus" && -z "$hostfile" ]] && world=$(( num_gpus * ${num_nodes:-1} ))
+if [[ $dry_run == 0 ]]; then
+  "$PYTHON" -m toolkit.train --check ${world:+--world-size "$world"} --config "$config" "${train_args[@]}" >/dev/null \
+    || exit $?
+fi
 
 cmd=("$PYTHON" -m deepspeed.launcher.runner)
 if [[ -n "$node_rank" && -z "$hostfile" ]]; then
@@ -93,10 +101,13 @@ fi
 [[ -n "$master_addr" ]] && cmd+=(--master_addr "$master_addr")
 if [[ -z "$master_port" && -z "$node_rank" && -z "$hostfile" ]]; then
   # one node: a free port, so two runs on one machine do not collide on DeepSpeed's default 29500
-  master_port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  master_port=$("$PYTHON" -c 'from toolkit.dist import free_port; print(free_port())')
 fi
 [[ -n "$master_port" ]] && cmd+=(--master_port "$master_port")
-cmd+=(--module toolkit.train --config "$config" "${train_args[@]}")
+# The launcher's INFO lines (and the no-hostfile warning) only with dstk train --verbose.
+log_level=error
+for arg in "${train_args[@]}"; do [[ "$arg" == --verbose ]] && log_level=info; done
+cmd+=(--log_level "$log_level" --module toolkit.train --config "$config" "${train_args[@]}")
 
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   export DS_ACCELERATOR=cpu

@@ -26,7 +26,7 @@ def test_dry_run_prints_the_deepspeed_command(tmp_path):
     run = dry_run("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
     assert run.returncode == 0, run.stderr
     assert "-m deepspeed.launcher.runner --num_gpus 2 --master_port " in run.stdout  # a free port
-    assert (f"--module toolkit.train --config {cfg} "
+    assert (f"--log_level error --module toolkit.train --config {cfg} "
             "--model tiny-gpt2 --steps 5") in run.stdout
 
 

@@ -52,7 +52,7 @@ def _graph() -> dict:
 
 def test_top_level_holds_only_the_package_face():
     assert sorted(p.name for p in (REPO / "toolkit").glob("*.py")) == ["__init__.py", "dist.py", "errors.py",
-                                                                       "topology.py"]
+                                                                       "files.py", "topology.py"]
 
 
 def test_one_process_group_bootstrap():

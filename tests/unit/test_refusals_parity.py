@@ -20,8 +20,8 @@ def run_cli(capsys, *args):
     (["gpt2", "--seq-len", "0"], 1, "--seq-len must be >= 4, got 0: the first sequence is right-padded by 3 tokens"),
     (["gpt2", "--seq-len", "3"], 1, "--seq-len must be >= 4, got 3"),
     (["gpt2", "--seq-len", "1", "--no-pad"], 1, "--seq-len must be >= 2, got 1"),
-    (["gpt2", "--seq-len", "100000"], 1, "--seq-len 100000 exceeds the max_position_embeddings of the small random "
-                                         "gpt2 model (64); use --seq-len <= 64"),
+    (["gpt2", "--seq-len", "100000"], 1, "--seq-len 100000 exceeds the max_position_embeddings of the gpt2 model "
+                                         "(random weights) (1024); use --seq-len <= 1024"),  # the registry's GPT-2
     (["llama", "--seq-len", "100000"], 1, "--seq-len 100000 exceeds"),
     (["gpt2", "--attention", "sdpa", "--attn", "eager"], 2, "--attention sdpa and --attn eager disagree"),
 ])

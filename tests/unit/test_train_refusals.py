@@ -115,7 +115,8 @@ def test_out_that_is_a_file_is_refused(tmp_path):
 def _args(tmp_path, **kw):
     from toolkit.train.runner import TrainArgs
 
-    return TrainArgs(**{**dict(model="tiny-gpt2", data=str(CORPUS), config=str(_config(tmp_path)),
+    kw.setdefault("config", str(_config(tmp_path)))
+    return TrainArgs(**{**dict(model="tiny-gpt2", data=str(CORPUS),
                                out=str(tmp_path / "run"), seq_len=32, steps=2, progress=False, eval_batches=1,
                                export=False), **kw})
 
@@ -138,6 +139,11 @@ def test_runs_never_mix_in_one_out(ds_world1, tmp_path):
         run(_args(tmp_path, resume=True, overwrite=True))
     with pytest.raises(ConfigError, match=r"--resume: .* was written by another run \(seq_len: checkpoint 32, now 16\)"):
         run(_args(tmp_path, resume=True, steps=4, seq_len=16))
+    zero1 = tmp_path / "zero1.json"
+    zero1.write_text(json.dumps({**GOOD_CONFIG, "zero_optimization": {"stage": 1}}))
+    with pytest.raises(ConfigError, match=r"another run \(model: checkpoint '[^']*', now 'tiny-llama'; zero_stage: "
+                                          r"checkpoint 0, now 1\)"):
+        run(_args(tmp_path, resume=True, steps=4, model="tiny-llama", config=str(zero1)))
     assert _snapshot(tmp_path / "run") == before
     run(_args(tmp_path, overwrite=True, steps=3))  # a fresh run: the old tags are gone
     tags = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("global_step*"))
@@ -173,3 +179,25 @@ def test_latest_is_replaced_atomically_and_leaves_no_temporary(tmp_path):
     write_latest(tmp_path, "global_step4")
     write_latest(tmp_path, "global_step8")
     assert read_latest(tmp_path) == "global_step8" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_launch_sh_refuses_once_before_starting_any_rank(tmp_path):
+    import os
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(_config(tmp_path)), "--",
+           "--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "0", "--out", str(tmp_path / "run")]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    refused(result, 2, "--seq-len")
+    assert "spawned" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
+
+
+def test_launcher_logs_only_with_verbose(tmp_path):
+    import os
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    base = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(_config(tmp_path)), "--dry-run", "--"]
+    quiet = subprocess.run(base + ["--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
+    loud = subprocess.run(base + ["--model", "m", "--verbose"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert "--log_level error --module toolkit.train" in quiet.stdout
+    assert "--log_level info --module toolkit.train" in loud.stdout

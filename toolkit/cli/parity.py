@@ -4,8 +4,10 @@ import json
 
 import click
 
+from toolkit.plan.arch import builtin_names
 
-@click.command("parity")
+
+@click.command("parity", epilog=f"Built-in models (the same in every command): {builtin_names()}.")
 @click.argument("model", metavar="MODEL")
 @click.option("--task", type=click.Choice(["causal-lm", "masked-lm", "sequence-classification"]),
               help="Head to wrap (default: causal-lm, masked-lm for bert).")
@@ -19,7 +21,8 @@ import click
 def parity(ctx, model, task, seq_len, attention, attn, no_pad, as_json):
     """Compare loss, logits and gradients of MODEL and its pipeline layer list.
 
-    MODEL is a local HF directory or a transformers model type (small random weights).
+    MODEL is a local HF directory, a built-in name (its published dimensions, random weights) or a
+    transformers model type (small dimensions, random weights).
 
     \b
     dstk parity llama

@@ -12,11 +12,12 @@ import json
 
 import click
 
+from toolkit.plan.arch import builtin_names
 from toolkit.plan.precision import PRECISIONS
 from toolkit.plan.partition import METHODS
 
 
-@click.command()
+@click.command(epilog=f"Built-in models (the same in every command): {builtin_names()}.")
 @click.argument("model", metavar="MODEL")
 @click.option("--pp", type=click.IntRange(min=1), required=True, metavar="P", help="Pipeline stages.")
 @click.option("--seq-len", type=click.IntRange(min=1), metavar="S",

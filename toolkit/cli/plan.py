@@ -4,6 +4,7 @@ import json
 
 import click
 
+from toolkit.plan.arch import builtin_names
 from toolkit.plan.gpus import GPUS
 
 
@@ -14,7 +15,7 @@ def _size(ctx, param, value):
 
 
 @click.command("plan")
-@click.option("--model", required=True, metavar="NAME|DIR", help="Built-in architecture (gpt2, llama-3.2-1b, ...) or a local HF directory.")
+@click.option("--model", required=True, metavar="NAME|DIR", help=f"Built-in architecture ({builtin_names()}) or a local HF directory.")
 @click.option("--gpus-per-node", "--gpus", "gpus_per_node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node (--gpus: the same, for one node).")
 @click.option("--nodes", type=int, default=1, show_default=True, metavar="N", help="Nodes.")
 @click.option("--gpu", metavar="NAME", help=f"GPU preset: {', '.join(GPUS)} (h100 means h100-sxm).")

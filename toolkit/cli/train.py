@@ -5,10 +5,12 @@ from pathlib import Path
 
 import click
 
+from toolkit.plan.arch import builtin_names
+
 
 @click.command()
 @click.option("--model", required=True, metavar="DIR|NAME", help="Local HF model directory, or a built-in "
-              "architecture with random weights: tiny-gpt2, small-gpt2, tiny-llama, tiny-bert.")
+              f"architecture (random weights, a byte tokenizer): {builtin_names()}.")
 @click.option("--data", required=True, metavar="FILE", help=".txt (blank-line separated documents) or .jsonl "
               "(text; prompt/response; text/label for --task classification).")
 @click.option("--config", "--deepspeed-config", "--deepspeed_config", "config", required=True, metavar="JSON",
@@ -39,13 +41,21 @@ import click
 @click.option("--log-every", type=click.IntRange(min=0), default=0, metavar="N",
               help="Steps between progress lines when not on a terminal (0: about 20 per run).")
 @click.option("--verbose", is_flag=True, help="Keep DeepSpeed's and every rank's INFO logs.")
+@click.option("--check", "check_only", is_flag=True, help="Only check the config (for --world-size), the data "
+              "file and --out, then exit 0 or refuse; starts no process group (launch.sh runs this first).")
+@click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")
 @click.option("--crash-at-step", type=int, hidden=True)
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
-def train(local_rank, **options):
+def train(local_rank, check_only, world_size, **options):
     """Train a HF model (run on every rank by the launcher)."""
     from toolkit.dist import shutdown
-    from toolkit.train.runner import TrainArgs, run
+    from toolkit.train.runner import TrainArgs, check, run
 
+    if check_only:
+        check(TrainArgs(**options), world_size)
+        click.echo(f"ok: {options['config']}, {options['data']} and --out {options['out']} are fit to train"
+                   + (f" on {world_size} process(es)" if world_size else ""))
+        return
     summary = run(TrainArgs(**options))
     if summary.get("rank0"):
         from toolkit.train.report import read_metrics, table

@@ -10,6 +10,7 @@ import tempfile
 
 from toolkit.config.options import GenerateOptions
 from toolkit.errors import ConfigError
+from toolkit.files import as_umask
 
 AUTO = "auto"  # filled by the HF Trainer / Accelerate, never by DeepSpeed itself
 
@@ -159,6 +160,7 @@ def write_text(text: str, path: str, force: bool = False, flag: str = "-o") -> N
         fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=os.path.splitext(path)[1] or ".tmp", dir=directory)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        as_umask(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except OSError as exc:  # permissions, a full disk: one line, and no temp file left
         raise ConfigError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None

@@ -138,12 +138,23 @@ BUILTINS = {a.name: a for a in [
     _bert("bert-large", 1024, 24, 16, 4096),
     # Tiny ones for tests: same code paths, seconds on a CPU.
     replace(_gpt2("tiny-gpt2", 64, 4, 4), vocab=512, max_positions=256),
+    replace(_gpt2("small-gpt2", 128, 6, 4), vocab=512, max_positions=512),
     _llama("tiny-llama", "llama", 64, 4, 4, 2, 176, 512, 256),
     _bert("tiny-bert", 64, 4, 4, 128, vocab=512),
 ]}
 ALIASES = {"gpt2-small": "gpt2", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
            "llama-1b": "llama-3.2-1b", "llama-3b": "llama-3.2-3b", "llama-8b": "llama-3-8b",
            "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b"}
+
+
+def is_builtin(name) -> bool:
+    """Whether `name` is in the one registry of model names (every command reads it)."""
+    return str(name).lower() in BUILTINS or str(name).lower() in ALIASES
+
+
+def builtin_names() -> str:
+    """The registry's names, for help texts and messages."""
+    return ", ".join(BUILTINS)
 
 
 def load_arch(name_or_path: str) -> Arch:
@@ -222,7 +233,8 @@ def to_hf_config(arch: Arch):
     if arch.model_type == "gpt2":
         return transformers.GPT2Config(n_embd=arch.hidden, n_layer=arch.layers, n_head=arch.heads,
                                        n_inner=arch.intermediate, vocab_size=arch.vocab,
-                                       n_positions=arch.max_positions, tie_word_embeddings=arch.tied)
+                                       n_positions=arch.max_positions, tie_word_embeddings=arch.tied,
+                                       bos_token_id=arch.vocab - 1, eos_token_id=arch.vocab - 1)  # GPT-2: 50256
     kwargs = dict(hidden_size=arch.hidden, num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
                   intermediate_size=arch.intermediate, vocab_size=arch.vocab,
                   max_position_embeddings=arch.max_positions, tie_word_embeddings=arch.tied)

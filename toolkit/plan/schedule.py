@@ -151,11 +151,14 @@ def render_png(t: Timeline, path: str) -> None:
 def _save_atomically(fig, path: str) -> None:
     import tempfile
 
+    from toolkit.files import as_umask
+
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=".png", dir=os.path.dirname(os.path.abspath(path)))
         os.close(fd)
         fig.savefig(tmp, dpi=120, format="png")
+        as_umask(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except OSError as exc:
         raise ConfigError(f"cannot write --png {path}: {exc.strerror or exc}") from None

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
+from toolkit.files import as_umask
 from toolkit.train.checkpoint import META, read_latest
 from toolkit.train.hf import MODEL_TASKS
 
@@ -186,6 +187,7 @@ def _write_dir_atomically(out_dir: Path, write) -> None:
     old = None
     try:
         write(tmp)
+        as_umask(tmp)  # mkdtemp made it 0700
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
             os.replace(out_dir, old / out_dir.name)

@@ -1,6 +1,7 @@
-"""Models and tokenizers for `dstk train`: a local HF directory, or a built-in tiny architecture.
+"""Models and tokenizers for `dstk train`: a local HF directory, or a built-in architecture.
 
-Built-in names give random weights from a fixed seed, so every rank (and every layout) starts from
+Built-in names are the one registry every command knows (toolkit.plan.arch: tiny-gpt2, gpt2,
+llama-3.2-1b, ...). They give random weights from a fixed seed, so every rank (and every layout) starts from
 the same model. Their tokenizer is a 256-byte tokenizer (+ one end-of-text token) built in code:
 it needs no download and saves/loads like any HF tokenizer.
 """
@@ -12,19 +13,6 @@ from toolkit.errors import ConfigError
 EOT = "<|endoftext|>"
 # `dstk train --task` -> the models/ task whose head (and Auto class) it trains.
 MODEL_TASKS = {"causal-lm": "causal-lm", "classification": "sequence-classification"}
-NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, attention_dropout=0.0)
-
-# name -> (model_type, config kwargs). vocab_size is set from the tokenizer. Dropout is off so
-# runs are deterministic and every layout computes the same loss.
-BUILTIN = {
-    "tiny-gpt2": ("gpt2", dict(n_embd=64, n_layer=4, n_head=4, n_positions=256)),
-    "small-gpt2": ("gpt2", dict(n_embd=128, n_layer=6, n_head=4, n_positions=512)),
-    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
-    "tiny-bert": ("bert", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, max_position_embeddings=256)),
-}
 
 
 def byte_tokenizer():
@@ -69,27 +57,46 @@ def load_config(model: str, tokenizer, task: str, num_labels: int = 2):
     """The HF config of a model directory or a built-in name, set up for the task."""
     from transformers import AutoConfig
 
-    if Path(model).is_dir():
-        config = AutoConfig.from_pretrained(model)
-    elif model in BUILTIN:
-        model_type, kwargs = BUILTIN[model]
-        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **kwargs, **_dropout_keys(model_type))
-        config.pad_token_id = tokenizer.pad_token_id
-        config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
-    else:
-        raise ConfigError(f"--model {model!r} is neither a directory nor a built-in architecture "
-                          f"({', '.join(BUILTIN)})")
+    config = AutoConfig.from_pretrained(model) if Path(model).is_dir() else builtin_config(model, tokenizer)
     if task == "classification":
         config.num_labels = num_labels
     config._attn_implementation = "eager"  # explicit: a config built in code has none set
     return config
 
 
-def _dropout_keys(model_type: str) -> dict:
-    from transformers import AutoConfig
+def check_model(model: str) -> None:
+    """--model is a local directory with a config.json, or a built-in name; else a clear refusal."""
+    from toolkit.plan.arch import builtin_names, is_builtin
 
-    known = AutoConfig.for_model(model_type).to_dict()
-    return {k: v for k, v in NO_DROPOUT.items() if k in known}
+    path = Path(model)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(f"--model {model}: no config.json in this directory, so it is not a HF model directory")
+    if not path.is_dir() and not is_builtin(model):
+        raise ConfigError(f"--model {model!r} is neither a local HF directory nor a built-in architecture "
+                          f"({builtin_names()}); the hub is not contacted")
+
+
+def builtin_config(name: str, tokenizer):
+    """A name from the one model registry (toolkit.plan.arch: what `dstk partition`, `plan` and `parity`
+    mean by it) with the tokenizer's vocabulary and dropout off (runs are deterministic and every
+    layout computes the same loss); weights are random."""
+    from dataclasses import replace
+
+    from toolkit.plan.arch import load_arch, to_hf_config
+
+    check_model(name)
+    config = no_dropout(to_hf_config(replace(load_arch(name), vocab=len(tokenizer))))
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
+    return config
+
+
+def no_dropout(config):
+    """Set every dropout probability in `config` to 0 (in place): dropout makes runs differ."""
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    return config
 
 
 def build_model(model: str, config, task: str, seed: int):

@@ -83,7 +83,7 @@ def _model(args, config, topo, cfg: dict):
         source = args.model
     else:  # built-in: tiny, random from the seed, identical on every rank and layout
         source = hf.build_model(args.model, config, args.task, args.seed)
-    return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config)
+    return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose)
 
 
 def train_step(job: Job, it) -> float:

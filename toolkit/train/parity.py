@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
+from toolkit.train.hf import no_dropout
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
 PAD = 3  # tokens of right padding in row 0 of the batch (pad=True)
@@ -41,26 +42,24 @@ class ParityReport:
         return max(self.loss_diff, self.logits_diff, self.grad_diff) <= TOLERANCE
 
 
-def no_dropout(config):
-    """Set every dropout probability in `config` to 0 (in place): dropout makes runs differ."""
-    for key, value in list(config.to_dict().items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(config, key, 0.0)
-    return config
-
-
-def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=None, **overrides):
-    """A HF model of `model_type` with SMALL dimensions and random weights (fp32, no dropout)."""
+def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=None, registry: bool = False,
+                **overrides):
+    """A HF model of transformers `model_type` with SMALL dimensions and random weights (fp32, no
+    dropout); a name from the model registry (toolkit.plan.arch: tiny-gpt2, gpt2, llama-3.2-1b, ...)
+    with the registry's dimensions instead when `registry` is set (what `dstk parity NAME` does)."""
     import torch
     from transformers import AutoConfig
 
     from models import auto_class, default_task
+    from toolkit.plan.arch import builtin_names, is_builtin, load_arch, to_hf_config
 
     try:
-        config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
+        config = to_hf_config(load_arch(model_type)) if registry and is_builtin(model_type) else \
+            AutoConfig.for_model(model_type, **{**SMALL, **overrides})
     except ValueError:
-        raise ConfigError(f"unknown model {model_type!r}: not a local directory nor a transformers "
-                          "model_type (try llama, gpt2, bert, qwen2, mistral, gemma, phi3)") from None
+        raise ConfigError(f"unknown model {model_type!r}: not a local directory, a built-in architecture "
+                          f"({builtin_names()}) nor a transformers model_type (llama, gpt2, bert, qwen2, mistral, "
+                          "gemma, phi3, ...)") from None
     no_dropout(config)
     task = task or default_task(config)
     torch.manual_seed(seed)
@@ -112,7 +111,7 @@ def check_seq_len(config, seq_len: int, name: str, small: bool = False) -> None:
     """Refuse a sequence longer than the model's position table / rotary range."""
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
-        where = f"the small random {name} model" if small else name
+        where = f"the {name} model (random weights)" if small else name
         raise ConfigError(f"--seq-len {seq_len} exceeds the max_position_embeddings of {where} ({limit}); "
                           f"use --seq-len <= {limit}")
 
@@ -198,12 +197,13 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, dat
 
 
 def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None) -> ParityReport:
-    """`dstk parity MODEL`: MODEL is a local HF directory or a transformers model_type."""
+    """`dstk parity MODEL`: MODEL is a local HF directory, a built-in name (the registry's dimensions,
+    random weights) or a transformers model_type (SMALL dimensions)."""
     check_min_seq_len(seq_len, pad)
     looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)
     if looks_like_path:
         hf = load_model(model, task, attn_implementation, seq_len=seq_len)
     else:
-        hf = small_model(model, task, attn_implementation=attn_implementation)
+        hf = small_model(model, task, attn_implementation=attn_implementation, registry=True)
         check_seq_len(hf.config, seq_len, model, small=True)
     return check_model(hf, name=model, task=task, seq_len=seq_len, pad=pad)

@@ -6,20 +6,23 @@ read only their own tensors (safetensors) on the stage that owns them. Built-in 
 a live (tiny, seeded) model, the same on every rank, whose modules the layers share.
 """
 
+import contextlib
+import io
 from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.train.hf import MODEL_TASKS
 
 
-
-def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None):
+def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), layout for checkpoint.save_meta).
 
     model: a HF model in memory, or a local HF directory (str/Path: loaded per stage).
     config: the run's HF config; checked against the directory's (num_labels) when given."""
-    import models
+    import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    import models
 
     is_dir = isinstance(model, (str, Path))
     spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task])
@@ -30,8 +33,14 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
                           f"(embedding, blocks, head); use pp <= {spec.num_layers}")
     parts = choose_parts(spec, topo.pp, cfg, seq_len)
     layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec)}
-    module = models.build_pipeline_module(spec, topology=PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp),
-                                          parts=parts)
+    # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
+    # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
+    # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
+    # into a leaf keeps it a leaf); built under no_grad there is nothing to warn about.
+    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())  # its prints
+    with torch.no_grad(), quiet:
+        module = models.build_pipeline_module(spec, topology=PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp),
+                                              parts=parts)
     return module, layout
 
 

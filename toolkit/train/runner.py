@@ -18,7 +18,7 @@ from toolkit.topology import Topology
 
 @dataclass
 class TrainArgs:
-    model: str  # local HF directory, or a built-in name (toolkit.train.hf.BUILTIN)
+    model: str  # local HF directory, or a built-in name (toolkit.plan.arch.BUILTINS)
     data: str  # .txt or .jsonl (see toolkit.train.data)
     config: str  # DeepSpeed JSON
     out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
@@ -56,16 +56,38 @@ def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tu
     return cfg, stages
 
 
+def check(args: TrainArgs, world_size: int | None) -> None:
+    """The refusals that need no process group and no model: the config (for `world_size` processes
+    when known), the data file, the run folder. Every rank runs them first, so a mistake costs
+    seconds, not a rendezvous; launch.sh runs them once before it starts any rank (`--check`)."""
+    from toolkit.train import data, hf, rundir
+
+    read_checked_config(args.config, world_size, args.pp)
+    hf.check_model(args.model)
+    data.check_path(args.data)
+    rundir.check_out(args.out, args.resume, args.overwrite)
+
+
+def _log_levels(verbose: bool) -> None:
+    """DeepSpeed at INFO only with --verbose; no transformers progress bars (export) without it."""
+    import logging
+
+    from deepspeed.utils import logger
+    from transformers.utils import logging as hf_logging
+
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:
+        hf_logging.disable_progress_bar()
+
+
 def run(args: TrainArgs) -> dict:
     """Train, checkpoint and export; returns the summary (the same dict on every rank)."""
-    from toolkit.train import checkpoint, data, rundir
+    from toolkit.train import checkpoint, rundir
     from toolkit.train import loop as train_loop
     from toolkit.train.export import export
 
-    # The refusals that need no process group come first, so a mistake costs seconds, not a rendezvous.
-    read_checked_config(args.config, toolkit_dist.env_world_size(), args.pp)
-    data.check_path(args.data)
-    rundir.check_out(args.out, args.resume, args.overwrite)
+    check(args, toolkit_dist.env_world_size())
+    _log_levels(args.verbose)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
     topo = Topology(dist.get_world_size(), pp)
