@@ -58,7 +58,9 @@ def _resolve(obj, task):
         return _resolve_dir(os.fspath(obj), task)
     if hasattr(obj, "model_type"):  # a PretrainedConfig: random weights
         task = task or default_task(obj)
-        return LiveSource(auto_class(task, obj)._from_config(obj)), obj, task
+        import torch
+
+        return LiveSource(auto_class(task, obj)._from_config(obj, dtype=torch.float32)), obj, task
     raise ConfigError(f"cannot wrap a {type(obj).__name__}: pass a HF model, a local HF directory or a config")
 
 

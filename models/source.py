@@ -37,7 +37,9 @@ class DirSource:
     def __init__(self, path: str, model_cls, config):
         self.path = path
         with torch.device("meta"):
-            self.skeleton = model_cls._from_config(config)  # shapes only, no memory
+            # shapes only, no memory; fp32 whatever the checkpoint's dtype: trainable weights are the
+            # optimizer's masters (DeepSpeed's bf16/fp16 modes cast the module and keep fp32 copies)
+            self.skeleton = model_cls._from_config(config, dtype=torch.float32)
         self.prefix = model_cls.base_model_prefix  # "model", "transformer", "bert", ...
         self.weight_map = _weight_map(path)  # tensor name -> safetensors file
 

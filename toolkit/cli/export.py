@@ -10,7 +10,9 @@ import click
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-def export(checkpoint_dir, out_dir, tag, force):
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="Weights' type in OUT_DIR: fp32 as trained, bf16/fp16 half the bytes (config.json says which).")
+def export(checkpoint_dir, out_dir, tag, force, dtype):
     """Convert a DeepSpeed checkpoint (pipeline layers or ZeRO shards) to a HF directory.
 
     CHECKPOINT_DIR is a run's checkpoints/ folder, or the run's --out folder that holds it.
@@ -26,5 +28,5 @@ def export(checkpoint_dir, out_dir, tag, force):
     found = find_checkpoint_dir(checkpoint_dir)
     if found != Path(checkpoint_dir):
         click.echo(f"reading {found} (the checkpoints of run {checkpoint_dir})", err=True)
-    out = export_checkpoint(found, out_dir, tag, overwrite=force)
-    click.echo(f"wrote {out} (safetensors, config.json, tokenizer)")
+    out = export_checkpoint(found, out_dir, tag, overwrite=force, dtype=dtype)
+    click.echo(f"wrote {out} ({dtype} safetensors, config.json, tokenizer)")

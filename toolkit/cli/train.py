@@ -34,6 +34,9 @@ from toolkit.plan.arch import builtin_names
 @click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Share of rows held out for evaluation, in [0, 1); 0: no evaluation.")
 @click.option("--text-field", default="text", show_default=True, help="JSONL key holding the text.")
+@click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa",
+              show_default=True, help="Attention kernel, the same at every pp (flash_attention_2: CUDA and the "
+              "flash-attn package).")
 @click.option("--encoding", default="utf-8", show_default=True, help="Text encoding of --data (e.g. latin-1).")
 @click.option("--export/--no-export", default=True, show_default=True, help="Write OUT/hf at the end.")
 @click.option("--progress/--no-progress", default=True, show_default=True,

@@ -135,11 +135,17 @@ def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:
     return state
 
 
-def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True) -> Path:
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dtype: str = "fp32") -> Path:
     """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights.
 
     ckpt_dir: a checkpoint folder or the run folder holding it. overwrite=False refuses an OUT_DIR
-    that already holds files (checked before anything is loaded)."""
+    that already holds files (checked before anything is loaded). dtype: fp32 (the default: the
+    weights as trained, masters where the checkpoint holds them) or bf16/fp16 (half the bytes);
+    config.json's "dtype" says which."""
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     import models
@@ -153,13 +159,20 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True) ->
         config = AutoConfig.from_pretrained(meta)
     except (OSError, ValueError) as exc:
         raise UnusableInput(f"{meta}/config.json cannot be read as a HF config: {_first_line(exc)}") from None
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     cls = models.auto_class(MODEL_TASKS[layout["task"]])
-    model = cls.from_config(config)  # CPU, fp32; every weight is then overwritten
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
+    model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not _tied(model, k)]
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
+    model.to(getattr(torch, DTYPES[dtype]))
+    model.config.dtype = DTYPES[dtype]
 
     def write(folder: Path) -> None:
         model.save_pretrained(folder)

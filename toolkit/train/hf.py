@@ -53,14 +53,19 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return tok
 
 
-def load_config(model: str, tokenizer, task: str, num_labels: int = 2):
-    """The HF config of a model directory or a built-in name, set up for the task."""
+def load_config(model: str, tokenizer, task: str, num_labels: int = 2, attention: str = "sdpa"):
+    """The HF config of a model directory or a built-in name, set up for the task and the attention
+    kernel (the same at every pp: the wrappers are exact under eager and sdpa)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model) if Path(model).is_dir() else builtin_config(model, tokenizer)
+    if task == "causal-lm" and getattr(config, "model_type", "") == "bert":
+        raise ConfigError(f"--model {model}: {config.model_type} is an encoder (every token attends to the whole "
+                          "row), so --task causal-lm would train it to copy the next token it can already see; "
+                          "use --task classification, or a decoder model (gpt2, llama, ...)")
     if task == "classification":
         config.num_labels = num_labels
-    config._attn_implementation = "eager"  # explicit: a config built in code has none set
+    config._attn_implementation = attention
     return config
 
 
@@ -74,6 +79,21 @@ def check_model(model: str) -> None:
     if not path.is_dir() and not is_builtin(model):
         raise ConfigError(f"--model {model!r} is neither a local HF directory nor a built-in architecture "
                           f"({builtin_names()}); the hub is not contacted")
+
+
+def check_attention(attention: str) -> None:
+    """flash_attention_2 needs CUDA and the flash-attn package; say so before anything is built."""
+    if attention != "flash_attention_2":
+        return
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("--attention flash_attention_2 needs a CUDA GPU and the flash-attn package "
+                          f"(CUDA {'available' if torch.cuda.is_available() else 'not available'}, flash-attn "
+                          f"{'installed' if importlib.util.find_spec('flash_attn') else 'not installed'}); "
+                          "use --attention sdpa (PyTorch's fused kernels)")
 
 
 def builtin_config(name: str, tokenizer):
@@ -99,17 +119,37 @@ def no_dropout(config):
     return config
 
 
-def build_model(model: str, config, task: str, seed: int):
-    """Pretrained weights from a directory, or random ones from `seed` (the same on every rank)."""
+def build_model(model: str, config, task: str, seed: int, ds_config: dict | None = None):
+    """Pretrained weights from a directory, or random ones from `seed` (the same on every rank).
+
+    Always fp32: transformers 5 loads a bf16 checkpoint as bf16 (dtype="auto"), and an optimizer
+    stepping bf16 weights loses every update below bf16's resolution. The trainable weights are the
+    masters; DeepSpeed's bf16/fp16 modes cast the module and keep fp32 copies themselves.
+    ZeRO-3 (`ds_config` stage 3): built already partitioned (deepspeed.zero.Init; from_pretrained
+    through HF's HfDeepSpeedConfig), so no rank ever holds the whole model."""
     import torch
 
     import models
 
     cls = models.auto_class(MODEL_TASKS[task])
     torch.manual_seed(seed)  # heads that a pretrained directory lacks get the same init everywhere
+    attn = {"attn_implementation": config._attn_implementation}
+    zero3 = ((ds_config or {}).get("zero_optimization") or {}).get("stage") == 3
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # an earlier ZeRO-3 model in this process must not make this one ZeRO-3
+
+    # ZeRO-3: transformers builds (and initialises, and loads) inside deepspeed.zero.Init while an
+    # HfDeepSpeedConfig is alive (it holds it by weak reference; HF's docs ask to keep it for the
+    # model's lifetime, so the model carries it).
+    zero3_config = HfDeepSpeedConfig(ds_config) if zero3 else None
     if Path(model).is_dir():
-        return cls.from_pretrained(model, config=config)
-    return cls.from_config(config)
+        built = cls.from_pretrained(model, config=config, dtype=torch.float32, **attn)
+    else:
+        built = cls.from_config(config, dtype=torch.float32, **attn)
+    built.dstk_hf_deepspeed_config = zero3_config
+    return built
 
 
 def max_positions(config):

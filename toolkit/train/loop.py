@@ -38,10 +38,10 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
 
     tokenizer = hf.load_tokenizer(args.model, args.tokenizer)
     rows = data.read_records(args.data, args.encoding)
-    probe = hf.load_config(args.model, tokenizer, "causal-lm")
+    probe = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
     tokens = data.tokenize(rows, tokenizer, args.seq_len, args.task, hf.max_positions(probe), args.text_field)
     num_labels = int(tokens.labels.max()) + 1 if args.task == "classification" else 2
-    config = hf.load_config(args.model, tokenizer, args.task, num_labels)
+    config = hf.load_config(args.model, tokenizer, args.task, num_labels, attention=args.attention)
     train_set, eval_set = data.split(tokens, args.eval_fraction, args.seed)
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(train_set, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
@@ -49,8 +49,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     if resume_tag:
         checkpoint.check_same_model(ckpt_dir, config)
     model, layout = _model(args, config, topo, cfg)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                     if p.requires_grad], config=cfg)
+    torch.manual_seed(args.seed + 1 + dp_rank)  # from here on (dropout): another stream per replica
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg), config=cfg)
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
     if resume_tag:
@@ -59,6 +59,21 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     steps = args.steps or sampler.steps_per_epoch
     return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, batch.gbs * args.seq_len,
                topo.dp, dp_rank, ckpt_dir)
+
+
+def param_groups(model, cfg: dict) -> list:
+    """The trainable parameters in two groups, as the HF Trainer makes them: weight decay on the
+    matrices of linear layers, none on biases, norms and embeddings (decaying a norm's gain or an
+    embedding row pulls it toward zero for no regularising benefit)."""
+    decay = ((cfg.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0)
+    no_decay = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) or "norm" in type(m).__name__.lower()
+                for p in m.parameters(recurse=False)}
+    groups = [{"params": [], "weight_decay": decay}, {"params": [], "weight_decay": 0.0}]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            matrix = len(getattr(p, "ds_shape", p.shape)) >= 2  # ZeRO-3 partitions keep their shape in ds_shape
+            groups[0 if matrix and id(p) not in no_decay else 1]["params"].append(p)
+    return [g for g in groups if g["params"]]
 
 
 def run_identity(args, topo, cfg: dict) -> dict:
@@ -75,14 +90,17 @@ def _model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, layout). pp > 1 with a local directory: no rank builds the
     whole model; each stage reads its own layers' tensors (toolkit.train.pipe)."""
     if topo.pp == 1:
-        return hf.build_model(args.model, config, args.task, args.seed), {"pp": 1}
+        model = hf.build_model(args.model, config, args.task, args.seed, cfg)
+        if "activation_checkpointing" in cfg:  # DeepSpeed's section configures an API HF models never call
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model, {"pp": 1}
     from toolkit.train.pipe import pipeline_module
 
     if Path(args.model).is_dir():
         torch.manual_seed(args.seed)  # heads the directory lacks: the same init on every dp replica
         source = args.model
     else:  # built-in: tiny, random from the seed, identical on every rank and layout
-        source = hf.build_model(args.model, config, args.task, args.seed)
+        source = hf.build_model(args.model, config, args.task, args.seed)  # tiny: no ZeRO-3 at pp > 1
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose)
 
 
@@ -100,8 +118,11 @@ def train_step(job: Job, it) -> float:
 
 
 def _forward(engine, batch) -> torch.Tensor:
+    """pp = 1: DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does)."""
     (input_ids, attention_mask), labels = batch
-    return engine(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    device = engine.device
+    return engine(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                  labels=labels.to(device)).loss
 
 
 def _dp_mean(loss: torch.Tensor) -> float:
@@ -147,10 +168,20 @@ def loop(args, job: Job, is_logger: bool) -> dict:
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss(job, args),
                "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
-               "params_per_rank": _params_per_rank(job.engine)}
+               "params_per_rank": _params_per_rank(job.engine), "peak_rss_mib_per_rank": _peak_rss_per_rank()}
     if log:
         log.close(summary)
     return summary
+
+
+def _peak_rss_per_rank() -> list:
+    """Per global rank, the most host memory (MiB) its process has held so far (ru_maxrss: KiB on Linux)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, round(peak, 1))
+    return out
 
 
 def _params_per_rank(engine) -> list:

@@ -35,6 +35,7 @@ class TrainArgs:
     seed: int = 1234
     eval_fraction: float = 0.05
     text_field: str = "text"
+    attention: str = "sdpa"  # eager | sdpa | flash_attention_2 (CUDA + flash-attn)
     encoding: str = "utf-8"  # of --data
     export: bool = True
     progress: bool = True
@@ -64,6 +65,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
     read_checked_config(args.config, world_size, args.pp)
     hf.check_model(args.model)
+    hf.check_attention(args.attention)
     data.check_path(args.data)
     rundir.check_out(args.out, args.resume, args.overwrite)
 
