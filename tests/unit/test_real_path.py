@@ -167,3 +167,29 @@ def test_zero3_builds_the_model_partitioned(ds_world1):
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == 0 and all(hasattr(p, "ds_id") for p in params)
     assert sum(p.ds_numel for p in params) == sum(p.numel() for p in hf.build_model("tiny-llama", config, "causal-lm", 0).parameters())
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_bf16_training_exports_the_fp32_masters(ds_world1, tmp_path, zero):
+    """Under bf16 the module holds bf16 weights and the optimizer fp32 masters: the export carries the
+    masters (most values are not bf16-representable), or bf16 with --dtype bf16 (config.json says which)."""
+    from safetensors.torch import load_file
+
+    from toolkit.train.export import export
+    from toolkit.train.runner import TrainArgs, run
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "gradient_clipping": 0.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero},
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
+    run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(tmp_path / "run"), seq_len=32,
+                  steps=2, progress=False, eval_batches=1))
+    weights = load_file(tmp_path / "run" / "hf" / "model.safetensors")
+    w = weights["model.layers.0.mlp.down_proj.weight"]
+    off_grid = (w.bfloat16().float() != w).float().mean().item()
+    assert w.dtype == torch.float32 and off_grid > 0.5, f"{off_grid:.0%} of the weights are not bf16 values"
+    assert json.loads((tmp_path / "run" / "hf" / "config.json").read_text())["dtype"] == "float32"
+    export(tmp_path / "run", tmp_path / "half", dtype="bf16")
+    half = load_file(tmp_path / "half" / "model.safetensors")
+    assert half["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -8,6 +8,8 @@ The HF directory is written into a temporary folder beside OUT_DIR and renamed i
 failure leaves no half-written export, and an existing OUT_DIR is replaced only with overwrite.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -64,21 +66,33 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     layout = _read_layout(ckpt_dir / META / "layout.json")
     if layout.get("pp", 1) > 1:
         state = _pipeline_state(ckpt_dir / tag, layout["hf_names"])
-    elif list((ckpt_dir / tag).glob("zero_pp_rank_*_mp_rank_00_model_states.pt")) and _zero3(ckpt_dir / tag):
+    elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-        except (RuntimeError, EOFError, OSError, ValueError) as exc:
-            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO-3 shards cannot be gathered ({_first_line(exc)}); "
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+                state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({_first_line(exc)}); "
                                 "the checkpoint is incomplete or damaged: export another tag with --tag") from None
     else:
         saved = _torch_load(ckpt_dir / tag / "mp_rank_00_model_states.pt")
         if not isinstance(saved, dict) or "module" not in saved:
             raise UnusableInput(f"{ckpt_dir / tag / 'mp_rank_00_model_states.pt'} holds no 'module' state dict: "
                                 "not a DeepSpeed model checkpoint")
-        state = saved["module"]
+        state = {**saved["module"], **_zero0_masters(saved, layout)}
     return {k: v.float() for k, v in state.items()}, layout
+
+
+def _zero0_masters(saved: dict, layout: dict) -> dict:
+    """ZeRO-0 under bf16/fp16: the fp32 masters DeepSpeed's optimizer wrapper keeps (`fp32_groups`, one
+    tensor per parameter in the optimizer's order, which training recorded as layout["param_groups"]).
+    {} when there are none (fp32 training: the module's weights are the masters)."""
+    groups = (saved.get("optimizer") or {}).get("fp32_groups") if isinstance(saved.get("optimizer"), dict) else None
+    names = layout.get("param_groups")
+    if not groups or not names or [len(g) for g in groups] != [len(n) for n in names]:
+        return {}
+    return {name: master for group, group_names in zip(groups, names) for name, master in zip(group_names, group)}
 
 
 def _read_layout(path: Path) -> dict:
@@ -110,14 +124,6 @@ def _first_line(exc: Exception) -> str:
     """The first sentence of an exception's message (torch's run to a paragraph)."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return line.split(". ")[0].rstrip(".")
-
-
-def _zero3(tag_dir: Path) -> bool:
-    files = sorted(tag_dir.glob("*optim_states.pt"))
-    if not files:
-        return False
-    sd = _torch_load(files[0])
-    return sd.get("optimizer_state_dict", {}).get("zero_stage") == 3
 
 
 def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:

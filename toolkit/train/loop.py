@@ -50,7 +50,11 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
         checkpoint.check_same_model(ckpt_dir, config)
     model, layout = _model(args, config, topo, cfg)
     torch.manual_seed(args.seed + 1 + dp_rank)  # from here on (dropout): another stream per replica
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg), config=cfg)
+    groups = param_groups(model, cfg)
+    if topo.pp == 1:  # the optimizer's order of parameters: how export finds fp32 masters by name
+        names = {id(p): n for n, p in model.named_parameters()}  # before initialize replaces them (bf16)
+        layout["param_groups"] = [[names[id(p)] for p in g["params"]] for g in groups]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
     if resume_tag:
