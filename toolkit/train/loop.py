@@ -172,20 +172,22 @@ def loop(args, job: Job, is_logger: bool) -> dict:
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss(job, args),
                "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
-               "params_per_rank": _params_per_rank(job.engine), "peak_rss_mib_per_rank": _peak_rss_per_rank()}
+               "params_per_rank": _params_per_rank(job.engine), **_peak_memory_per_rank()}
     if log:
         log.close(summary)
     return summary
 
 
-def _peak_rss_per_rank() -> list:
-    """Per global rank, the most host memory (MiB) its process has held so far (ru_maxrss: KiB on Linux)."""
+def _peak_memory_per_rank() -> dict:
+    """Per global rank, the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
+    torch.cuda.max_memory_allocated (None without CUDA)."""
     import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, round(peak, 1))
-    return out
+    dist.all_gather_object(out, (round(host, 1), None if gpu is None else round(gpu, 1)))
+    return {"peak_rss_mib_per_rank": [h for h, _ in out], "peak_gpu_mib_per_rank": [g for _, g in out]}
 
 
 def _params_per_rank(engine) -> list:
