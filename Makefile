@@ -3,10 +3,11 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dstk-installed
+MPI_STAMP := $(VENV)/.dstk-mpi
 
 .PHONY: demo test test-unit bench setup presets clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(MPI_STAMP)
 
 # Order matters: torch first (the CPU wheel on disk; a bare "torch" pulls CUDA), then deepspeed
 # without build isolation (its setup.py imports torch), then dstk itself with its test extras.
@@ -19,10 +20,23 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# OpenMPI and mpi4py, for `launch.sh --launcher openmpi` (DeepSpeed finds the ranks under mpirun
+# through mpi4py) and its test. The system packages only when mpirun is missing: apt-get as root, else
+# through sudo. mpi4py >= 4 is a binary wheel that loads the system's libmpi: no compiler needed.
+$(MPI_STAMP): $(STAMP)
+	@command -v mpirun >/dev/null || { \
+	  command -v apt-get >/dev/null || { echo "need OpenMPI (mpirun): install it with your package manager"; exit 1; }; \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi; \
+	  echo "installing OpenMPI: $${sudo:+sudo }apt-get install openmpi-bin libopenmpi-dev"; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
+	$(BIN)/python -c "import mpi4py" 2>/dev/null || $(BIN)/pip install -q "mpi4py>=4,<5"
+	touch $(MPI_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/python -m toolkit.train.demo
 
-test: $(STAMP)
+test: $(STAMP) $(MPI_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test-unit: $(STAMP)

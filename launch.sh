@@ -6,13 +6,16 @@
 #   # no ssh (one launcher per node, e.g. inside a cluster job), node 0 and node 1:
 #   ./launch.sh --num-nodes 2 --num-gpus 4 --node-rank 0 --master-addr 10.0.0.1 --config ds.json -- ...
 #   ./launch.sh --num-nodes 2 --num-gpus 4 --node-rank 1 --master-addr 10.0.0.1 --config ds.json -- ...
+#   # mpirun (OpenMPI + mpi4py) or srun start every rank; the hostfile's slots are the processes:
+#   ./launch.sh --launcher openmpi --hostfile hosts --config ds.json -- --model DIR --data train.jsonl
+#   ./launch.sh --launcher slurm --hostfile hosts --launcher-args '--partition gpu' --config ds.json -- ...
 #
 # Everything after `--` goes to `dstk train` (see `dstk train --help`). --dry-run prints the command.
-# On a machine without CUDA, "GPUs" are CPU processes: DS_ACCELERATOR=cpu, gloo, and
-# OMP_NUM_THREADS = cores / processes unless set.
+# --launcher-args STR goes to mpirun/srun/pdsh as it is. On a machine without CUDA, "GPUs" are
+# CPU processes: DS_ACCELERATOR=cpu, gloo, and OMP_NUM_THREADS = cores / processes unless set.
 set -euo pipefail
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "launch.sh: $*" >&2; exit 2; }
 usage_error() { die "$* (see ./launch.sh --help)"; }
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || usage_error "$1 needs a value"; }
@@ -25,15 +28,18 @@ count() {  # count FLAG VALUE MIN [MAX]
 
 PYTHON=${PYTHON:-python}
 num_gpus="" num_nodes="" hostfile="" launcher="" node_rank="" master_addr="" master_port="" config="" dry_run=0
+launcher_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --num-gpus|--num-nodes|--hostfile|--launcher|--node-rank|--master-addr|--master-port|--config) need_value "$@" ;;
+    --launcher-args) [[ $# -ge 2 && -n "$2" ]] || usage_error "$1 needs a value" ;;
   esac
   case "$1" in
     --num-gpus) count "$1" "$2" 1; num_gpus=$((10#$2)); shift 2 ;;
     --num-nodes) count "$1" "$2" 1; num_nodes=$((10#$2)); shift 2 ;;
     --hostfile) hostfile=$2; shift 2 ;;
     --launcher) launcher=$2; shift 2 ;;
+    --launcher-args) launcher_args=$2; shift 2 ;;
     --node-rank) count "$1" "$2" 0; node_rank=$((10#$2)); shift 2 ;;
     --master-addr) master_addr=$2; shift 2 ;;
     --master-port) count "$1" "$2" 1 65535; master_port=$((10#$2)); shift 2 ;;
@@ -49,6 +55,16 @@ train_args=("$@")
 [[ -n "$config" ]] || die "--config FILE is required (make one with: dstk generate-config ... -o FILE)"
 [[ -f "$config" ]] || die "--config $config does not exist"
 case "$launcher" in ""|pdsh|openmpi|slurm|mpich|impi|mvapich) ;; *) die "--launcher must be pdsh, openmpi or slurm" ;; esac
+# mpirun/srun start every rank themselves, from the hostfile's hosts and slots. DeepSpeed would take a
+# one-host hostfile (or --node-rank) to mean "start locally" and quietly skip the launcher asked for.
+if [[ -n "$launcher" && "$launcher" != pdsh ]]; then
+  [[ -n "$hostfile" ]] || die "--launcher $launcher needs --hostfile (lines 'HOST slots=N': the processes to start)"
+  [[ -f "$hostfile" ]] || die "--hostfile $hostfile does not exist"
+  [[ -z "$node_rank" ]] || die "--node-rank is for one launcher per node; --launcher $launcher starts every node itself"
+  if [[ "$launcher" != slurm && -n "$num_gpus$num_nodes" ]]; then
+    die "--launcher $launcher starts one process per slot of --hostfile: drop --num-gpus/--num-nodes, edit the slots"
+  fi
+fi
 if [[ -n "$node_rank" ]]; then
   [[ -n "$master_addr" ]] || die "--node-rank needs --master-addr (the address of node 0)"
   [[ -n "$hostfile" || ( -n "$num_nodes" && -n "$num_gpus" ) ]] \
@@ -98,23 +114,52 @@ fi
 [[ -n "$num_gpus" ]] && cmd+=(--num_gpus "$num_gpus")
 [[ -n "$launcher" ]] && cmd+=(--launcher "$launcher")
 [[ -n "$node_rank" ]] && cmd+=(--no_ssh --node_rank "$node_rank")
-[[ -n "$master_addr" ]] && cmd+=(--master_addr "$master_addr")
+if [[ -n "$launcher" && "$launcher" != pdsh ]]; then
+  # --force_multi: use that launcher even for one host. --no_ssh_check, and a master address (default:
+  # the hostfile's first host), so DeepSpeed does not ssh to the first host (pdsh's concern).
+  first_host=$(awk '$1 !~ /^#/ && NF { print $1; exit }' "$hostfile")
+  cmd+=(--force_multi --no_ssh_check --master_addr "${master_addr:-$first_host}")
+elif [[ -n "$master_addr" ]]; then
+  cmd+=(--master_addr "$master_addr")
+fi
 if [[ -z "$master_port" && -z "$node_rank" && -z "$hostfile" ]]; then
   # one node: a free port, so two runs on one machine do not collide on DeepSpeed's default 29500
   master_port=$("$PYTHON" -c 'from toolkit.dist import free_port; print(free_port())')
 fi
 [[ -n "$master_port" ]] && cmd+=(--master_port "$master_port")
+case "$launcher" in
+  openmpi|slurm)
+    # Their runners pass no MASTER_* to the ranks: toolkit.dist reads these (openmpi: DeepSpeed's MPI
+    # discovery finds rank 0's address itself and takes the port; slurm: both, else the first host of
+    # the step's node list, which srun chooses: not necessarily the hostfile's first host).
+    [[ -n "$master_port" ]] && export MASTER_PORT=$master_port
+    [[ "$launcher" == slurm && -n "$master_addr" ]] && export MASTER_ADDR=$master_addr ;;
+esac
+if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  export DS_ACCELERATOR=cpu
+  procs=${num_gpus:-1}
+  if [[ -z "$num_gpus" && -n "$hostfile" ]]; then  # the first host's slots=N
+    procs=$(awk '$1 !~ /^#/ && NF { for (i = 2; i <= NF; i++) if (sub(/^slots=/, "", $i)) { print $i + 0; exit } }' \
+      "$hostfile")
+  fi
+  cores=$(nproc)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ${procs:-1} > 0 ? cores / ${procs:-1} : 1 ))}
+fi
+if [[ "$launcher" == openmpi ]]; then
+  # mpirun passes only PYTHON*/UCX_* (DeepSpeed's list) to other nodes: add dstk's variables.
+  for var in DS_ACCELERATOR OMP_NUM_THREADS MASTER_PORT; do
+    [[ -n "${!var:-}" ]] && launcher_args="-x $var${launcher_args:+ $launcher_args}"
+  done
+  if [[ $(id -u) == 0 ]]; then  # mpirun refuses root unless told twice
+    export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1}
+    export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-1}
+  fi
+fi
+[[ -n "$launcher_args" ]] && cmd+=(--launcher_args "$launcher_args")
 # The launcher's INFO lines (and the no-hostfile warning) only with dstk train --verbose.
 log_level=error
 for arg in "${train_args[@]}"; do [[ "$arg" == --verbose ]] && log_level=info; done
 cmd+=(--log_level "$log_level" --module toolkit.train --config "$config" "${train_args[@]}")
-
-if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  export DS_ACCELERATOR=cpu
-  procs=${num_gpus:-1}
-  cores=$(nproc)
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / procs > 0 ? cores / procs : 1 ))}
-fi
 
 if [[ $dry_run == 1 ]]; then
   echo "DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-} $(printf '%q ' "${cmd[@]}")"

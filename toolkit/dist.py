@@ -6,17 +6,27 @@
     dist.shutdown()    # at the end of a training process
 
 Launchers tell ranks apart through the environment. The deepspeed launcher (pdsh/ssh runner) and
-torchrun set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; DeepSpeed's openmpi and slurm runners do not:
-`deepspeed.init_distributed` discovers ranks from the MPI (mpi4py) or scheduler variables itself.
-So a world of one is assumed only when no launcher variable at all is present; filling RANK=0
-under mpirun would turn N ranks into N independent runs writing the same output folder.
+torchrun set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; DeepSpeed's openmpi and slurm runners (mpirun,
+srun) do not. Under mpirun `deepspeed.init_distributed` discovers them through mpi4py: rank and size
+from MPI, MASTER_ADDR = the first address of `hostname -I` on rank 0, MASTER_PORT = the port it is
+given (here MASTER_PORT, else 29500). DeepSpeed reads no slurm variable: under srun it tries mpi4py
+too, which needs an MPI built with slurm support (Debian's OpenMPI aborts in MPI_Init when it sees
+srun's variables; without mpi4py, an ImportError). So under slurm (SLURM_PROCID, no MPI or torch
+variable) init() fills RANK/LOCAL_RANK/WORLD_SIZE from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS and
+MASTER_ADDR from the first host of the step's node list (slurm_env).
+A world of one is assumed only when no launcher variable at all is present; filling RANK=0 under
+mpirun would turn N ranks into N independent runs writing the same output folder.
 
 On a machine without CUDA: DeepSpeed's CPU accelerator and gloo. With CUDA: this rank's GPU is
 selected from its local rank before NCCL starts (else every rank of a node opens GPU 0).
 """
 
+import itertools
 import os
+import re
 import socket
+
+from toolkit.errors import ConfigError
 
 # Variables that mean "a launcher started this process as one rank of many", first match wins.
 LAUNCHER_VARS = {
@@ -31,6 +41,7 @@ LAUNCHER_VARS = {
 LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
                    "SLURM_LOCALID")
 WORLD_OF_ONE = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+DEFAULT_PORT = 29500  # DeepSpeed's and torch's default rendezvous port
 
 
 def free_port() -> int:
@@ -70,6 +81,42 @@ def local_rank(env=None) -> int:
     return next((int(env[var]) for var in LOCAL_RANK_VARS if env.get(var, "").isdigit()), 0)
 
 
+def expand_nodelist(nodelist: str):
+    """Host names of a slurm node list, in order: "gpu[01-03,7],login" -> gpu01 gpu02 gpu03 gpu7 login.
+    Ranges keep their zero padding; several bracket groups in one name multiply out. Lazy, so the
+    first host of a node[0-9999] list costs nothing."""
+    for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        parts = re.split(r"\[([^\]]*)\]", name)  # text, group, text, group, ..., text
+        choices = [[p] if i % 2 == 0 else list(_expand_group(p)) for i, p in enumerate(parts)]
+        yield from ("".join(combo) for combo in itertools.product(*choices))
+
+
+def _expand_group(group: str):
+    """The inside of one bracket: "01-03,7" -> 01 02 03 7."""
+    for item in group.split(","):
+        low, _, high = item.partition("-")
+        if not high:
+            yield low
+        else:
+            yield from (str(n).zfill(len(low)) for n in range(int(low), int(high) + 1))
+
+
+def slurm_env(env=None) -> dict:
+    """RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for a task that srun started. Task 0 runs on
+    the step's first host (slurm's default block distribution). The port: MASTER_PORT if set, else one
+    derived from the job id, the same for every task of a job and different for most jobs sharing a node."""
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if env_world_size(env) is None or not (nodelist or env.get("MASTER_ADDR")):
+        raise ConfigError("a slurm task needs SLURM_NTASKS and SLURM_NODELIST (or MASTER_ADDR) to find its world; "
+                          "start it with srun")
+    job = env.get("SLURM_JOB_ID", "")
+    port = DEFAULT_PORT + int(job) % 1000 if job.isdigit() else DEFAULT_PORT
+    return dict(RANK=env["SLURM_PROCID"], LOCAL_RANK=str(local_rank(env)), WORLD_SIZE=str(env_world_size(env)),
+                MASTER_ADDR=env.get("MASTER_ADDR") or next(expand_nodelist(nodelist)),
+                MASTER_PORT=env.get("MASTER_PORT") or str(port))
+
+
 def prepare(cpu: bool = False) -> None:
     """Before DeepSpeed starts: its CPU accelerator when there is no CUDA (or `cpu`), and the
     `deepspeed_shm_comm` op off. That op serves only inference all-reduce on CPU, and loading it
@@ -98,13 +145,18 @@ def init(cpu: bool = False, verbose: bool = False):
         for key, value in WORLD_OF_ONE.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+    elif launcher() == "slurm":  # DeepSpeed reads no SLURM_* variable (see the module docstring)
+        for key, value in slurm_env().items():
+            os.environ.setdefault(key, value)
     prepare(cpu)
     use_cuda = torch.cuda.is_available() and not cpu
     if use_cuda:
         torch.cuda.set_device(local_rank())
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", verbose=verbose)
+    # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: keep the launcher's
+    port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port, verbose=verbose)
     return tdist
 
 

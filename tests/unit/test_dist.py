@@ -1,0 +1,78 @@
+"""toolkit.dist's reading of launcher environments (no process group): which launcher, rank, world
+size and local rank each sets, and what a slurm task's rendezvous is derived from."""
+
+import pytest
+
+from toolkit import dist
+from toolkit.errors import ConfigError
+
+TORCHRUN = dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="8", MASTER_ADDR="10.0.0.1", MASTER_PORT="29501")
+MPIRUN = dict(OMPI_COMM_WORLD_RANK="5", OMPI_COMM_WORLD_LOCAL_RANK="1", OMPI_COMM_WORLD_SIZE="6")
+SRUN = dict(SLURM_PROCID="2", SLURM_LOCALID="0", SLURM_NTASKS="4", SLURM_NODELIST="gpu[07-08]", SLURM_JOB_ID="4242")
+
+
+@pytest.mark.parametrize("env, name", [
+    ({}, None),
+    ({"PATH": "/bin", "MASTER_PORT": "1234"}, None),  # a stray MASTER_PORT is no launcher
+    (TORCHRUN, "torchrun / deepspeed"),
+    (MPIRUN, "OpenMPI"),
+    (SRUN, "slurm"),
+    ({**SRUN, **MPIRUN}, "OpenMPI"),  # mpirun inside a slurm allocation: every rank inherits SLURM_PROCID=0
+    ({**SRUN, "PMIX_RANK": "2"}, "PMIx"),  # srun --mpi=pmix
+    ({**SRUN, **TORCHRUN}, "torchrun / deepspeed"),  # the deepspeed launcher inside a slurm job
+    ({"PMI_RANK": "1"}, "MPICH / Intel MPI"),
+])
+def test_launcher_is_read_from_its_variables(env, name):
+    assert dist.launcher(env) == name
+
+
+@pytest.mark.parametrize("env, rank, world, local", [
+    ({}, 0, 1, 0),
+    (TORCHRUN, 3, 8, 1),
+    (MPIRUN, 5, 6, 1),
+    (SRUN, 2, 4, 0),
+    ({**SRUN, "SLURM_LOCALID": "3"}, 2, 4, 3),
+    ({**SRUN, **MPIRUN}, 5, 6, 1),
+    ({"PMIX_RANK": "1"}, 1, None, 0),  # a launcher that names no size: unknown, not 1
+])
+def test_rank_world_size_and_local_rank_before_any_process_group(env, rank, world, local):
+    assert (dist.env_rank(env), dist.env_world_size(env), dist.local_rank(env)) == (rank, world, local)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("node[01-04]", ["node01", "node02", "node03", "node04"]),
+    ("gpu[08-10,3],login", ["gpu08", "gpu09", "gpu10", "gpu3", "login"]),
+    ("a,b[1-2],c", ["a", "b1", "b2", "c"]),
+    ("rack[1-2]-n[7-8]", ["rack1-n7", "rack1-n8", "rack2-n7", "rack2-n8"]),
+    ("x-1,x-2", ["x-1", "x-2"]),  # a dash outside brackets is part of the name
+    ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+])
+def test_slurm_nodelist_expands_in_order(nodelist, hosts):
+    assert list(dist.expand_nodelist(nodelist)) == hosts
+
+
+def test_first_host_of_a_huge_nodelist_is_read_lazily():
+    assert next(dist.expand_nodelist("node[000000-999999]")) == "node000000"
+
+
+def test_slurm_env_gives_deepspeed_everything_it_would_otherwise_ask_mpi_for():
+    assert dist.slurm_env(SRUN) == dict(RANK="2", LOCAL_RANK="0", WORLD_SIZE="4", MASTER_ADDR="gpu07",
+                                        MASTER_PORT=str(29500 + 4242 % 1000))
+
+
+def test_slurm_env_prefers_the_steps_nodes_and_the_users_master():
+    step = {**SRUN, "SLURM_STEP_NODELIST": "gpu[08]"}  # srun -N1 inside a 2-node job
+    assert dist.slurm_env(step)["MASTER_ADDR"] == "gpu08"
+    mine = dist.slurm_env({**SRUN, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "4000"})
+    assert (mine["MASTER_ADDR"], mine["MASTER_PORT"]) == ("10.1.1.1", "4000")
+    no_job = dict(SRUN)
+    del no_job["SLURM_JOB_ID"]
+    assert dist.slurm_env(no_job)["MASTER_PORT"] == "29500"
+
+
+@pytest.mark.parametrize("missing", ["SLURM_NODELIST", "SLURM_NTASKS"])
+def test_slurm_env_without_its_world_is_refused(missing):
+    env = {k: v for k, v in SRUN.items() if k != missing}
+    with pytest.raises(ConfigError, match="start it with srun"):
+        dist.slurm_env(env)
