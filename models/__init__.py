@@ -17,6 +17,9 @@
 `build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
     partition_method="parameters", **kw) -> deepspeed.pipe.PipelineModule`
     parts (len num_stages + 1, 0 first, num_layers last) are used exactly, on every rank.
+    Its parameters are marked so that DeepSpeed's gradient clipping norm counts every stage once,
+    and activation checkpointing (activation_checkpoint_interval) wraps blocks and the final norm,
+    never the embedding (see models/pipeline.py).
 
 Layer lists:
     causal LMs (any config with base_model_pp_plan, and GPT-2): [embed, L blocks, final norm, head]

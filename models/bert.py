@@ -8,7 +8,7 @@ Inputs: (input_ids, attention_mask[, token_type_ids]), all (B, T) int64. Between
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import PipelineSpec, classification_loss, masked_lm_loss
+from models.spec import PipelineSpec, classification_loss, masked_lm_loss, needs_grad
 
 
 class BertEnds(nn.Module):
@@ -24,7 +24,7 @@ class BertEnds(nn.Module):
 
     def forward(self, inputs):
         token_type_ids = inputs[2] if len(inputs) > 2 else None
-        return self.embeddings(input_ids=inputs[0], token_type_ids=token_type_ids), inputs[1]
+        return needs_grad(self.embeddings(input_ids=inputs[0], token_type_ids=token_type_ids)), inputs[1]
 
 
 def mlm_logits(ends, inputs):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import PipelineSpec, causal_lm_loss
+from models.spec import PipelineSpec, causal_lm_loss, needs_grad
 from toolkit.errors import ConfigError
 
 # config attributes that change the base model's forward outside its sub-modules: not replicated.
@@ -29,7 +29,7 @@ class EmbedStage(nn.Module):
         x, attention_mask = inputs[0], inputs[1]
         for part in self.parts:
             x = part(x)
-        return x, attention_mask
+        return needs_grad(x), attention_mask
 
 
 class DecoderBlock(nn.Module):

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from models.generic import FinalNorm, LMHead, LogitTransform, TiedLogits
-from models.spec import PipelineSpec, causal_lm_loss
+from models.spec import PipelineSpec, causal_lm_loss, needs_grad
 
 
 class GPT2Embed(nn.Module):
@@ -19,7 +19,7 @@ class GPT2Embed(nn.Module):
         input_ids, attention_mask = inputs[0], inputs[1]
         wte, wpe, drop = self.parts
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
-        return drop(wte(input_ids) + wpe(positions)), attention_mask
+        return needs_grad(drop(wte(input_ids) + wpe(positions))), attention_mask
 
 
 class GPT2BlockStage(nn.Module):

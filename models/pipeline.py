@@ -1,5 +1,19 @@
 """`build_pipeline_module`: a PipelineSpec -> deepspeed.pipe.PipelineModule, on exactly the
 stage boundaries dstk chose (`parts`) so every rank agrees, without building layers to count them.
+
+Two things DeepSpeed 0.19 gets wrong for these layer lists, put right on the module it builds:
+- Gradient clipping without ZeRO/bf16/fp16 (`clip_fp32_gradients` -> runtime/utils.clip_grad_norm_
+  with mpu = the pipeline grid) counts a parameter only where `mpu.get_model_parallel_rank() == 0`
+  or the parameter says `model_parallel`. On a PipeDataParallelTopology that rank is the STAGE
+  index, so the "global" norm is stage 0's norm alone: every later stage's gradients are left out,
+  and pp > 1 clips by a smaller norm than pp = 1. Each parameter is marked `model_parallel` here
+  (the norm then sums every stage's own gradients over the pipeline group), except the copies of a
+  tied weight on its later stages (`ds_pipe_replicated`, as DeepSpeed marks them): their gradient,
+  all-reduced before the step, is counted once, on the first stage holding it.
+- Activation checkpointing (`activation_checkpoint_interval`): DeepSpeed's default checkpoints
+  every segment holding parameters, the embedding included, whose inputs are token ids; the
+  reentrant checkpoint then returns a hidden state without a graph and the embedding gets no
+  gradient. Only block and final-norm layers are checkpointed by default (`checkpointable_layers`).
 """
 
 from toolkit.errors import ConfigError
@@ -30,6 +44,7 @@ def _module_class():
             self._dstk_parts = dstk_parts  # plain attributes: allowed before nn.Module.__init__
             self._dstk_param_counts = dstk_param_counts
             super().__init__(layers, **kwargs)
+            _mark_grad_norm_owners(self)
 
         def _partition_layers(self, method="uniform"):
             if self._dstk_parts is None:
@@ -47,13 +62,39 @@ def _module_class():
     return DstkPipelineModule
 
 
+def _mark_grad_norm_owners(module) -> None:
+    """Make DeepSpeed's pipeline gradient norm count each gradient exactly once (see the module doc).
+
+    A tied module's later copies are `ds_pipe_replicated` as a whole in DeepSpeed; only the tied
+    weights themselves are replicated (all-reduced): the rest of a copy is either unused on that stage
+    (no gradient) or trained there alone (BERT's MLM transform and bias on the last stage), so it counts."""
+    replicated = set()
+    for comm in module.tied_comms.values():
+        if module.global_rank != comm["ranks"][0]:
+            replicated.update(id(module._recursive_getattr(comm["module"], attr)) for attr in comm["weight_attr"])
+    for p in module.parameters():
+        p.ds_pipe_replicated = id(p) in replicated  # skipped by the ZeRO-1 / bf16 / fp16 norms
+        p.model_parallel = id(p) not in replicated  # counted on its own stage by runtime/utils.clip_grad_norm_
+
+
+def checkpointable_layers(spec) -> list:
+    """Class names of the layers activation checkpointing may wrap: blocks and the final norm, whose
+    input is a hidden state; never the embedding (token ids in) nor a class the embedding shares."""
+    def name(layer):
+        return getattr(layer, "typename", type(layer)).__name__
+
+    inner = {name(layer) for layer, kind in zip(spec.layers, spec.kinds) if kind in ("block", "norm")}
+    return sorted(inner - {name(layer) for layer, kind in zip(spec.layers, spec.kinds) if kind == "embed"})
+
+
 def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
                           partition_method="parameters", **kwargs):
     """deepspeed.pipe.PipelineModule for `spec` (needs torch.distributed initialised, LOCAL_RANK set).
 
     parts: stage boundaries (len num_stages + 1, parts[0] = 0, parts[-1] = spec.num_layers);
         when given they are used as is and partition_method is ignored.
-    Other keyword arguments go to PipelineModule (activation_checkpoint_interval, seed_layers, ...).
+    Other keyword arguments go to PipelineModule (activation_checkpoint_interval, seed_layers, ...);
+    checkpointable_layers defaults to the spec's blocks and final norm.
     """
     if num_stages is None and topology is None:
         if parts is None:
@@ -64,6 +105,7 @@ def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
         parts = check_parts(parts, stages, spec.num_layers)
     elif stages > spec.num_layers:
         raise ConfigError(f"num_stages {stages} > {spec.num_layers} layers: every stage needs a layer")
+    kwargs.setdefault("checkpointable_layers", checkpointable_layers(spec))
     cls = _module_class()
     return cls(spec.layers, num_stages=None if topology is not None else num_stages, topology=topology,
                loss_fn=spec.loss_fn, partition_method=partition_method, dstk_parts=parts,

@@ -48,6 +48,16 @@ class PipelineSpec:
             raise ValueError(f"{len(self.kinds)} kinds for {len(self.layers)} layers")
 
 
+def needs_grad(hidden: torch.Tensor) -> torch.Tensor:
+    """The hidden state an embedding layer returns, made to require grad while autograd records even
+    when nothing before it is trainable (a frozen embedding). Otherwise the stage's output has no
+    graph, and its backward fails ("element 0 of tensors does not require grad", DeepSpeed #688),
+    and a reentrant activation checkpoint over the next layers gives their parameters no gradient."""
+    if torch.is_grad_enabled() and hidden.is_floating_point() and not hidden.requires_grad:
+        hidden.requires_grad_()  # a leaf (nothing upstream records): costs one (B, T, H) gradient
+    return hidden
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy of token t+1 given tokens <= t; labels -100 are ignored."""
     # Shift the labels, not the logits (as HF does): slicing (B, T, V) logits would copy them.

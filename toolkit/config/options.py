@@ -171,6 +171,10 @@ def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
     method = o.partition_method
     if method not in PARTITION_METHODS and not method.startswith("type:"):
         problems.append(f"--partition-method {method!r} is not one of {', '.join(PARTITION_METHODS)} or type:REGEX")
+    if method == "profile" and topo.pp > 1:  # training refuses it without parts (toolkit.config.rules._profile)
+        problems.append("--partition-method profile needs measured layer times, which generate-config does not take: "
+                        "generate with --partition-method compute, then time the layers and record the split with "
+                        f"`dstk partition MODEL --pp {topo.pp} --method profile --config FILE`")
     return problems
 
 

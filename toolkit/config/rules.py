@@ -26,7 +26,8 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None)
     """All cross-field problems of `cfg` for `world_size` processes and `pp` stages."""
     problems, file_pp = _stages(cfg, pp)
     ctx = Context(world_size, pp or file_pp or 1)
-    for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _null_types):
+    for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
+                 _null_types):
         problems += rule(cfg, ctx)
     return problems
 
@@ -165,6 +166,18 @@ def _parts(cfg: dict, ctx: Context) -> list[Problem]:
         return [Problem("$.pipeline.parts", f'"parts" {parts} must start at 0 and strictly increase (every stage '
                         "holds at least one layer)")]
     return []
+
+
+def _profile(cfg: dict, ctx: Context) -> list[Problem]:
+    """"profile" is a measurement, made once by `dstk partition --method profile --config FILE`, which
+    records "parts"; training does not time layers itself (every rank must build the same stages, and
+    timing needs every layer built on one rank)."""
+    section = _section(cfg, "pipeline")
+    if ctx.pp == 1 or section.get("partition_method") != "profile" or section.get("parts"):
+        return []
+    return [Problem("$.pipeline.partition_method", '"partition_method" "profile" without "parts": layer times are '
+                    "not measured at train time; time them once and record the split with `dstk partition MODEL "
+                    f'--pp {ctx.pp} --method profile --config FILE`, or use "compute" (estimated time per layer)')]
 
 
 def _null_types(cfg: dict, ctx: Context) -> list[Problem]:

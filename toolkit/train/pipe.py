@@ -8,10 +8,13 @@ a live (tiny, seeded) model, the same on every rank, whose modules the layers sh
 
 import contextlib
 import io
+import logging
 from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.train.hf import MODEL_TASKS
+
+log = logging.getLogger(__name__)
 
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False):
@@ -31,7 +34,9 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     if topo.pp > spec.num_layers:
         raise ConfigError(f"pp {topo.pp} is more stages than the model's {spec.num_layers} pipeline layers "
                           f"(embedding, blocks, head); use pp <= {spec.num_layers}")
-    parts = choose_parts(spec, topo.pp, cfg, seq_len)
+    parts, fallback = choose_parts(spec, topo.pp, cfg, seq_len)
+    if fallback and _is_rank0():
+        log.warning("dstk: %s", fallback)
     layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec)}
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
@@ -40,8 +45,20 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())  # its prints
     with torch.no_grad(), quiet:
         module = models.build_pipeline_module(spec, topology=PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp),
-                                              parts=parts)
+                                              parts=parts, activation_checkpoint_interval=checkpoint_interval(cfg))
     return module, layout
+
+
+def checkpoint_interval(cfg: dict) -> int:
+    """pipeline.activation_checkpoint_interval (0: off): layers per checkpointed segment. The engine
+    reads it from the config too; given to the module as it is built, so both agree from the start."""
+    return int((cfg.get("pipeline") or {}).get("activation_checkpoint_interval") or 0)
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _check_labels(path: str, saved, wanted) -> None:
@@ -52,22 +69,43 @@ def _check_labels(path: str, saved, wanted) -> None:
                           f"{wanted.num_labels} (and id2label) in config.json, or use pp 1")
 
 
-def choose_parts(spec, pp: int, cfg: dict, seq_len: int = 128) -> list:
-    """The config's pipeline.parts, else dstk's partition by its pipeline.partition_method."""
-    section = cfg.get("pipeline") or {}
-    if section.get("parts"):
-        return list(section["parts"])
-    method = section.get("partition_method", "compute")
+def choose_parts(spec, pp: int, cfg: dict, seq_len: int = 128) -> tuple[list, str | None]:
+    """(parts, fallback): the config's pipeline.parts, else dstk's split by pipeline.partition_method.
+
+    fallback is None, or (when dstk's cost model does not describe this layer list) a sentence
+    saying which method was asked for, why it could not be used, and that parameter counts were
+    balanced instead; the caller shows it (pipeline_module: a warning on rank 0)."""
     from toolkit.plan import partition
 
-    costs = _costs(spec, cfg, seq_len)
-    if costs is None or method in ("parameters",):  # no cost model: balance parameters (DeepSpeed's way)
-        return partition.partition_balanced(spec.param_counts, pp)
-    return partition.partition_layers(costs, pp, method=method)
+    section = cfg.get("pipeline") or {}
+    if section.get("parts"):
+        return list(section["parts"]), None
+    method = section.get("partition_method") or "compute"  # null reads as absent, as in DeepSpeed
+    if method == "profile":  # toolkit.config.rules refuses this before launch; a caller may skip the rules
+        raise ConfigError(PROFILE_NEEDS_PARTS)
+    if method == "parameters":
+        return partition.partition_balanced(spec.param_counts, pp), None
+    if method == "uniform":
+        return partition.partition_uniform(spec.num_layers, pp), None
+    costs, reason = _costs(spec, cfg, seq_len)
+    if costs is None:
+        parts = partition.partition_balanced(spec.param_counts, pp)
+        return parts, (f"pipeline.partition_method {method!r} needs dstk's per-layer cost model, which does not fit "
+                       f"model_type {spec.config.model_type!r} ({reason}); split by parameter counts instead "
+                       f"(DeepSpeed's 'parameters'): parts {parts}. To choose the split, record pipeline.parts "
+                       "(`dstk partition MODEL --pp N --config FILE`) or set partition_method 'parameters' or 'uniform'")
+    return partition.partition_layers(costs, pp, method=method), None
 
 
-def _costs(spec, cfg: dict, seq_len: int):
-    """toolkit.plan.costs per layer (for rows of seq_len tokens) when its layer list matches the spec's, else None."""
+PROFILE_NEEDS_PARTS = ('pipeline.partition_method "profile" is not measured at train time: every rank must build the '
+                       'same stages, and timing each layer would build the whole model on one rank. Time the layers '
+                       'once with `dstk partition MODEL --pp N --method profile --config FILE`, which records '
+                       'pipeline.parts in FILE, or use "compute"')
+
+
+def _costs(spec, cfg: dict, seq_len: int) -> tuple[list | None, str | None]:
+    """(toolkit.plan.costs per layer for rows of seq_len tokens, None) when its layer list matches the
+    spec's, else (None, why not)."""
     from toolkit.plan.arch import arch_from_config
     from toolkit.plan.costs import layer_costs
 
@@ -75,9 +113,11 @@ def _costs(spec, cfg: dict, seq_len: int):
         arch = arch_from_config(spec.config.to_dict(), name=spec.config.model_type)
         costs = layer_costs(arch, seq_len=seq_len, mbs=cfg.get("train_micro_batch_size_per_gpu") or 1,
                             precision="bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp32")
-    except (ConfigError, KeyError, TypeError, ValueError):
-        return None
-    return costs if len(costs) == spec.num_layers else None
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if len(costs) != spec.num_layers:
+        return None, f"the cost model has {len(costs)} layers, the wrapped model {spec.num_layers}"
+    return costs, None
 
 
 def hf_name_map(spec) -> list:
