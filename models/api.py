@@ -12,7 +12,7 @@ AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForM
 TASKS = tuple(AUTO_CLASSES)
 
 
-def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None) -> PipelineSpec:
+def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attention=None) -> PipelineSpec:
     """Wrap a model as a pipeline layer list.
 
     model_or_path_or_config: a HF PreTrainedModel (its modules are shared, not copied), a local
@@ -20,8 +20,10 @@ def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None) -> Pipe
     (a model with random weights is built from it).
     task: "causal-lm", "masked-lm" or "sequence-classification"; inferred when None.
     seq_len: checked against the config's max_position_embeddings when given.
+    attention: the attention implementation ("sdpa", "eager", ...) for a directory or a config
+    (a live model keeps its own); None: transformers' default.
     """
-    source, config, task = _resolve(model_or_path_or_config, task)
+    source, config, task = _resolve(model_or_path_or_config, task, attention)
     if seq_len is not None and seq_len > getattr(config, "max_position_embeddings", seq_len):
         raise ConfigError(f"seq_len {seq_len} > max_position_embeddings {config.max_position_embeddings} "
                           f"of model_type {config.model_type!r}: use --seq-len <= {config.max_position_embeddings}")
@@ -45,7 +47,7 @@ def _build(source, config, task) -> PipelineSpec:
     return build_generic(source, config)
 
 
-def _resolve(obj, task):
+def _resolve(obj, task, attention=None):
     """(source, config, task) from a model, a directory or a config."""
     from torch import nn
 
@@ -55,16 +57,18 @@ def _resolve(obj, task):
             raise ConfigError(f"{type(obj).__name__} is not a HF PreTrainedModel (no .config)")
         return LiveSource(obj), config, task or _task_of_class(type(obj).__name__, config)
     if isinstance(obj, (str, os.PathLike)):
-        return _resolve_dir(os.fspath(obj), task)
+        return _resolve_dir(os.fspath(obj), task, attention)
     if hasattr(obj, "model_type"):  # a PretrainedConfig: random weights
         task = task or default_task(obj)
+        if attention:
+            obj._attn_implementation = attention
         import torch
 
         return LiveSource(auto_class(task, obj)._from_config(obj, dtype=torch.float32)), obj, task
     raise ConfigError(f"cannot wrap a {type(obj).__name__}: pass a HF model, a local HF directory or a config")
 
 
-def _resolve_dir(path, task):
+def _resolve_dir(path, task, attention=None):
     from transformers import AutoConfig
 
     if not os.path.isdir(path):
@@ -73,6 +77,8 @@ def _resolve_dir(path, task):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UnusableInput(f"{path}: no config.json in this directory: not a HF model directory")
     config = AutoConfig.from_pretrained(path)
+    if attention:
+        config._attn_implementation = attention  # every stage runs the kernel the run chose
     task = task or default_task(config)
     return DirSource(path, auto_class(task, config), config), config, task
 

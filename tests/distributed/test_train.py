@@ -2,8 +2,8 @@
 
 Every launch costs ~20-60 s on 2 cores, so the runs are made once (module fixtures) and several
 tests read each run's metrics.jsonl. Global batch 8 rows of 32 tokens everywhere; fp32, dropout
-off, gradient_clipping 0 (DeepSpeed's default clipping of 1.0 takes the norm differently in a
-pipeline: a layout comparison needs it off).
+off, gradient_clipping 0 (the plain-DDP reference clips nothing; layouts agreeing with clipping on
+is tests/distributed/test_pipeline_training.py's subject).
 """
 
 import json

@@ -193,3 +193,13 @@ def test_bf16_training_exports_the_fp32_masters(ds_world1, tmp_path, zero):
     half = load_file(tmp_path / "half" / "model.safetensors")
     assert half["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "half" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_pipeline_stages_from_a_directory_run_the_chosen_kernel(bf16_llama, attention):
+    import models
+
+    spec = models.pipeline_layers(str(bf16_llama), attention=attention)
+    block = spec.layers[1].build() if hasattr(spec.layers[1], "build") else spec.layers[1]
+    kernels = {m.config._attn_implementation for m in block.modules() if hasattr(m, "config")}
+    assert kernels == {attention}

@@ -77,9 +77,11 @@ def pipeline() -> dict:
         "stages": prop(["integer", "string"], "Pipeline stages (pp). dstk writes an integer; "
                        "DeepSpeed's own default is \"auto\" (from the PipelineModule).", "auto",
                        minimum=1, pattern="^auto$"),
-        "partition_method": text("dstk: how layers are split across stages: compute, memory, profile, "
-                                 "parameters, uniform, or type:REGEX. compute balances estimated forward+backward "
-                                 "time per stage (DeepSpeed's PipelineModule alone defaults to parameters).",
+        "partition_method": text("dstk: how layers are split across stages: compute, memory, parameters, "
+                                 "uniform, type:REGEX, or profile (measured once by `dstk partition MODEL --pp N "
+                                 "--method profile --config FILE`, which records parts; refused without parts). "
+                                 "compute balances estimated forward+backward time per stage (DeepSpeed's "
+                                 "PipelineModule alone defaults to parameters).",
                                  "compute", pattern=methods),
         "parts": prop("array", "dstk: stage boundaries as layer indices, length stages+1 "
                       "(stage s holds layers parts[s] .. parts[s+1]-1).",

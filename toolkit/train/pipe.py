@@ -28,7 +28,8 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     import models
 
     is_dir = isinstance(model, (str, Path))
-    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task])
+    attention = getattr(config, "_attn_implementation", None) if config is not None else None
+    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task], attention=attention)
     if is_dir and config is not None:
         _check_labels(str(model), spec.config, config)
     if topo.pp > spec.num_layers:
