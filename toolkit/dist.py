@@ -148,6 +148,7 @@ def init(cpu: bool = False, verbose: bool = False):
     elif launcher() == "slurm":  # DeepSpeed reads no SLURM_* variable (see the module docstring)
         for key, value in slurm_env().items():
             os.environ.setdefault(key, value)
+    cpu = cpu or os.environ.get("DS_ACCELERATOR") == "cpu"  # a CPU run asked for on a machine with GPUs
     prepare(cpu)
     use_cuda = torch.cuda.is_available() and not cpu
     if use_cuda:
