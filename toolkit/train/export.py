@@ -65,7 +65,7 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     tag = resolve_tag(ckpt_dir, tag)
     layout = _read_layout(ckpt_dir / META / "layout.json")
     if layout.get("pp", 1) > 1:
-        state = _pipeline_state(ckpt_dir / tag, layout["hf_names"])
+        state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"]), **_pipeline_masters(ckpt_dir / tag, layout)}
     elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -141,6 +141,64 @@ def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:
     return state
 
 
+def _pipeline_masters(tag_dir: Path, layout: dict) -> dict:
+    """A pipeline trained in bf16/fp16: the fp32 masters of DeepSpeed's BF16_Optimizer, by HF name.
+
+    Each stage s and data-parallel rank r wrote bf16_zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt:
+    per parameter group a flat fp32 partition (r's share of the group), and param_slice_mappings:
+    stage-module name ("3.layer.mlp.down_proj.weight", "tied_modules.embed.parts.0.weight") -> where
+    its fragment starts in that partition. Fragments are put together across r in order, shaped
+    like the module's weights. {} when there are no such files (fp32: the weights are the masters)."""
+    files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_*_optim_states.pt"))
+    if not files:
+        return {}
+    by_stage = {}
+    for path in files:
+        dp_rank, stage = map(int, re.match(r"bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_", path.name).groups())
+        by_stage.setdefault(stage, {})[dp_rank] = path
+    pieces = {}  # stage-module name -> [fp32 fragments in order]
+    for stage, ranks in sorted(by_stage.items()):
+        for dp_rank in sorted(ranks):
+            saved = _torch_load(ranks[dp_rank])["optimizer_state_dict"]
+            for flat, mapping in zip(saved["single_partition_of_fp32_groups"], saved["param_slice_mappings"]):
+                for name, where in mapping.items():
+                    pieces.setdefault((stage, name), []).append(flat.narrow(0, where.start, where.numel))
+    return _masters_by_hf_name(pieces, layout)
+
+
+def _masters_by_hf_name(pieces: dict, layout: dict) -> dict:
+    """{(stage, stage-module name): fragments} -> {HF name: flat fp32 tensor}. A tied module's copy is
+    taken from the first layer that holds it (the same stage whose layer file export reads)."""
+    hf_names, tied = layout["hf_names"], layout.get("tied", {})
+    out = {}
+    for (stage, name), fragments in pieces.items():
+        head, _, key = name.partition(".")
+        if head == "tied_modules":
+            tie, _, key = key.partition(".")
+            index = min(tied.get(tie, [None]) or [None])
+            if index is None or not _in_stage(layout, index, stage):
+                continue  # a later stage's copy of the tied weight
+        elif head.isdigit():
+            index = int(head)
+        else:
+            continue
+        hf = (hf_names[index] if index < len(hf_names) else {}).get(key)
+        if hf is not None:
+            out[hf] = _cat(fragments)
+    return out
+
+
+def _in_stage(layout: dict, index: int, stage: int) -> bool:
+    parts = layout.get("parts") or []
+    return len(parts) > stage + 1 and parts[stage] <= index < parts[stage + 1]
+
+
+def _cat(fragments: list):
+    import torch
+
+    return torch.cat(fragments) if len(fragments) > 1 else fragments[0]
+
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -172,6 +230,9 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
     model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
+    shapes = model.state_dict()
+    state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
+             for k, v in state.items()}  # pipeline masters come flat
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not _tied(model, k)]
     if missing or unexpected:

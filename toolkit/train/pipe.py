@@ -38,7 +38,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     parts, fallback = choose_parts(spec, topo.pp, cfg, seq_len)
     if fallback and _is_rank0():
         log.warning("dstk: %s", fallback)
-    layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec)}
+    layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec), "tied": dict(spec.tied)}
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
     # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
