@@ -91,7 +91,7 @@ print(f"--num-gpus {gpus} x {nodes} node(s) = {gpus * nodes} processes, but {pat
 sys.exit(1)
 EOF
 }
-if [[ -n "$num_gpus" ]]; then
+if [[ -n "$num_gpus" && -z "$hostfile" ]]; then  # a hostfile's slots decide the count: dstk train --check then
   message=$(check_stages) || die "$message"
 fi
 # Every refusal dstk train would make on each rank before training (config for this world, data file,
@@ -135,7 +135,15 @@ case "$launcher" in
     [[ -n "$master_port" ]] && export MASTER_PORT=$master_port
     [[ "$launcher" == slurm && -n "$master_addr" ]] && export MASTER_ADDR=$master_addr ;;
 esac
-if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+# Whether ranks run on GPUs is decided here only when they all run on this machine: a login node
+# without a GPU must not send DS_ACCELERATOR=cpu to GPU nodes (each rank decides for itself there).
+all_local() {
+  [[ -z "$hostfile" ]] && return 0
+  local here; here=$(hostname); local short=${here%%.*}
+  awk -v a="$here" -v b="$short" '$1 !~ /^#/ && NF && $1 != "localhost" && $1 != "127.0.0.1" && $1 != a && $1 != b \
+    { remote = 1 } END { exit remote }' "$hostfile"
+}
+if all_local && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   export DS_ACCELERATOR=cpu
   procs=${num_gpus:-1}
   if [[ -z "$num_gpus" && -n "$hostfile" ]]; then  # the first host's slots=N

@@ -17,7 +17,7 @@ def ds_world1():
     dstk process group (idempotent: a group some other test started is reused)."""
     from toolkit import dist
 
-    return dist.init(cpu=True)
+    return dist.init(cpu=True, alone=True)
 
 
 HEAVY = ("torch", "deepspeed", "transformers")

@@ -130,9 +130,11 @@ def prepare(cpu: bool = False) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def init(cpu: bool = False, verbose: bool = False):
+def init(cpu: bool = False, verbose: bool = False, alone: bool = False):
     """Start this rank's process group through DeepSpeed (a no-op when one exists); returns
-    torch.distributed. cpu=True: gloo on CPU even where CUDA exists (in-process checks).
+    torch.distributed. cpu=True: gloo on CPU even where CUDA exists. alone=True: a world of one
+    whatever launcher variables say (in-process checks such as `dstk parity`, which would otherwise
+    wait for the other ranks of an `sbatch -n 8` allocation that never start).
 
     Started through `deepspeed.init_distributed`, not torch's: DeepSpeed's config code reads the
     world size from deepspeed.comm and silently takes 1 when that was not initialised."""
@@ -141,7 +143,9 @@ def init(cpu: bool = False, verbose: bool = False):
 
     if tdist.is_initialized():
         return tdist
-    if launcher() is None:  # started by hand: a world of one on a free port
+    if alone:
+        os.environ.update(WORLD_OF_ONE, MASTER_PORT=str(free_port()))
+    elif launcher() is None:  # started by hand: a world of one on a free port
         for key, value in WORLD_OF_ONE.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -203,3 +203,19 @@ def test_pipeline_stages_from_a_directory_run_the_chosen_kernel(bf16_llama, atte
     block = spec.layers[1].build() if hasattr(spec.layers[1], "build") else spec.layers[1]
     kernels = {m.config._attn_implementation for m in block.modules() if hasattr(m, "config")}
     assert kernels == {attention}
+
+
+def test_zero0_masters_from_fusedadams_flat_groups():
+    """On CUDA, DeepSpeed's AdamW is FusedAdam under FP16_Optimizer, which saves one flat fp32 tensor per
+    group ("fp32_groups_flat") instead of one per parameter. That format, written as DeepSpeed writes
+    it (no GPU here to make one), is cut back into parameters by the recorded order."""
+    from toolkit.errors import UnusableInput
+    from toolkit.train.export import _zero0_masters
+
+    saved = {"module": {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.bfloat16)},
+             "optimizer": {"fp32_groups_flat": [torch.arange(10.0)]}}
+    masters = _zero0_masters(saved, {"param_groups": [["w", "b"]]})
+    assert masters["w"].tolist() == [0, 1, 2, 3, 4, 5] and masters["b"].tolist() == [6, 7, 8, 9]
+    with pytest.raises(UnusableInput, match="do not match the parameter order"):
+        _zero0_masters({"module": saved["module"], "optimizer": {"fp32_groups": [[torch.ones(6)]]}},
+                       {"param_groups": [["w", "b"]]})

@@ -77,12 +77,8 @@ def main(argv=None):
         if loud:
             exc.show()
         sys.exit(exc.exit_code)
-    except UnusableInput as exc:
-        if loud:
+    except ConfigError as exc:  # UnusableInput included; `every_rank`: a refusal only some ranks reach
+        if loud or getattr(exc, "every_rank", False):
             click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except ConfigError as exc:
-        if loud:
-            click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(exc, UnusableInput) else 1)
     sys.exit(rv if isinstance(rv, int) else 0)

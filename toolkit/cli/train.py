@@ -59,7 +59,7 @@ def train(local_rank, check_only, world_size, **options):
         click.echo(f"ok: {options['config']}, {options['data']} and --out {options['out']} are fit to train"
                    + (f" on {world_size} process(es)" if world_size else ""))
         return
-    summary = run(TrainArgs(**options))
+    summary = run(TrainArgs(**options), teardown=True)
     if summary.get("rank0"):
         from toolkit.train.report import read_metrics, table
 

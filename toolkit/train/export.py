@@ -73,7 +73,7 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
             with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
                 state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
         except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
-            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({_first_line(exc)}); "
+            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({first_line(exc)}); "
                                 "the checkpoint is incomplete or damaged: export another tag with --tag") from None
     else:
         saved = _torch_load(ckpt_dir / tag / "mp_rank_00_model_states.pt")
@@ -85,14 +85,31 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
 
 
 def _zero0_masters(saved: dict, layout: dict) -> dict:
-    """ZeRO-0 under bf16/fp16: the fp32 masters DeepSpeed's optimizer wrapper keeps (`fp32_groups`, one
-    tensor per parameter in the optimizer's order, which training recorded as layout["param_groups"]).
-    {} when there are none (fp32 training: the module's weights are the masters)."""
-    groups = (saved.get("optimizer") or {}).get("fp32_groups") if isinstance(saved.get("optimizer"), dict) else None
+    """ZeRO-0 under bf16/fp16: the fp32 masters DeepSpeed's optimizer wrapper keeps, by name, in the
+    optimizer's parameter order that training recorded (layout["param_groups"]): one tensor per
+    parameter ("fp32_groups", FP16_UnfusedOptimizer: torch's AdamW) or one flat tensor per group
+    ("fp32_groups_flat", FP16_Optimizer: FusedAdam on CUDA). {} without masters (fp32 training: the
+    module's weights are the masters); a checkpoint that does not match the recorded order is refused."""
+    optimizer = saved.get("optimizer") if isinstance(saved.get("optimizer"), dict) else {}
     names = layout.get("param_groups")
-    if not groups or not names or [len(g) for g in groups] != [len(n) for n in names]:
+    groups = optimizer.get("fp32_groups")
+    if groups is None and optimizer.get("fp32_groups_flat") is not None:
+        groups = [_split(flat, [saved["module"][n].numel() for n in group_names])
+                  for flat, group_names in zip(optimizer["fp32_groups_flat"], names or [])]
+    if not groups or not names:
         return {}
+    if [len(g) for g in groups] != [len(n) for n in names]:
+        raise UnusableInput(f"the checkpoint's fp32 masters ({[len(g) for g in groups]} per group) do not match the "
+                            f"parameter order training recorded ({[len(n) for n in names]}); export with --tag "
+                            "another checkpoint of this run")
     return {name: master for group, group_names in zip(groups, names) for name, master in zip(group_names, group)}
+
+
+def _split(flat, numels: list) -> list:
+    """A flat fp32 group cut into its parameters (padding past their sum is dropped)."""
+    if sum(numels) > flat.numel():
+        return []
+    return list(flat[: sum(numels)].split(numels))
 
 
 def _read_layout(path: Path) -> dict:
@@ -101,7 +118,7 @@ def _read_layout(path: Path) -> dict:
     except FileNotFoundError:
         raise UnusableInput(f"{path} is missing: the checkpoint was not written by dstk train") from None
     except (OSError, ValueError) as exc:
-        raise UnusableInput(f"{path} cannot be read: {_first_line(exc)}") from None
+        raise UnusableInput(f"{path} cannot be read: {first_line(exc)}") from None
 
 
 def _torch_load(path: Path):
@@ -116,11 +133,11 @@ def _torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
-        raise UnusableInput(f"{path} cannot be read ({_first_line(exc)}): the file is truncated or damaged "
+        raise UnusableInput(f"{path} cannot be read ({first_line(exc)}): the file is truncated or damaged "
                             "(a save cut short?); export another tag with --tag") from None
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     """The first sentence of an exception's message (torch's run to a paragraph)."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return line.split(". ")[0].rstrip(".")
@@ -222,7 +239,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     try:
         config = AutoConfig.from_pretrained(meta)
     except (OSError, ValueError) as exc:
-        raise UnusableInput(f"{meta}/config.json cannot be read as a HF config: {_first_line(exc)}") from None
+        raise UnusableInput(f"{meta}/config.json cannot be read as a HF config: {first_line(exc)}") from None
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     cls = models.auto_class(MODEL_TASKS[layout["task"]])

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit.errors import ConfigError, UnusableInput
 from toolkit.topology import config_batch
 from toolkit.train import checkpoint, data, hf
 
@@ -46,9 +47,16 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(train_set, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = Path(args.out) / "checkpoints"
+    start = checkpoint.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
         checkpoint.check_same_model(ckpt_dir, config)
-    model, layout = _model(args, config, topo, cfg)
+    try:
+        model, layout = _model(args, config, topo, cfg)
+    except ConfigError as exc:  # each stage reads its own tensors: this rank may be the only one failing
+        stage = topo.coords(dist.get_rank())[0]
+        failed = type(exc)(f"rank {dist.get_rank()} (pipeline stage {stage}): {exc}")
+        failed.every_rank = True  # printed by the rank that hit it, not only by rank 0
+        raise failed from None
     torch.manual_seed(args.seed + 1 + dp_rank)  # from here on (dropout): another stream per replica
     groups = param_groups(model, cfg)
     if topo.pp == 1:  # the optimizer's order of parameters: how export finds fp32 masters by name
@@ -58,8 +66,10 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
     if resume_tag:
-        engine.load_checkpoint(str(ckpt_dir), tag=resume_tag)
-    start = checkpoint.step_of(resume_tag) if resume_tag else 0
+        loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=resume_tag)
+        if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
+            raise UnusableInput(f"--resume: {ckpt_dir / resume_tag} could not be loaded (files missing on this rank "
+                                f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
     steps = args.steps or sampler.steps_per_epoch
     return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, batch.gbs * args.seq_len,
                topo.dp, dp_rank, ckpt_dir)

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
+from toolkit.train.export import first_line
 from toolkit.train.hf import no_dropout
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
@@ -83,7 +84,7 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
     try:
         config = no_dropout(AutoConfig.from_pretrained(path))
     except (OSError, ValueError) as exc:
-        raise UnusableInput(f"{path}/config.json cannot be read as a HF config: {_first_line(exc)}") from None
+        raise UnusableInput(f"{path}/config.json cannot be read as a HF config: {first_line(exc)}") from None
     if seq_len is not None:
         check_seq_len(config, seq_len, path)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -91,11 +92,7 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
     try:
         return cls.from_pretrained(path, config=config, **kwargs).float().eval()
     except (OSError, ValueError, SafetensorError) as exc:  # no weights file, a truncated one
-        raise UnusableInput(f"{path}: cannot load the model's weights: {_first_line(exc)}") from None
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UnusableInput(f"{path}: cannot load the model's weights: {first_line(exc)}") from None
 
 
 def check_min_seq_len(seq_len: int, pad: bool) -> None:
@@ -136,7 +133,7 @@ def ensure_world_of_one():
     """A gloo process group of one in this process, as PipelineModule needs (no-op if one exists)."""
     from toolkit import dist
 
-    dist.init(cpu=True)
+    dist.init(cpu=True, alone=True)
 
 
 def hf_loss_logits(model, inputs, labels):

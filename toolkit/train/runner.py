@@ -65,7 +65,8 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
     read_checked_config(args.config, world_size, args.pp)
     hf.check_model(args.model)
-    hf.check_attention(args.attention)
+    if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
+        hf.check_attention(args.attention)
     data.check_path(args.data)
     rundir.check_out(args.out, args.resume, args.overwrite)
 
@@ -82,8 +83,12 @@ def _log_levels(verbose: bool) -> None:
         hf_logging.disable_progress_bar()
 
 
-def run(args: TrainArgs) -> dict:
-    """Train, checkpoint and export; returns the summary (the same dict on every rank)."""
+def run(args: TrainArgs, teardown: bool = False) -> dict:
+    """Train, checkpoint and export; returns the summary (the same dict on every rank).
+
+    teardown (the process entry, `dstk train`): the process group is destroyed once training is over,
+    before rank 0 draws the loss curve and exports; nobody waits in a collective (whose timeout
+    would abort the ranks) while a large model is converted. In-process callers keep their group."""
     from toolkit.train import checkpoint, rundir
     from toolkit.train import loop as train_loop
     from toolkit.train.export import export
@@ -103,15 +108,15 @@ def run(args: TrainArgs) -> dict:
     dist.barrier()  # nobody writes into --out before it is cleared
     job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
     summary = train_loop.loop(args, job, is_logger=dist.get_rank() == 0)
-    if dist.get_rank() == 0:
-        summary["loss_png"] = str(_loss_png(Path(args.out)))
-    if args.export and dist.get_rank() == 0:
-        out = Path(args.out) / "hf"
-        export(ckpt_dir, out)
-        summary["export"] = str(out)
-    dist.barrier()
     summary["rank0"] = dist.get_rank() == 0
+    dist.barrier()  # every rank's last checkpoint is complete
     job.engine.destroy()  # autograd hooks keep an engine (and its buffers) alive otherwise
+    if teardown:
+        toolkit_dist.shutdown()
+    if summary["rank0"]:
+        summary["loss_png"] = str(_loss_png(Path(args.out)))
+        if args.export:
+            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf"))
     return summary
 
 
