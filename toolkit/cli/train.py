@@ -37,6 +37,14 @@ from toolkit.plan.arch import builtin_names
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa",
               show_default=True, help="Attention kernel, the same at every pp (flash_attention_2: CUDA and the "
               "flash-attn package).")
+@click.option("--lora", is_flag=True, help="Train LoRA adapters (peft) on a frozen base; exports OUT/adapter "
+              "(PEFT format) and OUT/hf with them merged. pp = 1 for now.")
+@click.option("--lora-r", type=click.IntRange(min=1), default=16, show_default=True, help="LoRA rank.")
+@click.option("--lora-alpha", type=click.IntRange(min=1), help="LoRA alpha (default: 2 x --lora-r).")
+@click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Dropout on the adapters' input.")
+@click.option("--lora-targets", metavar="NAMES", help="Comma-separated module names to adapt (default: every "
+              "linear layer in the attention and MLP blocks, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,...).")
 @click.option("--encoding", default="utf-8", show_default=True, help="Text encoding of --data (e.g. latin-1).")
 @click.option("--export/--no-export", default=True, show_default=True, help="Write OUT/hf at the end.")
 @click.option("--progress/--no-progress", default=True, show_default=True,

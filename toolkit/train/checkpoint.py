@@ -77,7 +77,7 @@ def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
     (meta / "layout.json").write_text(json.dumps(layout, indent=1))
 
 
-RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "pp", "dp", "zero_stage")  # what a resume must match
+RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "pp", "dp", "zero_stage", "lora")  # what a resume must match
 
 
 def check_resumable(ckpt_dir: Path, now: dict) -> None:

@@ -72,6 +72,7 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
                 state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+            state = {**_frozen(ckpt_dir / tag), **state}  # a frozen base (LoRA) is not in the optimizer's files
         except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
             raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({first_line(exc)}); "
                                 "the checkpoint is incomplete or damaged: export another tag with --tag") from None
@@ -82,6 +83,14 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
                                 "not a DeepSpeed model checkpoint")
         state = {**saved["module"], **_zero0_masters(saved, layout)}
     return {k: v.float() for k, v in state.items()}, layout
+
+
+def _frozen(tag_dir: Path) -> dict:
+    """The module's own tensors at pp = 1 (frozen parameters are not in ZeRO's optimizer files; under
+    ZeRO-3 the module holds empty placeholders, which are left out)."""
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    saved = _torch_load(path) if path.exists() else {}
+    return {k: v for k, v in (saved.get("module") or {}).items() if v.numel()}
 
 
 def _zero0_masters(saved: dict, layout: dict) -> dict:
@@ -219,13 +228,15 @@ def _cat(fragments: list):
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dtype: str = "fp32") -> Path:
+def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dtype: str = "fp32",
+           adapter_dir=None) -> Path:
     """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights.
 
     ckpt_dir: a checkpoint folder or the run folder holding it. overwrite=False refuses an OUT_DIR
     that already holds files (checked before anything is loaded). dtype: fp32 (the default: the
     weights as trained, masters where the checkpoint holds them) or bf16/fp16 (half the bytes);
-    config.json's "dtype" says which."""
+    config.json's "dtype" says which. A LoRA run (layout["lora"]): OUT_DIR holds the adapters merged
+    into full weights, and `adapter_dir` (default OUT_DIR/adapter) the adapters alone in PEFT's format."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -247,6 +258,8 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
     model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
+    if layout.get("lora"):
+        model = _with_adapters(model, layout["lora"], layout["task"])
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
@@ -255,6 +268,10 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
+    if layout.get("lora"):
+        adapter_dir = Path(adapter_dir) if adapter_dir else out_dir / "adapter"
+        _write_dir_atomically(adapter_dir, model.save_pretrained)  # PEFT's adapter_config + adapter_model
+        model = model.merge_and_unload()
     model.to(getattr(torch, DTYPES[dtype]))
     model.config.dtype = DTYPES[dtype]
 
@@ -264,6 +281,14 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     _write_dir_atomically(out_dir, write)
     return out_dir
+
+
+def _with_adapters(model, settings: dict, task: str):
+    """The base model wrapped with the run's LoRA adapters (same names as in training's checkpoint)."""
+    from toolkit.train.lora import LoraSettings, apply
+
+    return apply(model, LoraSettings(settings["r"], settings["alpha"], settings["dropout"],
+                                     tuple(settings["targets"])), task)
 
 
 def _check_out(out_dir: Path, overwrite: bool) -> None:

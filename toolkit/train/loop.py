@@ -95,9 +95,13 @@ def run_identity(args, topo, cfg: dict) -> dict:
     def where(path):
         return str(Path(path).resolve()) if path and Path(path).exists() else path
 
+    from toolkit.train.lora import settings_of
+
     zero = cfg.get("zero_optimization") or {}
+    settings = settings_of(args)
     return {"model": where(args.model), "tokenizer": where(args.tokenizer), "task": args.task,
-            "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero.get("stage", 0)}
+            "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero.get("stage", 0),
+            "lora": settings.to_dict() if settings else None}
 
 
 def _model(args, config, topo, cfg: dict):
@@ -107,7 +111,14 @@ def _model(args, config, topo, cfg: dict):
         model = hf.build_model(args.model, config, args.task, args.seed, cfg)
         if "activation_checkpointing" in cfg:  # DeepSpeed's section configures an API HF models never call
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model, {"pp": 1}
+        from toolkit.train import lora
+
+        settings = lora.settings_of(args)
+        if settings is None:
+            return model, {"pp": 1}
+        model = lora.apply(model, settings, args.task)
+        targets = model.peft_config["default"].target_modules
+        return model, {"pp": 1, "lora": {**settings.to_dict(), "targets": sorted(targets)}}
     from toolkit.train.pipe import pipeline_module
 
     if Path(args.model).is_dir():

@@ -36,6 +36,11 @@ class TrainArgs:
     eval_fraction: float = 0.05
     text_field: str = "text"
     attention: str = "sdpa"  # eager | sdpa | flash_attention_2 (CUDA + flash-attn)
+    lora: bool = False  # adapters through peft; the base frozen (toolkit.train.lora)
+    lora_r: int = 16
+    lora_alpha: int | None = None  # None: 2 r
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None  # comma-separated module names; None: every block linear
     encoding: str = "utf-8"  # of --data
     export: bool = True
     progress: bool = True
@@ -89,7 +94,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     teardown (the process entry, `dstk train`): the process group is destroyed once training is over,
     before rank 0 draws the loss curve and exports; nobody waits in a collective (whose timeout
     would abort the ranks) while a large model is converted. In-process callers keep their group."""
-    from toolkit.train import checkpoint, rundir
+    from toolkit.train import checkpoint, lora, rundir
     from toolkit.train import loop as train_loop
     from toolkit.train.export import export
 
@@ -97,6 +102,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     _log_levels(args.verbose)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
+    lora.check(lora.settings_of(args), pp)
     topo = Topology(dist.get_world_size(), pp)
     stage, dp_rank = topo.coords(dist.get_rank())
     ckpt_dir = Path(args.out) / "checkpoints"
@@ -116,7 +122,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     if summary["rank0"]:
         summary["loss_png"] = str(_loss_png(Path(args.out)))
         if args.export:
-            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf"))
+            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf", adapter_dir=Path(args.out) / "adapter"))
     return summary
 
 

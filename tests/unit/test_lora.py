@@ -1,0 +1,72 @@
+"""LoRA at pp = 1 through peft: only the adapters train, and the export loads with PEFT and merges exactly."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.errors import ConfigError
+from toolkit.train import hf, lora
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
+
+
+def _model(name="tiny-llama"):
+    tok = hf.byte_tokenizer()
+    return hf.build_model(name, hf.load_config(name, tok, "causal-lm"), "causal-lm", 0)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("tiny-llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("tiny-gpt2", ["c_attn", "c_proj", "c_fc"]),
+])
+def test_default_targets_are_every_block_linear(name, expected):
+    assert sorted(lora.linear_names(_model(name))) == sorted(expected)
+
+
+def test_a_target_that_matches_nothing_lists_the_linears():
+    with pytest.raises(ConfigError, match=r"--lora-targets qkv match no linear layer of LlamaForCausalLM; its block "
+                                          r"linears are: q_proj, k_proj"):
+        lora.resolve_targets(_model(), lora.LoraSettings(targets=("qkv",)))
+
+
+def test_lora_with_a_pipeline_is_refused_for_now():
+    with pytest.raises(ConfigError, match="--lora with pp 2"):
+        lora.check(lora.LoraSettings(), 2)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path, zero):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.train.runner import TrainArgs, run
+
+    base_dir = tmp_path / "base"
+    base = _model()
+    base.save_pretrained(base_dir)
+    hf.byte_tokenizer().save_pretrained(base_dir)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "gradient_clipping": 0.0, "zero_optimization": {"stage": zero},
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    out = tmp_path / "run"
+    summary = run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=3,
+                            progress=False, eval_batches=1, lora=True, lora_r=4))
+    assert summary["last_loss"] < summary["first_loss"]
+    groups = json.loads((out / "checkpoints" / "dstk" / "layout.json").read_text())["param_groups"]
+    assert groups and all(".lora_A." in n or ".lora_B." in n for g in groups for n in g)  # the optimizer's only
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)  # PEFT's key names, adapters only
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir).eval(), out / "adapter").eval()
+        untouched = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        got, want, before = (m(input_ids=ids).logits for m in (merged, peft, untouched))
+    assert (got - want).abs().max() < 1e-4  # the merged weights are base + the adapters, as PEFT computes
+    assert (got - before).abs().max() > 1e-3  # and the adapters learned something
