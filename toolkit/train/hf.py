@@ -53,9 +53,10 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return tok
 
 
-def load_config(model: str, tokenizer, task: str, num_labels: int = 2, attention: str = "sdpa"):
-    """The HF config of a model directory or a built-in name, set up for the task and the attention
-    kernel (the same at every pp: the wrappers are exact under eager and sdpa)."""
+def load_config(model: str, tokenizer, task: str, attention: str = "sdpa"):
+    """The HF config of a model directory or a built-in name, checked against the task, with the
+    attention kernel (the same at every pp: the wrappers are exact under eager and sdpa). A
+    classifier's num_labels is the caller's to set: it comes from the data."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model) if Path(model).is_dir() else builtin_config(model, tokenizer)
@@ -63,8 +64,6 @@ def load_config(model: str, tokenizer, task: str, num_labels: int = 2, attention
         raise ConfigError(f"--model {model}: {config.model_type} is an encoder (every token attends to the whole "
                           "row), so --task causal-lm would train it to copy the next token it can already see; "
                           "use --task classification, or a decoder model (gpt2, llama, ...)")
-    if task == "classification":
-        config.num_labels = num_labels
     config._attn_implementation = attention
     return config
 

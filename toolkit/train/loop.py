@@ -39,10 +39,10 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
 
     tokenizer = hf.load_tokenizer(args.model, args.tokenizer)
     rows = data.read_records(args.data, args.encoding)
-    probe = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
-    tokens = data.tokenize(rows, tokenizer, args.seq_len, args.task, hf.max_positions(probe), args.text_field)
-    num_labels = int(tokens.labels.max()) + 1 if args.task == "classification" else 2
-    config = hf.load_config(args.model, tokenizer, args.task, num_labels, attention=args.attention)
+    config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
+    tokens = data.tokenize(rows, tokenizer, args.seq_len, args.task, hf.max_positions(config), args.text_field)
+    if args.task == "classification":
+        config.num_labels = int(tokens.labels.max()) + 1  # the head's size, from the data
     train_set, eval_set = data.split(tokens, args.eval_fraction, args.seed)
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(train_set, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
@@ -193,31 +193,25 @@ def loop(args, job: Job, is_logger: bool) -> dict:
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss(job, args),
                "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
-               "params_per_rank": _params_per_rank(job.engine), **_peak_memory_per_rank()}
+               **_per_rank(job.engine)}
     if log:
         log.close(summary)
     return summary
 
 
-def _peak_memory_per_rank() -> dict:
-    """Per global rank, the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
-    torch.cuda.max_memory_allocated (None without CUDA)."""
+def _per_rank(engine) -> dict:
+    """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
+    own layers; ZeRO-3: placeholders hold 0), and the most memory (MiB) held so far: host (ru_maxrss,
+    KiB on Linux) and, on a GPU, torch.cuda.max_memory_allocated (None without CUDA)."""
     import resource
 
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (round(host, 1), None if gpu is None else round(gpu, 1)))
-    return {"peak_rss_mib_per_rank": [h for h, _ in out], "peak_gpu_mib_per_rank": [g for _, g in out]}
-
-
-def _params_per_rank(engine) -> list:
-    """Per global rank, the parameter elements its module holds in memory (a pipeline stage: its
-    own layers only; ZeRO-3: its shard is not counted, the placeholders hold 0)."""
     held = sum(p.numel() for p in engine.module.parameters())
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, held)
-    return counts
+    host = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    gpu = round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (held, host, gpu))
+    return {"params_per_rank": [r[0] for r in out], "peak_rss_mib_per_rank": [r[1] for r in out],
+            "peak_gpu_mib_per_rank": [r[2] for r in out]}
 
 
 class _Log:
