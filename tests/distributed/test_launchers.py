@@ -73,44 +73,49 @@ def test_openmpi_launch_trains_two_distinct_ranks_like_the_deepspeed_launcher(re
 
 
 PROBE = """
-import json, os, torch, deepspeed.comm
+import json, os, sys, torch, deepspeed.comm
+from pathlib import Path
 from toolkit import dist
 group = dist.init(cpu=True)
 total = torch.tensor([group.get_rank() + 1.0])
 group.all_reduce(total)
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-print("PROBE", json.dumps(dict(rank=group.get_rank(), world=group.get_world_size(),
-      ds_world=deepspeed.comm.get_world_size(), total=float(total), env={k: os.environ[k] for k in names})))
+got = dict(rank=group.get_rank(), world=group.get_world_size(), ds_world=deepspeed.comm.get_world_size(),
+           total=float(total), env={k: os.environ[k] for k in names})
+Path(sys.argv[1], f"rank{group.get_rank()}.json").write_text(json.dumps(got))
 dist.shutdown()
 """
 
 
-def probe(results) -> list:
+def probe(folder: Path, results, ranks=2) -> list:
+    """Each rank's view, from the files it wrote (a file, not stdout: what a launcher forwards of a
+    rank's output is not what this checks)."""
     for rc, out in results:
         assert rc == 0, out[-3000:]
-    return sorted((json.loads(line.split(" ", 1)[1]) for _, out in results for line in out.splitlines()
-                   if line.startswith("PROBE ")), key=lambda r: r["rank"])
+    files = sorted(folder.glob("rank*.json"))
+    assert len(files) == ranks, "\n".join(out[-3000:] for _, out in results)
+    return sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
 
 
 @pytest.mark.distributed
-def test_slurm_tasks_form_one_world_through_dist_init():
+def test_slurm_tasks_form_one_world_through_dist_init(tmp_path):
     """No MASTER_ADDR: it is the node list's first host (a bracket range that resolves here); DeepSpeed's
     own comm sees the world too (without RANK it would ask MPI, which aborts under srun's variables)."""
     port = str(free_port())
     envs = [slurm_task(r, SLURM_NODELIST="127.0.0.[1-2]", MASTER_PORT=port) for r in (0, 1)]
-    got = probe(run_tasks([sys.executable, "-c", PROBE], envs, timeout=120))
+    got = probe(tmp_path, run_tasks([sys.executable, "-c", PROBE, str(tmp_path)], envs, timeout=120))
     assert [(r["rank"], r["world"], r["ds_world"], r["total"]) for r in got] == [(0, 2, 2, 3.0), (1, 2, 2, 3.0)]
     assert [r["env"] for r in got] == [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                             MASTER_PORT=port) for r in (0, 1)]
 
 
 @pytest.mark.distributed
-def test_openmpi_ranks_form_one_world_through_dist_init():
+def test_openmpi_ranks_form_one_world_through_dist_init(tmp_path):
     """mpirun directly: ranks from mpi4py, rank 0's address from `hostname -I`, the port from MASTER_PORT."""
     port = str(free_port())
-    cmd = ["mpirun", "-n", "2", "-x", "MASTER_PORT", sys.executable, "-c", PROBE]
+    cmd = ["mpirun", "-n", "2", "-x", "MASTER_PORT", sys.executable, "-c", PROBE, str(tmp_path)]
     root = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    got = probe(run_tasks(cmd, [env(MASTER_PORT=port, **root)], timeout=120))
+    got = probe(tmp_path, run_tasks(cmd, [env(MASTER_PORT=port, **root)], timeout=120))
     assert [(r["rank"], r["world"], r["ds_world"], r["total"]) for r in got] == [(0, 2, 2, 3.0), (1, 2, 2, 3.0)]
     assert {r["env"]["MASTER_PORT"] for r in got} == {port} and len({r["env"]["MASTER_ADDR"] for r in got}) == 1
 
