@@ -4,7 +4,9 @@ A stage asks its source for modules by their dotted HF name ("model.layers.3"). 
 hands out the model's own modules (so parameters are shared with the HF model: what the parity
 tests need). A `DirSource` keeps a skeleton of the whole model on the meta device (no memory) and
 materialises only the asked-for module, filling it from the directory's safetensors with
-`safe_open`: a stage reads its own tensors and no rank builds the full model.
+`safe_open`: a stage reads its own tensors and no rank builds the full model. A DirSource may be
+given `adapt(module, name) -> module`, applied to each module once it is filled (LoRA: freeze it and
+inject adapters, toolkit.train.lora.StageAdapters).
 """
 
 import copy
@@ -34,8 +36,9 @@ class LiveSource:
 class DirSource:
     """Modules of a model saved in a local HF directory, built one at a time from safetensors."""
 
-    def __init__(self, path: str, model_cls, config):
+    def __init__(self, path: str, model_cls, config, adapt=None):
         self.path = path
+        self.adapt = adapt
         with torch.device("meta"):
             # shapes only, no memory; fp32 whatever the checkpoint's dtype: trainable weights are the
             # optimizer's masters (DeepSpeed's bf16/fp16 modes cast the module and keep fp32 copies)
@@ -53,7 +56,8 @@ class DirSource:
         if missing and not allow_missing:
             raise ConfigError(f"{self.path}: tensors for {name!r} missing from the safetensors files: "
                               f"{sorted(missing)[:4]}; the directory does not match its config.json")
-        return module  # state_dict() tensors share storage with the module: filled in place
+        # state_dict() tensors share storage with the module: filled in place
+        return self.adapt(module, name) if self.adapt else module
 
     def parameter(self, name: str, allow_missing: bool = False) -> nn.Parameter:
         module_name, _, attr = name.rpartition(".")

@@ -32,11 +32,6 @@ def test_a_target_that_matches_nothing_lists_the_linears():
         lora.resolve_targets(_model(), lora.LoraSettings(targets=("qkv",)))
 
 
-def test_lora_with_a_pipeline_is_refused_for_now():
-    with pytest.raises(ConfigError, match="--lora with pp 2"):
-        lora.check(lora.LoraSettings(), 2)
-
-
 @pytest.mark.parametrize("zero", [0, 1])
 def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path, zero):
     from peft import PeftModel

@@ -325,6 +325,9 @@ def _write_dir_atomically(out_dir: Path, write) -> None:
 
 
 def _tied(model, key: str) -> bool:
-    """Whether `key` is a weight HF ties to another (lm_head.weight -> embeddings)."""
+    """Whether `key` is a weight HF ties to another (lm_head.weight -> embeddings); a PeftModel's
+    names are its HF model's behind PEFT's prefix."""
+    from toolkit.train.lora import PEFT_PREFIX
+
     tied = getattr(model, "_tied_weights_keys", None) or {}
-    return key in tied
+    return key in tied or key.removeprefix(PEFT_PREFIX) in tied

@@ -107,16 +107,16 @@ def run_identity(args, topo, cfg: dict) -> dict:
 def _model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, layout). pp > 1 with a local directory: no rank builds the
     whole model; each stage reads its own layers' tensors (toolkit.train.pipe)."""
+    from toolkit.train import lora
+
+    settings = lora.settings_of(args)
     if topo.pp == 1:
         model = hf.build_model(args.model, config, args.task, args.seed, cfg)
         if "activation_checkpointing" in cfg:  # DeepSpeed's section configures an API HF models never call
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        from toolkit.train import lora
-
-        settings = lora.settings_of(args)
         if settings is None:
             return model, {"pp": 1}
-        model = lora.apply(model, settings, args.task)
+        model = lora.apply(model, settings, args.task, args.seed)
         targets = model.peft_config["default"].target_modules
         return model, {"pp": 1, "lora": {**settings.to_dict(), "targets": sorted(targets)}}
     from toolkit.train.pipe import pipeline_module
@@ -126,7 +126,10 @@ def _model(args, config, topo, cfg: dict):
         source = args.model
     else:  # built-in: tiny, random from the seed, identical on every rank and layout
         source = hf.build_model(args.model, config, args.task, args.seed)  # tiny: no ZeRO-3 at pp > 1
-    return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose)
+        if settings is not None:
+            source = lora.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
+    return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
+                           lora=settings, seed=args.seed)
 
 
 def train_step(job: Job, it) -> float:

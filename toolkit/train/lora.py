@@ -6,9 +6,18 @@ The base model is frozen; only the adapters train (gradients and optimizer state
 alone). Targets default to every linear layer inside the decoder blocks (attention and MLP), found by
 module names per architecture; a target that matches nothing is refused with the linear modules that
 exist. The export writes OUT/adapter (PEFT's format, for PeftModel.from_pretrained) and OUT/hf with the
-adapters merged into full weights. Pipelines (pp > 1) with LoRA are not wired yet: refused clearly.
+adapters merged into full weights.
+
+Every layout builds the same adapters. pp = 1 and a pipeline of a model in memory wrap the model with
+`get_peft_model`; a pipeline stage reading its layers from a directory injects them per HF module
+(`StageAdapters`, with peft's `inject_adapter_in_model`), and a classifier head is trained whole as
+PEFT's sequence-classification task does (`modules_to_save`). lora_A is drawn from a generator seeded
+by the run's seed and the module's HF name (`init_adapters`), lora_B is zero: an adapter starts the
+same whichever stage or rank builds it, so layouts train alike.
 """
 
+import math
+import zlib
 from dataclasses import asdict, dataclass
 
 from toolkit.errors import ConfigError
@@ -63,22 +72,83 @@ def resolve_targets(model, settings: LoraSettings) -> list:
     return list(settings.targets)
 
 
-def apply(model, settings: LoraSettings, task: str):
-    """`model` wrapped by peft with LoRA adapters; the base frozen."""
-    from peft import LoraConfig, TaskType, get_peft_model
+PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the HF model: its state dict's names start so
+CLASSIFIER_HEADS = ("classifier", "score")  # trained whole under sequence classification, as PEFT does
+
+
+def peft_config(model, settings: LoraSettings, task: str):
+    """peft's LoraConfig for `model` (a HF model, or a meta-device skeleton of it)."""
+    from peft import LoraConfig, TaskType
 
     kind = TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM
-    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r, lora_dropout=settings.dropout,
-                        target_modules=resolve_targets(model, settings), task_type=kind,
-                        fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
-    return get_peft_model(model, config)
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r, lora_dropout=settings.dropout,
+                      target_modules=resolve_targets(model, settings), task_type=kind,
+                      fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
 
 
-def check(settings: LoraSettings | None, pp: int | None) -> None:
-    if settings is None:
-        return
-    if settings.r < 1:
+def apply(model, settings: LoraSettings, task: str, seed: int = 0):
+    """`model` wrapped by peft with LoRA adapters (a PeftModel); the base frozen; adapters from `seed`."""
+    wrapped = wrap(model, peft_config(model, settings, task))
+    init_adapters(wrapped.base_model.model, seed)
+    return wrapped
+
+
+def wrap(model, config):
+    """peft's get_peft_model, without the FutureWarning transformers 5 gives for the API peft calls."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def init_adapters(module, seed: int, prefix: str = "") -> None:
+    """lora_A as peft draws it (kaiming-uniform, a = sqrt(5)) from a generator seeded by `seed` and the
+    layer's HF name (`prefix` + its name in `module`); lora_B zero. Without parameters on the meta device."""
+    import torch
+
+    with torch.no_grad():
+        for name, layer in module.named_modules():
+            for adapter, down in getattr(layer, "lora_A", {}).items():
+                if down.weight.is_meta:
+                    continue
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{prefix}{name}".encode()))
+                weight = torch.empty(down.weight.shape)
+                torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+                down.weight.copy_(weight)
+                layer.lora_B[adapter].weight.zero_()
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter's name is one peft trains: a LoRA matrix, or a modules_to_save copy."""
+    return ".lora_" in name or ".modules_to_save." in name or name.startswith(("lora_", "modules_to_save."))
+
+
+class StageAdapters:
+    """What a pipeline stage does to each HF module it reads from a directory (models' DirSource
+    `adapt` hook): freeze it, inject the run's LoRA layers where its targets are, and wrap a
+    classifier head in PEFT's ModulesToSaveWrapper; the same modules and names as `apply` gives."""
+
+    def __init__(self, config, task: str, seed: int):
+        self.config, self.task, self.seed = config, task, seed
+
+    def __call__(self, module, name: str):
+        from peft import inject_adapter_in_model
+        from peft.utils import ModulesToSaveWrapper
+
+        module.requires_grad_(False)
+        if self.task == "classification" and name.rsplit(".", 1)[-1] in CLASSIFIER_HEADS:
+            return ModulesToSaveWrapper(module, "default")  # a trainable copy beside the frozen original
+        targets = set(self.config.target_modules)
+        if any(sub.rsplit(".", 1)[-1] in targets for sub, _ in module.named_modules() if sub):
+            inject_adapter_in_model(self.config, module)
+            init_adapters(module, self.seed, prefix=f"{name}.")
+        return module
+
+
+def check(settings: LoraSettings | None) -> None:
+    """The flags alone (a pipeline's ZeRO stage is the config rules' to refuse)."""
+    if settings is not None and settings.r < 1:
         raise ConfigError(f"--lora-r must be a positive integer, got {settings.r}")
-    if pp and pp > 1:
-        raise ConfigError(f"--lora with pp {pp}: LoRA through pipeline stages is not wired yet in dstk; train with "
-                          "pp = 1 (ZeRO 0-3 shard the rest), or without --lora")

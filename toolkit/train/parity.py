@@ -166,10 +166,13 @@ def max_grad_diff(reference: dict, model):
     return worst, worst_name, count
 
 
-def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, data=None) -> ParityReport:
+def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, data=None,
+                reference=None) -> ParityReport:
     """Run `model` and its single-stage PipelineModule on one batch; report the differences.
 
     data: (inputs, labels) to use instead of a random batch (e.g. tokenized real text).
+    reference: the model whose forward is the truth, when it is not `model` itself (a PeftModel
+    around it: `model` is then the HF model inside, which the layers wrap).
     """
     import models
 
@@ -179,7 +182,7 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, dat
         module = models.build_pipeline_module(spec, num_stages=1)
     inputs, labels = data or batch(model.config, spec.task, seq_len=seq_len, pad=pad, seed=seed)
     model.zero_grad(set_to_none=True)
-    loss_hf, logits_hf = hf_loss_logits(model, inputs, labels)
+    loss_hf, logits_hf = hf_loss_logits(reference or model, inputs, labels)
     loss_hf.backward()
     reference = grads_of(model)
     logits = module(inputs)

@@ -4,6 +4,11 @@ that export needs to turn layer_XX-model_states.pt files back into a HF state di
 A local HF directory is never built whole: models.pipeline_layers(dir) gives LayerSpecs that each
 read only their own tensors (safetensors) on the stage that owns them. Built-in names arrive as
 a live (tiny, seeded) model, the same on every rank, whose modules the layers share.
+
+LoRA (`lora=` settings): a live model arrives already wrapped (toolkit.train.lora.apply, its HF model
+inside); a directory's stages inject the adapters into each module they read (lora.StageAdapters).
+The layer -> name map then holds the PeftModel's names ("base_model.model.model.layers.0.self_attn.
+q_proj.lora_A.default.weight"), so export rebuilds the PeftModel and writes PEFT's adapter files.
 """
 
 import contextlib
@@ -13,15 +18,19 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.train.hf import MODEL_TASKS
+from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, peft_config, wrap
 
 log = logging.getLogger(__name__)
 
 
-def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False):
+def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
+                    lora=None, seed: int = 0):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), layout for checkpoint.save_meta).
 
     model: a HF model in memory, or a local HF directory (str/Path: loaded per stage).
-    config: the run's HF config; checked against the directory's (num_labels) when given."""
+    config: the run's HF config; checked against the directory's (num_labels) when given.
+    lora: LoraSettings (needs config); a model in memory must be the HF model inside lora.apply's
+    PeftModel. seed: the adapters' (lora.init_adapters)."""
     import torch
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -29,7 +38,10 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
 
     is_dir = isinstance(model, (str, Path))
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
-    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task], attention=attention)
+    adapters = _peft_config(config, task, lora) if lora is not None else None
+    adapt = StageAdapters(adapters, task, seed) if adapters is not None and is_dir else None
+    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task], attention=attention,
+                                  adapt=adapt)
     if is_dir and config is not None:
         _check_labels(str(model), spec.config, config)
     if topo.pp > spec.num_layers:
@@ -38,7 +50,9 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     parts, fallback = choose_parts(spec, topo.pp, cfg, seq_len)
     if fallback and _is_rank0():
         log.warning("dstk: %s", fallback)
-    layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec), "tied": dict(spec.tied)}
+    layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
+    if lora is not None:
+        layout["lora"] = {**lora.to_dict(), "targets": sorted(adapters.target_modules)}
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
     # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
@@ -47,7 +61,27 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     with torch.no_grad(), quiet:
         module = models.build_pipeline_module(spec, topology=PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp),
                                               parts=parts, activation_checkpoint_interval=checkpoint_interval(cfg))
+    if lora is not None:
+        for name, p in module.named_parameters():  # PEFT's rule: adapters (and a classifier's copy) train
+            p.requires_grad_(is_adapter(name))
     return module, layout
+
+
+def _peft_config(config, task: str, lora):
+    """peft's LoraConfig for the run's model, its targets found on a meta-device skeleton."""
+    if config is None:
+        raise ValueError("pipeline_module(lora=...) needs the run's HF config")
+    return peft_config(_skeleton(config, task), lora, task)
+
+
+def _skeleton(config, task: str):
+    """The model of `config` on the meta device: its structure and names, no memory, no weights."""
+    import torch
+
+    import models
+
+    with torch.device("meta"):
+        return models.auto_class(MODEL_TASKS[task]).from_config(config)
 
 
 def checkpoint_interval(cfg: dict) -> int:
@@ -121,26 +155,31 @@ def _costs(spec, cfg: dict, seq_len: int) -> tuple[list | None, str | None]:
     return costs, None
 
 
-def hf_name_map(spec) -> list:
+def hf_name_map(spec, adapters=None) -> list:
     """Per layer, {key in that layer's state_dict: HF state-dict name}.
 
     The keys come from the same layer list built over a meta-device copy of the model (shapes only:
     no memory, no weights read), whose tensors ARE that copy's tensors; each layer may only map to
-    names under its spec.hf_names entry."""
+    names under its spec.hf_names entry. adapters (peft's LoraConfig): the copy is wrapped by
+    get_peft_model first, and the names are the PeftModel's."""
     import models
     import torch
 
     with torch.device("meta"):
         skeleton = models.auto_class(spec.task).from_config(spec.config)
+        if adapters is not None:
+            skeleton = wrap(skeleton, adapters)
     by_id = {}
     for name, t in skeleton.state_dict(keep_vars=True).items():
         by_id.setdefault(id(t), name)  # a tied weight keeps its first name (the embedding's)
-    meta_spec = models.pipeline_layers(skeleton, task=spec.task)
+    prefix = PEFT_PREFIX if adapters is not None else ""
+    meta_spec = models.pipeline_layers(skeleton.base_model.model if adapters is not None else skeleton, task=spec.task)
     names = []
     for layer, owned in zip(meta_spec.layers, spec.hf_names):
         built = layer.build() if hasattr(layer, "build") else layer
         found = {k: by_id[id(t)] for k, t in built.state_dict(keep_vars=True).items() if id(t) in by_id}
-        stray = [hf for hf in found.values() if not any(hf == n or hf.startswith(n + ".") for n in owned)]
+        stray = [hf for hf in found.values()
+                 if not any(hf.removeprefix(prefix) == n or hf.removeprefix(prefix).startswith(n + ".") for n in owned)]
         if stray:
             raise ConfigError(f"layer {len(names)} holds {stray[:3]}, outside its HF modules {owned}")
         names.append(found)

@@ -102,7 +102,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     _log_levels(args.verbose)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
-    lora.check(lora.settings_of(args), pp)
+    lora.check(lora.settings_of(args))
     topo = Topology(dist.get_world_size(), pp)
     stage, dp_rank = topo.coords(dist.get_rank())
     ckpt_dir = Path(args.out) / "checkpoints"

