@@ -204,17 +204,23 @@ def loop(args, job: Job, is_logger: bool) -> dict:
 
 def _per_rank(engine) -> dict:
     """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
-    own layers; ZeRO-3: placeholders hold 0), and the most memory (MiB) held so far: host (ru_maxrss,
-    KiB on Linux) and, on a GPU, torch.cuda.max_memory_allocated (None without CUDA)."""
+    own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
+    engine holds at the end (toolkit.train.held: weights, gradients, masters, optimizer states); and
+    the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
+    torch.cuda.max_memory_allocated (None without CUDA)."""
     import resource
 
-    held = sum(p.numel() for p in engine.module.parameters())
-    host = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    gpu = round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None
+    from toolkit.train.held import held_bytes
+
+    params = [p for p in engine.module.parameters()]
+    mine = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
+            round(held_bytes(engine) / 2**20, 2), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None)
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, (held, host, gpu))
-    return {"params_per_rank": [r[0] for r in out], "peak_rss_mib_per_rank": [r[1] for r in out],
-            "peak_gpu_mib_per_rank": [r[2] for r in out]}
+    dist.all_gather_object(out, mine)
+    keys = ("params_per_rank", "trainable_params_per_rank", "model_state_mib_per_rank", "peak_rss_mib_per_rank",
+            "peak_gpu_mib_per_rank")
+    return {key: [r[i] for r in out] for i, key in enumerate(keys)}
 
 
 class _Log:
