@@ -32,7 +32,7 @@ def test_a_target_that_matches_nothing_lists_the_linears():
         lora.resolve_targets(_model(), lora.LoraSettings(targets=("qkv",)))
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path, zero):
     from peft import PeftModel
     from safetensors.torch import load_file
