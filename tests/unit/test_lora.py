@@ -65,3 +65,65 @@ def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path,
         got, want, before = (m(input_ids=ids).logits for m in (merged, peft, untouched))
     assert (got - want).abs().max() < 1e-4  # the merged weights are base + the adapters, as PEFT computes
     assert (got - before).abs().max() > 1e-3  # and the adapters learned something
+
+
+def test_qlora_is_refused_without_cuda_once_with_the_way_out(tmp_path):
+    """This machine has no CUDA: --qlora is refused before any model is built, in one line, no traceback."""
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
+    run = subprocess.run([sys.executable, "-m", "toolkit.train", "--config", str(cfg), "--model", "tiny-llama",
+                          "--data", str(CORPUS), "--out", str(tmp_path / "run"), "--qlora"],
+                         capture_output=True, text=True, cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"), timeout=300)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.count("--qlora: the 4-bit base needs a CUDA GPU") == 1, run.stderr[-2000:]
+    assert "train with --lora here" in run.stderr and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("pp, zero, words", [(2, 0, "--qlora with pp 2"), (1, 3, "--qlora with zero_optimization.stage 3")])
+def test_qlora_layouts_it_cannot_run_are_refused(pp, zero, words):
+    with pytest.raises(ConfigError, match=words):
+        lora.check(lora.LoraSettings(qlora=True), pp, zero)
+
+
+def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_path):
+    """A QLoRA checkpoint's base is 4-bit: export takes the adapters from it and merges them into the run's
+    --model directory. The checkpoint here is a LoRA run's whose layout says qlora (no CUDA to quantize): the
+    adapters are real; its fp32 base is ignored by the export, which reads the directory's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.errors import UnusableInput
+    from toolkit.train.export import export
+    from toolkit.train.runner import TrainArgs, run
+
+    base_dir = tmp_path / "base"
+    _model().save_pretrained(base_dir)
+    hf.byte_tokenizer().save_pretrained(base_dir)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    out = tmp_path / "run"
+    run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
+                  progress=False, eval_batches=1, lora=True, lora_r=4, export=False))
+    layout_file = out / "checkpoints" / "dstk" / "layout.json"
+    layout = json.loads(layout_file.read_text())
+    assert layout["model"] == str(base_dir.resolve())
+    layout["lora"]["qlora"] = True
+    layout_file.write_text(json.dumps(layout))
+    export(out, tmp_path / "hf", adapter_dir=tmp_path / "adapter")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
+        want = peft.eval()(input_ids=ids).logits
+    assert (merged - want).abs().max() < 1e-5
+    layout["model"] = str(tmp_path / "gone")
+    layout_file.write_text(json.dumps(layout))
+    with pytest.raises(UnusableInput, match="holds its base in 4 bits only"):
+        export(out, tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()

@@ -37,8 +37,10 @@ from toolkit.plan.arch import builtin_names
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa",
               show_default=True, help="Attention kernel, the same at every pp (flash_attention_2: CUDA and the "
               "flash-attn package).")
-@click.option("--lora", is_flag=True, help="Train LoRA adapters (peft) on a frozen base; exports OUT/adapter "
-              "(PEFT format) and OUT/hf with them merged. pp = 1 for now.")
+@click.option("--lora", is_flag=True, help="Train LoRA adapters (peft) on a frozen base, at any pp x dp; exports "
+              "OUT/adapter (PEFT format) and OUT/hf with them merged.")
+@click.option("--qlora", is_flag=True, help="LoRA on a 4-bit NF4 base (bitsandbytes): CUDA GPUs, pp 1, ZeRO 0-2, "
+              "--model a local directory; OUT/hf merges the adapters into the full-precision base.")
 @click.option("--lora-r", type=click.IntRange(min=1), default=16, show_default=True, help="LoRA rank.")
 @click.option("--lora-alpha", type=click.IntRange(min=1), help="LoRA alpha (default: 2 x --lora-r).")
 @click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,

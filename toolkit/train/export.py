@@ -21,6 +21,7 @@ from toolkit.errors import ConfigError, UnusableInput
 from toolkit.files import as_umask
 from toolkit.train.checkpoint import META, read_latest
 from toolkit.train.hf import MODEL_TASKS
+from toolkit.train.lora import PEFT_PREFIX, is_adapter
 
 
 def find_checkpoint_dir(path) -> Path:
@@ -257,14 +258,19 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
-    model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
+    qlora = (layout.get("lora") or {}).get("qlora")
+    if qlora:  # the checkpoint's base is 4-bit: the adapters merge into the weights it was quantized from
+        state = {k: v for k, v in state.items() if is_adapter(k)}
+        model = _qlora_base(layout, cls, config)
+    else:
+        model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
     if layout.get("lora"):
         model = _with_adapters(model, layout["lora"], layout["task"])
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not _tied(model, k)]
+    missing = [k for k in missing if not _tied(model, k) and (not qlora or is_adapter(k))]
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
@@ -283,12 +289,24 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     return out_dir
 
 
+def _qlora_base(layout: dict, cls, config):
+    """The full-precision model a QLoRA run quantized (the run's --model directory), in fp32."""
+    import torch
+
+    path = layout.get("model")
+    if not path or not Path(path).is_dir():
+        raise UnusableInput(f"this QLoRA checkpoint holds its base in 4 bits only; export merges the adapters into "
+                            f"the full-precision model it was trained from, {path!r}, which is not a directory here. "
+                            "Make it available at that path (or export on the machine that has it)")
+    return cls.from_pretrained(path, config=config, dtype=torch.float32)
+
+
 def _with_adapters(model, settings: dict, task: str):
     """The base model wrapped with the run's LoRA adapters (same names as in training's checkpoint)."""
     from toolkit.train.lora import LoraSettings, apply
 
-    return apply(model, LoraSettings(settings["r"], settings["alpha"], settings["dropout"],
-                                     tuple(settings["targets"])), task)
+    return apply(model, LoraSettings(settings["r"], settings["alpha"], settings["dropout"], tuple(settings["targets"]),
+                                     bool(settings.get("qlora"))), task)
 
 
 def _check_out(out_dir: Path, overwrite: bool) -> None:
@@ -327,7 +345,5 @@ def _write_dir_atomically(out_dir: Path, write) -> None:
 def _tied(model, key: str) -> bool:
     """Whether `key` is a weight HF ties to another (lm_head.weight -> embeddings); a PeftModel's
     names are its HF model's behind PEFT's prefix."""
-    from toolkit.train.lora import PEFT_PREFIX
-
     tied = getattr(model, "_tied_weights_keys", None) or {}
     return key in tied or key.removeprefix(PEFT_PREFIX) in tied

@@ -110,9 +110,17 @@ def _model(args, config, topo, cfg: dict):
     from toolkit.train import lora
 
     settings = lora.settings_of(args)
+    checkpointing = "activation_checkpointing" in cfg  # DeepSpeed's section configures an API HF models never call
+    if topo.pp == 1 and settings is not None and settings.qlora:
+        torch.manual_seed(args.seed)
+        compute = "bfloat16" if (cfg.get("bf16") or {}).get("enabled") else "float32"
+        model = lora.quantized_model(args.model, config, args.task, compute, checkpointing)
+        model = lora.apply(model, settings, args.task, args.seed)
+        targets = model.peft_config["default"].target_modules
+        return model, {"pp": 1, "lora": {**settings.to_dict(), "targets": sorted(targets)}}
     if topo.pp == 1:
         model = hf.build_model(args.model, config, args.task, args.seed, cfg)
-        if "activation_checkpointing" in cfg:  # DeepSpeed's section configures an API HF models never call
+        if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings is None:
             return model, {"pp": 1}

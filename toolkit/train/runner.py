@@ -41,6 +41,7 @@ class TrainArgs:
     lora_alpha: int | None = None  # None: 2 r
     lora_dropout: float = 0.0
     lora_targets: str | None = None  # comma-separated module names; None: every block linear
+    qlora: bool = False  # LoRA on a 4-bit NF4 base (bitsandbytes; CUDA, pp 1)
     encoding: str = "utf-8"  # of --data
     export: bool = True
     progress: bool = True
@@ -72,6 +73,10 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     hf.check_model(args.model)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
+        if args.qlora:
+            from toolkit.train.lora import check_qlora_here
+
+            check_qlora_here(args.model)
     data.check_path(args.data)
     rundir.check_out(args.out, args.resume, args.overwrite)
 
@@ -102,7 +107,9 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     _log_levels(args.verbose)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
-    lora.check(lora.settings_of(args))
+    lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0))
+    if args.qlora:  # where the ranks run (check() could not know without a launcher's world size)
+        lora.check_qlora_here(args.model)
     topo = Topology(dist.get_world_size(), pp)
     stage, dp_rank = topo.coords(dist.get_rank())
     ckpt_dir = Path(args.out) / "checkpoints"
