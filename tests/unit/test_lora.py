@@ -127,3 +127,35 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     with pytest.raises(UnusableInput, match="holds its base in 4 bits only"):
         export(out, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_dstk_export_writes_the_adapters_alone_or_beside_the_merge(ds_world1, tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from toolkit.cli import cli
+    from toolkit.train.runner import TrainArgs, run
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    out = tmp_path / "run"
+    run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
+                  progress=False, eval_batches=1, lora=True, lora_r=4))
+    runner = CliRunner()
+    alone = runner.invoke(cli, ["export", str(out), str(tmp_path / "alone"), "--no-merge"])
+    assert alone.exit_code == 0, alone.output
+    both = runner.invoke(cli, ["export", str(out), str(tmp_path / "merged"), "--adapter-dir", str(tmp_path / "ad")])
+    assert both.exit_code == 0, both.output
+    trained = load_file(out / "adapter" / "adapter_model.safetensors")
+    for folder in (tmp_path / "alone", tmp_path / "ad"):
+        got = load_file(folder / "adapter_model.safetensors")
+        assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k]) for k in got)
+        assert (folder / "tokenizer.json").exists() and not (folder / "model.safetensors").exists()
+    assert (tmp_path / "merged" / "model.safetensors").exists() and not (tmp_path / "merged" / "adapter").exists()
+    full = tmp_path / "full"
+    run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(full), seq_len=32, steps=1,
+                  progress=False, eval_batches=1, export=False))
+    refused = runner.invoke(cli, ["export", str(full), str(tmp_path / "nothing"), "--no-merge"])
+    assert refused.exit_code != 0 and "--no-merge: " in str(refused.exception) and "not a LoRA run" in str(refused.exception)
+    assert not (tmp_path / "nothing").exists()

@@ -230,23 +230,29 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dtype: str = "fp32",
-           adapter_dir=None) -> Path:
+           adapter_dir=None, merge: bool = True) -> Path:
     """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights.
 
     ckpt_dir: a checkpoint folder or the run folder holding it. overwrite=False refuses an OUT_DIR
     that already holds files (checked before anything is loaded). dtype: fp32 (the default: the
     weights as trained, masters where the checkpoint holds them) or bf16/fp16 (half the bytes);
     config.json's "dtype" says which. A LoRA run (layout["lora"]): OUT_DIR holds the adapters merged
-    into full weights, and `adapter_dir` (default OUT_DIR/adapter) the adapters alone in PEFT's format."""
+    into full weights, and `adapter_dir` (when given) the adapters alone in PEFT's format; with
+    merge=False OUT_DIR holds the adapters alone instead (no merged weights)."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     import models
 
     ckpt_dir = find_checkpoint_dir(ckpt_dir)
     out_dir = Path(out_dir)
     _check_out(out_dir, overwrite)
+    if adapter_dir is not None:
+        _check_out(Path(adapter_dir), overwrite)
     meta = ckpt_dir / META
+    if not merge and not _read_layout(meta / "layout.json").get("lora"):
+        raise ConfigError(f"--no-merge: {ckpt_dir} is not a LoRA run (no adapters to write apart); export the full "
+                          "model without --no-merge")
     state, layout = load_state_dict(ckpt_dir, tag)
     try:
         config = AutoConfig.from_pretrained(meta)
@@ -275,18 +281,24 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
     if layout.get("lora"):
-        adapter_dir = Path(adapter_dir) if adapter_dir else out_dir / "adapter"
-        _write_dir_atomically(adapter_dir, model.save_pretrained)  # PEFT's adapter_config + adapter_model
+        if adapter_dir is not None or not merge:  # PEFT's adapter_config + adapter_model (+ the tokenizer)
+            _write_dir_atomically(Path(adapter_dir) if merge else out_dir,
+                                  lambda folder: _save_with_tokenizer(model, meta, folder))
+        if not merge:
+            return out_dir
         model = model.merge_and_unload()
     model.to(getattr(torch, DTYPES[dtype]))
     model.config.dtype = DTYPES[dtype]
 
-    def write(folder: Path) -> None:
-        model.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
-
-    _write_dir_atomically(out_dir, write)
+    _write_dir_atomically(out_dir, lambda folder: _save_with_tokenizer(model, meta, folder))
     return out_dir
+
+
+def _save_with_tokenizer(model, meta: Path, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
 
 
 def _qlora_base(layout: dict, cls, config):
