@@ -52,10 +52,22 @@ def test_run_all_skips_a_missing_script(monkeypatch, capsys):
 
 
 def test_plan_accuracy_table_from_measured_bytes():
-    _, states = plan_accuracy.predicted(zero=1, pp=1)
-    held = {"zero1-pp1": {"params": 2_101_248, "moments": {"backward": states.peak // 2, "step": states.peak}}}
-    fake = {rank: {f"zero{z}-pp{p}": held["zero1-pp1"] for z, p in [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2)]}
-            for rank in (0, 1)}
-    row = next(r for r in plan_accuracy.table(fake) if r["zero"] == 1 and r["pp"] == 1)
+    _, _, states = plan_accuracy.predicted(zero=1, pp=1)
+    held = {"params": 2_101_248, "moments": {"backward": states.peak // 2, "step": states.peak}}
+    fake = {rank: {key: held for key, *_ in plan_accuracy.cases()} for rank in (0, 1)}
+    row = next(r for r in plan_accuracy.table(fake) if r["zero"] == 1 and r["pp"] == 1 and not r["lora_r"])
     assert row["error"] == 0.0 and row["measured_bytes"] == [states.peak] * 2  # the larger moment counts
     assert any("| ZeRO-1, pp 1, dp 2 |" in line for line in plan_accuracy.markdown(plan_accuracy.table(fake)))
+
+
+def test_plan_accuracy_lora_rows_predict_a_frozen_base():
+    """The LoRA rows are predicted with the adapters alone trainable: far below the same stage fully trained."""
+    keys = [key for key, *_ in plan_accuracy.cases()]
+    assert "lora-zero1-pp2" in keys and "lora-zero0-pp2" in keys and "lora-zero1-pp1" in keys
+    params, trainable, lora = plan_accuracy.predicted(zero=1, pp=2, lora=8)
+    full_params, full_trainable, full = plan_accuracy.predicted(zero=1, pp=2)
+    assert params == full_params + 4 * 8 * (512 + 512) and trainable == 4 * 8 * (512 + 512)
+    assert lora.peak < 0.3 * full.peak and lora.optimizer == 8 * trainable
+    fake = {rank: {key: {"params": 1, "moments": {"step": 1}} for key in keys} for rank in (0, 1)}
+    lines = plan_accuracy.markdown(plan_accuracy.table(fake))
+    assert any(line.startswith("| ZeRO-1, pp 2, dp 1, LoRA r=8 | 1,083,392 (32,768) |") for line in lines), lines

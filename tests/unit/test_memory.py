@@ -37,7 +37,44 @@ def test_each_zero_stage_shards_more(dp):
 def test_zero1_holds_full_gradients_until_the_boundary_zero2_does_not():
     z1 = model_state_bytes(N, 4, 1, "fp32", reduce_bucket_size=1000)
     z2 = model_state_bytes(N, 4, 2, "fp32", reduce_bucket_size=1000)
-    assert z1.grads == 4 * N and z2.grads == N and z1.buffers == z2.buffers == 4000
+    # ZeRO-1 at the boundary: the full accumulated gradients and the partition being filled (N / dp)
+    assert z1.grads == 4 * N + 4 * N // 4 and z2.grads == N and z1.buffers == z2.buffers == 4000
+    offloaded = model_state_bytes(N, 4, 1, "fp32", offload="optimizer", reduce_bucket_size=1000)
+    assert offloaded.grads == 4 * N  # offload copies reduced gradients to host buffers instead
+
+
+FROZEN = 9 * N  # a LoRA-like stage: 9 frozen parameters per trainable one
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_frozen_parameters_cost_their_weights_only(zero, precision):
+    full = model_state_bytes(N, 2, zero, precision)
+    assert model_state_bytes(N, 2, zero, precision, trainable=N) == full  # all trainable: as before
+    lora = model_state_bytes(N + FROZEN, 2, zero, precision, trainable=N)
+    w = 4 if precision == "fp32" else 2
+    held = FROZEN // 2 if zero == 3 else FROZEN  # ZeRO-3 partitions frozen weights too
+    assert lora.params - full.params == held * w
+    assert (lora.grads, lora.master, lora.optimizer, lora.buffers) == (full.grads, full.master, full.optimizer,
+                                                                        full.buffers)
+
+
+def test_a_frozen_base_is_far_below_training_everything():
+    everything = model_state_bytes(N + FROZEN, 1, 0, "bf16").peak  # 2 + 6 + 4 + 8 bytes per parameter
+    lora = model_state_bytes(N + FROZEN, 1, 0, "bf16", trainable=N // 100)
+    assert everything == 20 * (N + FROZEN)
+    assert lora.peak == 2 * (N + FROZEN) + 18 * (N // 100) and lora.peak < 0.11 * everything
+
+
+def test_a_stage_with_nothing_to_train_holds_weights_only():
+    s = model_state_bytes(N, 2, 1, "bf16", trainable=0)
+    assert (s.params, s.grads, s.master, s.optimizer, s.buffers) == (2 * N, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("trainable", [-1, N + 1, 1.5, True])
+def test_trainable_outside_the_parameters_is_refused(trainable):
+    with pytest.raises(ConfigError, match=r"trainable must be an integer in \[0, num_params"):
+        model_state_bytes(N, 1, 0, trainable=trainable)
 
 
 def test_sgd_keeps_one_state():

@@ -57,3 +57,30 @@ def test_profile_method_times_the_real_layers():
     assert report["balanced_by"] == "measured time"
     assert [s["method"] for s in report["splits"]] == ["profile", "parameters", "uniform"]
     assert report["splits"][0]["imbalance"] <= min(s["imbalance"] for s in report["splits"][1:]) + 1e-9
+
+
+def test_lora_report_says_rank_and_trainable_count_and_imports_no_heavy_package():
+    from tests.conftest import run_cli_fresh
+
+    result, heavy = run_cli_fresh(['partition', 'llama-2-7b', '--pp', '4', '--seq-len', '1024', '--lora', '16',
+                                   '--json'])
+    assert heavy == [], result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    adapters = 39_976_960  # Llama-2-7b, r=16 on all 7 projections (peft's count)
+    assert report["lora_r"] == 16 and report["trainable_params"] == adapters
+    assert report["params"] == 6_738_415_616 + adapters
+    assert sum(s["trainable"] for s in report["stages"]) == adapters
+    full = json.loads(dstk("llama-2-7b", "--pp", "4", "--seq-len", "1024", "--json").stdout)
+    assert full["lora_r"] is None and full["trainable_params"] == full["params"] == 6_738_415_616
+    for lora_stage, full_stage in zip(report["stages"], full["stages"]):  # a frozen base: weights only
+        assert lora_stage["memory_bytes"] < 0.6 * full_stage["memory_bytes"]
+        assert lora_stage["flops"] < 0.75 * full_stage["flops"]  # no weight gradients for the base
+    text = dstk("llama-2-7b", "--pp", "4", "--lora", "16")
+    assert text.returncode == 0 and "LoRA r=16 on every block linear: 40.0M trainable parameters" in text.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_bad_lora_rank_is_one_line(value):
+    result = dstk("gpt2", "--pp", "2", "--lora", value)
+    assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: --lora must be a positive integer (the LoRA rank r), got {value}"

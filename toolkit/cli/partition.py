@@ -4,6 +4,7 @@
     dstk partition llama-3-8b --pp 8 --seq-len 4096 --mbs 1 --json
     dstk partition path/to/hf_model --pp 4 --method profile     # times each layer here (torch)
     dstk partition gpt2 --pp 4 --config ds.json                 # record the split for training
+    dstk partition llama-2-7b --pp 4 --lora 16                  # LoRA rank 16: the base frozen
 
 Built-in names and local directories are read without importing torch (except --method profile).
 """
@@ -32,15 +33,22 @@ from toolkit.plan.partition import METHODS
               help="sdpa/flash keeps no (seq x seq) attention matrix for backward; eager does.")
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repetitions per layer for --method profile.")
+@click.option("--lora", type=int, metavar="R",
+              help="LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights "
+                   "only in the memory estimate; no weight gradients in the compute; --method profile still "
+                   "times full fine-tuning).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Record the split in FILE's pipeline section (stages, partition_method, parts) for every rank.")
-def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_json, config_path):
+def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora, as_json, config_path):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, or a local HF directory) into P
     pipeline stages; compare with DeepSpeed's `parameters` and `uniform` splits."""
     from toolkit.plan.arch import load_arch
+    from toolkit.plan.lora import check_lora_rank
     from toolkit.plan.partition_report import format_report, partition_report
 
+    if lora is not None:
+        check_lora_rank(lora)
     arch = load_arch(model)
     seq_len = seq_len or min(1024, arch.max_positions)
     times = None
@@ -53,7 +61,7 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, as_js
         check_shape(arch, seq_len, mbs)
         times = profile_model(model, seq_len, mbs, reps=reps)
     report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
-                              attention=attention)
+                              attention=attention, lora=lora)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
     if config_path:
         from toolkit.config.generate import record_partition

@@ -33,6 +33,7 @@ def _size(ctx, param, value):
 @click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True, help="sdpa/flash keeps no (seq x seq) attention matrix; eager does.")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
 @click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
+@click.option("--lora", type=int, metavar="R", help="Plan LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights only: no gradients or optimizer states).")
 @click.option("--top", type=int, default=3, show_default=True, help="How many layouts to show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--emit-config", type=click.Path(dir_okay=False), metavar="FILE", help="Write the best layout as a DeepSpeed config.")
@@ -45,6 +46,7 @@ def plan(as_json, emit_config, force, **kwargs):
     \b
     dstk plan --model llama-3.2-1b --gpu a100-80gb --gpus-per-node 8 --gbs 256
     dstk plan --model gpt2 --gpu-mem 24GiB --gpus-per-node 2 --gbs 32 --seq-len 1024 --json
+    dstk plan --model llama-2-7b --gpu l4 --gpus-per-node 2 --gbs 16 --seq-len 1024 --lora 16
     """
     from toolkit.plan.planner import PlanRequest, make_plan
     from toolkit.plan.report import layout_config, render_text

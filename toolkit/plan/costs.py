@@ -20,10 +20,16 @@ FLOPs (a multiply-add counts 2), per micro-batch, forward:
                     + 5*N*V                                  log-softmax + NLL (rough)
   backward          2 x forward (gradient of the input and of the weights), except the embedding,
                     whose backward is a scatter-add of N*h gradients.
+  LoRA (lora=r)     each adapted linear a -> b adds 2*N*r*(a + b) forward, 2 x that backward; a frozen
+                    weight's matmul skips its weight gradient (backward 1 x its forward: the input
+                    gradient only), and the frozen embedding has no backward at all. Attention's
+                    QK^T and P@V and the elementwise terms keep 2 x forward (their inputs need gradients).
 Elementwise terms are rough and small next to the matmuls; on CPUs they cost more time than
 their FLOPs suggest (memory bound): the `profile` partition method measures instead.
 
-Memory, bytes (see toolkit.plan.precision): model states = params * (param + grad + optimizer bytes); activations
+Memory, bytes (see toolkit.plan.precision): model states = params * param bytes + trainable * (grad + optimizer
+bytes); trainable = params, or with LoRA the adapters alone (frozen weights are held, nothing else).
+LoRA leaves activations as they are: the frozen base still backpropagates through them. Activations
 held per micro-batch between its forward and backward (no activation checkpointing), with
 e = bytes per activation element:
   embed   8*N (token ids) (+ 2*e*N*h BERT's LayerNorm)
@@ -49,6 +55,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import Arch, layer_params
+from toolkit.plan.lora import block_linears, lora_params
 from toolkit.plan.precision import PRECISIONS, weight_bytes
 
 
@@ -59,12 +66,13 @@ class LayerCost:
     name: str  # "embed", "block.0", ..., "norm", "head"
     kind: str  # "embed" | "block" | "norm" | "head" (models' spec.kinds)
     typename: str  # class name that DeepSpeed's partition_method "type:REGEX" matches
-    params: int  # parameters the stage holding this layer stores (a tied head counts its copy)
+    params: int  # parameters the stage holding this layer stores (a tied head counts its copy; LoRA adapters too)
     tied_params: int  # how many of `params` are a copy of another layer's (tied embedding)
     fwd_flops: float  # forward FLOPs per micro-batch
     flops: float  # forward + backward FLOPs per micro-batch
-    state_bytes: int  # parameters + gradients + optimizer states (no ZeRO sharding)
+    state_bytes: int  # parameters + gradients + optimizer states of the trainable ones (no ZeRO sharding)
     act_bytes: int  # activations held per micro-batch in flight, until its backward
+    trainable: int  # of `params`, those with gradients and optimizer states: all, or LoRA's adapters
 
     def memory(self, in_flight: int = 1) -> int:
         """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
@@ -73,12 +81,35 @@ class LayerCost:
 
 def _block_flops(arch: Arch, b: int, t: int) -> float:
     n, h, i = b * t, arch.hidden, arch.intermediate
-    qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    proj = 2 * n * h * (qd + 2 * kd) + 2 * n * qd * h
-    attn = 4 * b * t * t * qd
-    mlp = (3 if arch.gated_mlp else 2) * 2 * n * h * i
+    attn = 4 * b * t * t * arch.heads * arch.head_dim
     elementwise = 10 * n * h + 5 * b * arch.heads * t * t + 4 * n * i
-    return proj + attn + mlp + elementwise
+    return _weight_flops(arch, "block", b, t) + attn + elementwise  # projections and MLP + the rest
+
+
+def _weight_flops(arch: Arch, kind: str, b: int, t: int) -> float:
+    """Forward FLOPs of the matmuls against weight matrices (a frozen one skips their weight gradient)."""
+    n, h = b * t, arch.hidden
+    if kind == "block":
+        qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+        return 2 * n * h * (qd + 2 * kd) + 2 * n * qd * h + (3 if arch.gated_mlp else 2) * 2 * n * h * arch.intermediate
+    if kind == "head":
+        return 2 * n * h * arch.vocab + arch.is_encoder * 2 * n * h * h
+    return 0.0
+
+
+def _lora_flops(arch: Arch, kind: str, b: int, t: int, lora: int | None) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs of one layer under LoRA of rank `lora` (module docstring)."""
+    fwd = _fwd_flops(arch, kind, b, t)
+    if kind == "embed":
+        return fwd, fwd  # frozen lookup, integer inputs: nothing to backpropagate
+    if kind == "block":
+        linears = block_linears(arch)
+    elif kind == "head" and arch.is_encoder:
+        linears = [(arch.hidden, arch.hidden)]  # BERT's MLM transform, adapted too (toolkit.plan.lora)
+    else:
+        linears = []
+    adapters = sum(2 * b * t * lora * (i + o) for i, o in linears)
+    return fwd + adapters, 3 * fwd - _weight_flops(arch, kind, b, t) + 3 * adapters
 
 
 def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
@@ -128,23 +159,30 @@ def _typename(arch: Arch, kind: str) -> str:
 
 
 def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
-                attention: str = "sdpa") -> list[LayerCost]:
+                attention: str = "sdpa", lora: int | None = None) -> list[LayerCost]:
     """One LayerCost per pipeline layer, for micro-batches of `mbs` sequences of `seq_len` tokens.
     attention: "sdpa" (HF's default; flash / memory-efficient kernels) keeps no (B, a, T, T)
-    probabilities for backward, "eager" does."""
+    probabilities for backward, "eager" does. lora: the rank r of LoRA adapters on every block linear
+    (toolkit.plan.lora), the base frozen; None trains every parameter."""
     check_shape(arch, seq_len, mbs)
     if attention not in ("eager", "sdpa"):
         raise ConfigError(f"attention {attention!r} is not 'eager' or 'sdpa'")
     weight_bytes(precision)  # refuses an unknown precision
     p = PRECISIONS[precision]
+    adapters = lora_params(arch, lora) if lora is not None else None
     costs = []
-    for name, params, tied in layer_params(arch):
+    for i, (name, params, tied) in enumerate(layer_params(arch)):
         kind = name.split(".")[0]
-        fwd = _fwd_flops(arch, kind, mbs, seq_len)
-        total = fwd + 2 * mbs * seq_len * arch.hidden if kind == "embed" else 3 * fwd
-        states = params * (p.param + p.grad + p.optim)
+        if adapters is None:
+            fwd = _fwd_flops(arch, kind, mbs, seq_len)
+            total = fwd + 2 * mbs * seq_len * arch.hidden if kind == "embed" else 3 * fwd
+            trainable = params
+        else:
+            fwd, total = _lora_flops(arch, kind, mbs, seq_len, lora)
+            params, trainable = params + adapters[i], adapters[i]
+        states = params * p.param + trainable * (p.grad + p.optim)
         acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention)
-        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts))
+        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable))
     return costs
 
 

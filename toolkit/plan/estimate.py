@@ -8,14 +8,19 @@ for pp = 1 where ZeRO-2/3 can overlap):
   pipeline    (gas + pp - 1) * t_slowest, t_slowest = slowest stage's FLOPs per micro-batch /
               (peak TFLOPs * mfu) + its activation send/receive; with activation checkpointing
               the forward runs twice. gas + pp - 1 slots of which pp - 1 are the bubble.
-  dp comm     ring algorithms, bytes each rank sends for its stage's gradients G = params * w:
-              ZeRO-0/1 one all-reduce per step 2(dp-1)/dp * G (ZeRO-1: reduce-scatter + all-gather);
-              ZeRO-2 a reduce-scatter per micro-batch (DeepSpeed reduces at every backward) + one
-              parameter all-gather; ZeRO-3 per micro-batch 2 all-gathers (forward, backward) + 1
-              reduce-scatter, each (dp-1)/dp * G.
+  dp comm     ring algorithms, bytes each rank sends for its stage's gradients G = trainable params * w
+              and parameters P = params * w: ZeRO-0/1 one all-reduce per step 2(dp-1)/dp * G (ZeRO-1:
+              reduce-scatter + all-gather of the updated parameters); ZeRO-2 a reduce-scatter per
+              micro-batch (DeepSpeed reduces at every backward) + one all-gather of the updated parameters;
+              ZeRO-3 per micro-batch 2 all-gathers of P (forward, backward) + 1 reduce-scatter of G;
+              each collective (dp-1)/dp of its bytes.
   pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
   offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
               ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
+LoRA (a frozen base, Model.trainable = the adapters per layer): the stage's model states hold gradients and
+optimizer states for the adapters only (toolkit.plan.memory), G and the optimizer's traffic shrink to the
+adapters', and compute is costs.py's: a frozen matmul's backward computes the input gradient only, about 1 x
+its forward instead of 2 x (a simple FLOP count; kernels' efficiency is not modelled).
 Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`, else `network`.
 """
 
@@ -98,6 +103,8 @@ class Model:
     act: list  # activation bytes held per micro-batch of one sequence
     boundary: int  # bytes of one (1, seq, h) hidden state sent between stages
     tokens: int  # seq_len
+    trainable: list | None = None  # parameters per layer with gradients and optimizer states (LoRA's
+    # adapters); None: every parameter trains
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,13 @@ def stage_params(model: Model, parts: list, s: int) -> int:
     return total
 
 
+def stage_trainable(model: Model, parts: list, s: int) -> int:
+    """Parameters of stage s that train: all it stores, or with LoRA its adapters (never tied copies)."""
+    if model.trainable is None:
+        return stage_params(model, parts, s)
+    return sum(model.trainable[parts[s]:parts[s + 1]])
+
+
 def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
     per_layer = [a * lay.mbs for a in model.act]
     ckpt = [model.boundary * lay.mbs] * len(per_layer) if lay.checkpointing else None
@@ -128,7 +142,8 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
     for s in range(lay.pp):
         states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
                                    lay.offload, pipeline=lay.pp > 1,
-                                   overlap_comm=lay.zero == 2)  # generate-config turns it on for ZeRO >= 2
+                                   overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
+                                   trainable=stage_trainable(model, parts, s))
         totals.append((states.peak + acts[s], s, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
     w = weight_bytes(precision)
@@ -153,30 +168,36 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     pp_bw = hw.network if _crosses(lay.dp, lay.pp, hw.gpus_per_node, step=lay.dp) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / (pp_bw * 1e9) if lay.pp > 1 else 0.0
     heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
-    est.dp_comm_bytes = int(_dp_volume(lay, heaviest * w))
+    trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
+    est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
     dp_bw = hw.network if _crosses(lay.dp, lay.pp, hw.gpus_per_node, step=1) else hw.nvlink
     est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
-                 "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9), "offload": _offload_time(lay, heaviest, w, hw)}
+                 "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
+                 "offload": _offload_time(lay, trained, heaviest, w, hw)}
 
 
-def _dp_volume(lay: Layout, grad_bytes: int) -> float:
+def _dp_volume(lay: Layout, grad_bytes: int, param_bytes: int) -> float:
+    """Bytes a rank sends per step: gradients (and updated parameters) of what trains; ZeRO-3 also
+    gathers every parameter, frozen ones included, twice per micro-batch."""
     if lay.dp == 1:
         return 0.0
-    ring = (lay.dp - 1) / lay.dp * grad_bytes  # one reduce-scatter or all-gather
+    share = (lay.dp - 1) / lay.dp  # of the bytes, in one reduce-scatter or all-gather
     if lay.zero <= 1:
-        return 2 * ring
+        return 2 * share * grad_bytes
     if lay.zero == 2:
-        return lay.gas * ring + ring
-    return 3 * lay.gas * ring
+        return (lay.gas + 1) * share * grad_bytes
+    return lay.gas * share * (2 * param_bytes + grad_bytes)
 
 
-def _offload_time(lay: Layout, params: int, w: int, hw: Hardware) -> float:
+def _offload_time(lay: Layout, trainable: int, params: int, w: int, hw: Hardware) -> float:
+    """Seconds of offload traffic and CPU Adam: the trainable partition's gradients down and updated
+    parameters up; offload "all" also fetches every parameter forward and backward per micro-batch."""
     if lay.offload == "none":
         return 0.0
-    part = params / lay.dp
+    part = trainable / lay.dp
     seconds = 2 * part * w / (hw.pcie * 1e9) + part / CPU_ADAM
     if lay.offload == "all":
-        seconds += 2 * lay.gas * part * w / (hw.pcie * 1e9)
+        seconds += 2 * lay.gas * params / lay.dp * w / (hw.pcie * 1e9)
     return seconds
 
 

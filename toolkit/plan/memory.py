@@ -3,16 +3,26 @@ states) under ZeRO 0-3, and activations kept by DeepSpeed's 1F1B pipeline schedu
 
     states = model_state_bytes(num_params=1_235_814_400, dp=8, zero=1, precision="bf16")
     states.peak          # bytes on the GPU at the worst moment of a step
+    model_state_bytes(num_params=1_247_086_592, dp=8, zero=1, trainable=11_272_192)   # LoRA r=16
     in_flight(pp=4, micro_batches=16, stage=0)   # 4 micro-batches of activations alive on stage 0
 
 The counts follow what DeepSpeed 0.19 allocates (read in runtime/engine.py `_do_optimizer_sanity_check`,
 runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py) and, for fp32, what
 tests/distributed/test_memory_accuracy.py measures on real engines. A step has two moments:
   backward: parameters, the gradients being accumulated, master weights, optimizer states, and the
-            reduction bucket (ZeRO >= 1: `reduce_bucket_size` elements of the gradient dtype);
+            reduction bucket (ZeRO >= 1: `reduce_bucket_size` elements of the gradient dtype); for ZeRO-1
+            the boundary backward, where the gradient partition is filled beside the full gradients;
   step:     parameters, the fp32 gradient partition the optimizer reads, master weights, states.
 `peak` is the larger one. Master weights: ZeRO >= 1 always keeps its own fp32 copy of the rank's
 partition (a clone even when the model is fp32).
+
+A frozen base (LoRA: `trainable` = the adapters): DeepSpeed's ZeRO-1/2 and BF16 optimizers flatten only
+parameters with requires_grad, and only those get gradients; so gradients, fp32 masters and optimizer
+states exist for the trainable parameters alone, partitioned over dp as above, while frozen weights cost
+their weight bytes on every dp rank (ZeRO-3 partitions them too). The reduction bucket keeps its full
+`reduce_bucket_size`, however few parameters train. DeepSpeed's own estimators count every parameter as
+trainable, so they overstate LoRA several times over (bf16 with Adam: about 16 bytes per frozen parameter
+instead of 2).
 
 Activations: bytes per layer per micro-batch (N = mbs*seq tokens) come from toolkit.plan.costs, which
 counts the tensors HF's modules save for backward (norm inputs, q/k/v, attention output, MLP
@@ -51,15 +61,18 @@ class ModelStates:
 
 def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf16", optimizer: str = "adam",
                       offload: str = "none", pipeline: bool = False,
-                      reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET, overlap_comm: bool = False) -> ModelStates:
+                      reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET, overlap_comm: bool = False,
+                      trainable: int | None = None) -> ModelStates:
     """Model-state bytes of one rank holding `num_params` parameters (its pipeline stage), in a
     data-parallel group of `dp`. `pipeline` selects DeepSpeed's pipeline-engine optimizer choices.
     `overlap_comm` (ZeRO 1/2): DeepSpeed double-buffers the reduction bucket (stage_1_and_2.py
-    setup_buckets), so two buckets are held during backward."""
+    setup_buckets), so two buckets are held during backward. `trainable`: how many of the `num_params`
+    get gradients and optimizer states (None: all); the others are frozen, weights only."""
     _check_states(num_params, dp, zero, precision, optimizer, offload)
+    n = _check_trainable(trainable, num_params)  # the parameters that train; the others are frozen
     w = weight_bytes(precision)
     k = optimizer_bytes(optimizer)
-    n, shard = num_params, dp if zero >= 1 else 1
+    shard = dp if zero >= 1 else 1
     if zero == 0:
         master_n, opt_n, grad_bw, grad_step = _zero0_layout(n, dp, w, pipeline)
     else:
@@ -67,12 +80,17 @@ def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf1
         # ZeRO-1 accumulates full gradients in param.grad until the boundary; ZeRO >= 2 reduces
         # each bucket into the rank's partition during backward.
         grad_bw = (n if zero == 1 else _ceil(n, dp)) * w
+        if zero == 1 and offload == "none":
+            # At the boundary ZeRO-1 allocates the partition it copies reduced gradients into
+            # (grads_in_partition) while the accumulated full gradients are still held; a pipeline
+            # engine always reduces after the last micro-batch's backward.
+            grad_bw += _ceil(n, dp) * w
         # At the step the optimizer reads an fp32 partition; ZeRO-3 keeps its bit16 partition buffer
         # beside it, ZeRO-1/2 free it (for fp32 it is the same tensor).
         grad_step = _ceil(n, dp) * FP32 + (_ceil(n, dp) * w if zero == 3 or w != FP32 else 0)
-    params = (_ceil(n, dp) if zero == 3 else n) * w
+    params = (_ceil(num_params, dp) if zero == 3 else num_params) * w  # frozen weights included
     master, opt = master_n * FP32, opt_n * k
-    bucket = int(reduce_bucket_size) * w if zero >= 1 else 0
+    bucket = int(reduce_bucket_size) * w if zero >= 1 and n else 0
     if overlap_comm and zero in (1, 2):
         bucket *= 2
     # The moments differ only in gradients and buffers: keep the larger one.
@@ -81,7 +99,7 @@ def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf1
     cpu = 0
     if offload != "none":  # master, states and the fp32 gradient partition live in host memory
         cpu = master + opt + _ceil(n, dp) * FP32
-        master, opt, grads = 0, 0, grad_bw
+        master, opt, grads = 0, 0, grad_bw  # (ZeRO-1 offload copies reduced gradients to host buffers)
     if offload == "all":
         cpu, params = cpu + params, 0
     return ModelStates(params, grads, master, opt, buffers, cpu)
@@ -123,6 +141,15 @@ def activation_bytes(per_layer: list[int], pp_layers: list[int], pp: int, micro_
             kept = sum(checkpoint_bytes[i] for i in layers) * in_flight(pp, micro_batches, s)
             out.append(kept + max((per_layer[i] for i in layers), default=0))
     return out
+
+
+def _check_trainable(trainable, num_params: int) -> int:
+    """The trainable count: `num_params` when None, else an integer in [0, num_params]."""
+    if trainable is None:
+        return num_params
+    if isinstance(trainable, bool) or not isinstance(trainable, int) or not 0 <= trainable <= num_params:
+        raise ConfigError(f"trainable must be an integer in [0, num_params({num_params})], got {trainable!r}")
+    return trainable
 
 
 def _check_states(num_params, dp, zero, precision, optimizer, offload) -> None:

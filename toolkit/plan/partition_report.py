@@ -2,11 +2,16 @@
 
     report = partition_report(load_arch("gpt2"), pp=4, seq_len=512)
     print(format_report(report))      # or json.dumps(report.to_dict())
+    partition_report(load_arch("gpt2"), pp=4, seq_len=512, lora=8)   # LoRA r=8: a frozen base
+
+With LoRA the stages' memory counts frozen weights at their weight bytes and only the adapters' gradients
+and optimizer states, and the `compute` split balances LoRA's cheaper backward (toolkit.plan.costs).
 """
 
 from dataclasses import asdict, dataclass, field
 
 from toolkit.plan.arch import Arch
+from toolkit.plan.lora import param_counts
 from toolkit.plan.costs import layer_costs
 from toolkit.plan.partition import check_stages, partition_layers, stage_sums
 
@@ -23,6 +28,7 @@ class Stage:
     params: int
     flops: float  # forward + backward FLOPs per micro-batch
     memory_bytes: int  # model states + activations of the micro-batches 1F1B keeps in flight
+    trainable: int  # of `params`, those with gradients and optimizer states (LoRA: the adapters)
 
 
 @dataclass
@@ -45,6 +51,8 @@ class PartitionReport:
     precision: str
     method: str
     balanced_by: str  # "compute (FLOPs)", "memory" or "measured time"
+    lora_r: int | None = None  # LoRA rank: adapters on every block linear train, the base is frozen
+    trainable_params: int = 0  # unique parameters that train: all, or the adapters
     stages: list = field(default_factory=list)
     splits: list = field(default_factory=list)  # dstk's first, then DeepSpeed's
 
@@ -53,20 +61,23 @@ class PartitionReport:
 
 
 def partition_report(arch: Arch, pp: int, seq_len: int, mbs: int = 1, method: str = "compute",
-                     precision: str = "bf16", times=None, attention: str = "sdpa") -> PartitionReport:
-    """Split `arch` into pp stages with `method` and compare with DeepSpeed's splits."""
-    costs = layer_costs(arch, seq_len, mbs, precision, attention)
+                     precision: str = "bf16", times=None, attention: str = "sdpa",
+                     lora: int | None = None) -> PartitionReport:
+    """Split `arch` into pp stages with `method` and compare with DeepSpeed's splits. `lora`: the rank of
+    LoRA adapters on every block linear, the base frozen (None: full fine-tuning)."""
+    costs = layer_costs(arch, seq_len, mbs, precision, attention, lora=lora)
     check_stages(len(costs), pp)
     memory = _stage_memory(costs, pp)
     per_stage, balanced_by = _balanced_quantity(costs, method, times, memory)
     parts = partition_layers(costs, pp, method, times=times)
-    report = PartitionReport(arch.name, arch.num_params(), len(costs), pp, seq_len, mbs, precision, method,
-                             balanced_by)
+    params, trainable = param_counts(arch, lora)
+    report = PartitionReport(arch.name, params, len(costs), pp, seq_len, mbs, precision, method, balanced_by,
+                             lora, trainable)
     for s in range(pp):
         chunk = costs[parts[s]:parts[s + 1]]
         report.stages.append(Stage(s, chunk[0].name, chunk[-1].name, len(chunk),
                                    sum(c.kind == "block" for c in chunk), sum(c.params for c in chunk),
-                                   sum(c.flops for c in chunk), memory(s, chunk)))
+                                   sum(c.flops for c in chunk), memory(s, chunk), sum(c.trainable for c in chunk)))
     for name in [method] + [m for m in COMPARED if m != method]:
         p = parts if name == method else partition_layers(costs, pp, name)
         blocks = stage_sums([c.kind == "block" for c in costs], p)
@@ -96,6 +107,8 @@ def format_report(r: PartitionReport) -> str:
     """Human-readable table of the report."""
     lines = [f"{r.model}: {_si(r.params)} parameters, {r.num_layers} pipeline layers, seq {r.seq_len} x mbs "
              f"{r.mbs}, {r.precision}, pp {r.pp}; method {r.method!r}",
+             *([f"LoRA r={r.lora_r} on every block linear: {_si(r.trainable_params)} trainable parameters "
+                f"({r.trainable_params / r.params:.2%}); the base is frozen"] if r.lora_r else []),
              f"{'stage':>5}  {'layers':<22}{'blocks':>6}  {'params':>8}  {'fwd+bwd':>10}  {'share':>6}  "
              f"{'memory':>9}"]
     total = sum(s.flops for s in r.stages) or 1.0
@@ -103,9 +116,10 @@ def format_report(r: PartitionReport) -> str:
         span = s.first if s.layers == 1 else f"{s.first} .. {s.last}"
         lines.append(f"{s.stage:>5}  {span:<22}{s.blocks:>6}  {_si(s.params):>8}  {_si(s.flops) + 'FLOP':>10}  "
                      f"{100 * s.flops / total:>5.1f}%  {_gib(s.memory_bytes):>9}")
-    lines += ["", f"slowest/mean stage by {r.balanced_by}; memory = parameter, gradient and optimizer "
-                  f"states + activations of pp - s micro-batches in flight (1F1B)",
-              ]
+    states = ("frozen weights + the adapters' weights, gradients and optimizer states" if r.lora_r else
+              "parameter, gradient and optimizer states")
+    lines += ["", f"slowest/mean stage by {r.balanced_by}; memory = {states} + activations of pp - s micro-batches "
+                  f"in flight (1F1B)"]
     rows = [(f"dstk {sp.method}" if i == 0 and sp.method not in COMPARED else f"deepspeed {sp.method}",
              str(sp.parts), str(sp.blocks), f"{sp.imbalance:.3f}", _gib(sp.peak_memory_bytes))
             for i, sp in enumerate(r.splits)]

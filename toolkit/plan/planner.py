@@ -11,12 +11,18 @@ layers come from toolkit.plan.partition's exact split (least slowest stage); the
 memory is reported. Estimates: toolkit.plan.memory (bytes) and toolkit.plan.estimate (seconds).
 Activations come from toolkit.plan.costs: attention="sdpa" (flash / memory-efficient kernels) stores no
 (seq x seq) attention probabilities, "eager" does.
+
+LoRA (`lora` = r): adapters of rank r on every block linear, the base frozen. Frozen weights cost their
+weight bytes only; the adapters carry gradients, fp32 masters and optimizer states, partitioned by ZeRO
+as in full fine-tuning; activations are unchanged; the backward skips the frozen weights' gradients
+(toolkit.plan.costs). DeepSpeed's own estimators count every parameter as trainable.
 """
 
 import math
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
+from toolkit.plan.lora import check_lora_rank, param_counts
 from toolkit.plan.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overrides
 from toolkit.plan.estimate import Estimate, Hardware, Layout, Model, estimate
 
@@ -45,6 +51,7 @@ class PlanRequest:
     offload: bool = True  # consider offload layouts
     checkpointing: bool = True  # consider activation checkpointing
     top: int = 3
+    lora: int | None = None  # LoRA rank r: adapters on every block linear train, the base is frozen
 
 
 @dataclass
@@ -56,6 +63,8 @@ class PlanResult:
     fitting: list  # Estimates that fit, fastest first (then least memory)
     closest: Estimate | None  # the least memory of all, when none fits
     reasons: list  # one line per shown layout: why it ranks where it does
+    params: int = 0  # the model's unique parameters (with LoRA: base + adapters)
+    trainable: int = 0  # of which train: all, or LoRA's adapters
 
     @property
     def best(self) -> list:
@@ -73,7 +82,8 @@ class PlanResult:
         r = self.request
         return {"model": r.model, "world_size": r.gpus_per_node * r.nodes, "gpu": self.gpu.name,
                 "gpu_memory_bytes": self.gpu.memory, "seq_len": self.seq_len, "gbs": r.gbs,
-                "precision": r.precision, "layouts_considered": self.considered, "layouts_fitting": len(self.fitting),
+                "precision": r.precision, "lora_r": r.lora, "params": self.params, "trainable_params": self.trainable,
+                "layouts_considered": self.considered, "layouts_fitting": len(self.fitting),
                 "best": [dict(e.to_dict(), reason=why) for e, why in zip(self.best, self.reasons)],
                 "closest": self.closest.to_dict() if self.closest else None}
 
@@ -81,12 +91,12 @@ class PlanResult:
 def make_plan(req: PlanRequest) -> PlanResult:
     """Estimate every layout, rank those that fit by step time (then memory)."""
     gpu, arch, seq, costs = _prepare(req)
-    model, hw = _model(costs, arch, seq, req.precision), _hardware(req, gpu)
+    model, hw = _model(costs, arch, seq, req), _hardware(req, gpu)
     estimates = [estimate(model, parts, lay, hw, req.precision, req.optimizer)
                  for parts, lay in _layouts(req, arch, costs)]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
     closest = None if fitting else min(estimates, key=lambda e: e.excess)
-    result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [])
+    result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [], *param_counts(arch, req.lora))
     best = result.best
     result.reasons = [_reason(e, best, i) for i, e in enumerate(best)]
     return result
@@ -98,8 +108,7 @@ def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
 
     gpu, arch, seq, costs = _prepare(req)
     parts = partition_layers(costs, layout.pp, "compute")
-    return estimate(_model(costs, arch, seq, req.precision), parts, layout, _hardware(req, gpu), req.precision,
-                    req.optimizer)
+    return estimate(_model(costs, arch, seq, req), parts, layout, _hardware(req, gpu), req.precision, req.optimizer)
 
 
 def _prepare(req: PlanRequest) -> tuple:
@@ -110,7 +119,7 @@ def _prepare(req: PlanRequest) -> tuple:
     _check_request(req)
     gpu, arch = _gpu(req), load_arch(req.model)
     seq = req.seq_len or min(2048, arch.max_positions)
-    return gpu, arch, seq, layer_costs(arch, seq, 1, req.precision, attention=req.attention)
+    return gpu, arch, seq, layer_costs(arch, seq, 1, req.precision, attention=req.attention, lora=req.lora)
 
 
 def _hardware(req: PlanRequest, gpu: Gpu) -> Hardware:
@@ -140,6 +149,8 @@ def _check_request(req: PlanRequest) -> None:
         raise ConfigError(f"--precision {req.precision!r}: use fp32, bf16 or fp16")
     if req.attention not in ATTENTION:
         raise ConfigError(f"--attention {req.attention!r}: use one of {', '.join(ATTENTION)}")
+    if req.lora is not None:
+        check_lora_rank(req.lora)
     if req.gpu is None and req.gpu_mem is None:
         raise ConfigError("give --gpu NAME (a preset, e.g. a100-80gb, h100-sxm) or --gpu-mem SIZE (e.g. 80GiB)")
 
@@ -154,12 +165,13 @@ def _gpu(req: PlanRequest) -> Gpu:
     return with_overrides(base, req.gpu_mem, req.tflops, req.intra_bw, req.inter_bw)
 
 
-def _model(costs, arch, seq: int, precision: str) -> Model:
+def _model(costs, arch, seq: int, req: PlanRequest) -> Model:
     from toolkit.plan.costs import boundary_bytes
 
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
-                 [c.fwd_flops for c in costs], [c.act_bytes for c in costs], boundary_bytes(arch, seq, 1, precision),
-                 seq)
+                 [c.fwd_flops for c in costs], [c.act_bytes for c in costs],
+                 boundary_bytes(arch, seq, 1, req.precision), seq,
+                 trainable=[c.trainable for c in costs] if req.lora else None)
 
 
 def _layouts(req: PlanRequest, arch, costs: list):

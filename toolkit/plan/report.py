@@ -14,6 +14,10 @@ def render_text(result: PlanResult) -> str:
     lines = [f"{r.model} on {r.nodes} x {r.gpus_per_node} {result.gpu.name} ({fb(result.gpu.memory)} each, "
              f"{fb(usable)} usable after a {r.reserve:.0%} reserve); seq {result.seq_len}, gbs {r.gbs}, {r.precision}",
              f"{result.considered} layouts considered, {len(result.fitting)} fit."]
+    if r.lora:
+        lines.insert(1, f"LoRA r={r.lora} on every block linear: {result.trainable:,} trainable of {result.params:,} "
+                        f"parameters ({result.trainable / result.params:.2%}); the frozen base holds weights only "
+                        f"(no gradients, master weights or optimizer states)")
     for i, (e, why) in enumerate(zip(result.best, result.reasons), 1):
         lines += [""] + _describe(e, f"#{i}") + [f"   why: {why}"]
     if not result.fitting:

@@ -1,0 +1,58 @@
+"""LoRA adapter counts of an architecture (no torch): which linear layers `dstk train --lora` adapts by
+default and how many parameters that adds, per pipeline layer.
+
+    lora_params(load_arch("llama-2-7b"), r=16)     # [0, 1249280, ..., 1249280, 0, 0]: per layer
+    param_counts(load_arch("llama-2-7b"), lora=16) # (6778392576, 39976960): base + adapters, adapters
+
+Each adapted linear W (in x out) gets lora_A (r x in) and lora_B (out x r): r*(in + out) parameters.
+The defaults are toolkit.train.lora's: every linear inside the blocks; tests/unit/test_plan_lora.py
+checks the counts against what peft creates through that path.
+"""
+
+from toolkit.errors import ConfigError
+from toolkit.plan.arch import Arch, layer_params
+
+# Model types whose q, k, v projections are one fused linear (GPT-2's c_attn, GPT-NeoX's query_key_value),
+# and whose gate and up projections are one (Phi-3's gate_up_proj): LoRA adapts the fused matrix once.
+FUSED_QKV_TYPES = {"gpt2", "gpt_bigcode", "gpt_neox", "phi3"}
+FUSED_GATE_UP_TYPES = {"phi3"}
+
+
+def check_lora_rank(r) -> None:
+    """Refuse a LoRA rank that is not a positive integer (the message names dstk's flag)."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"--lora must be a positive integer (the LoRA rank r), got {r!r}")
+
+
+def block_linears(arch: Arch) -> list[tuple[int, int]]:
+    """(in, out) features of each linear layer inside one block: the modules LoRA adapts by default
+    (toolkit.train.lora: every block linear). Fused projections are one linear each."""
+    h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    attn = [(h, qd + 2 * kd)] if arch.model_type in FUSED_QKV_TYPES else [(h, qd), (h, kd), (h, kd)]
+    if not arch.gated_mlp:
+        up = [(h, i)]
+    else:
+        up = [(h, 2 * i)] if arch.model_type in FUSED_GATE_UP_TYPES else [(h, i), (h, i)]
+    return attn + [(qd, h)] + up + [(i, h)]
+
+
+def lora_params(arch: Arch, r: int) -> list[int]:
+    """LoRA adapter parameters per pipeline layer (aligned with layer_params), rank r on the default
+    targets: each adapted linear W (in x out) gets lora_A (r x in) and lora_B (out x r), r*(in+out).
+    Every block linear is adapted; embeddings, norms and the LM head are not. BERT: peft matches the
+    target "dense" by name, so the MLM head's transform (h x h) is adapted too; it is counted on the
+    head (the layer that runs it). These are the only parameters that train; the base is frozen."""
+    check_lora_rank(r)
+    block = r * sum(a + b for a, b in block_linears(arch))
+    head = r * 2 * arch.hidden if arch.is_encoder else 0
+    return [block if name.startswith("block.") else head if name == "head" else 0
+            for name, _, _ in layer_params(arch)]
+
+
+def param_counts(arch: Arch, lora: int | None = None) -> tuple[int, int]:
+    """(unique parameters the model holds, of which train): full fine-tuning trains all of them; LoRA of
+    rank `lora` adds its adapters to the frozen base and trains only those."""
+    if lora is None:
+        return arch.num_params(), arch.num_params()
+    adapters = sum(lora_params(arch, lora))
+    return arch.num_params() + adapters, adapters
