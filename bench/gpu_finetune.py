@@ -15,6 +15,9 @@ toolkit.config.generate.build_config writes (`dstk generate-config --precision b
     pp1-zero3  1 GPU    pp 1, ZeRO 3, mbs 4 x gas 2
     pp2        2 GPUs   pp 2, ZeRO 1, mbs 2 x gas 4
     pp2-dp2    4 GPUs   pp 2 x dp 2, ZeRO 1, mbs 2 x gas 4
+    pp1-lora   1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --lora (r 16, every block linear)
+    pp2-lora   2 GPUs   pp 2, ZeRO 1, mbs 2 x gas 4, --lora
+    pp1-qlora  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --qlora (4-bit NF4 base: bitsandbytes; skipped without it)
 A case needing more GPUs than torch.cuda.device_count() (or --gpus N: the first N) is reported as
 skipped; one that fails is reported as failed, with the tail of its log.
 
@@ -29,6 +32,7 @@ over real figures). Checkpoints (the trainer saves one at the end, ~14 GB at 1B)
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -66,6 +70,7 @@ class Case:
     zero: int
     mbs: int
     gas: int
+    adapters: str = ""  # "", "lora" or "qlora": the dstk train flag
 
     @property
     def world(self) -> int:
@@ -77,7 +82,9 @@ class Case:
 
 
 CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-zero3", 1, 1, 3, 4, 2), Case("pp2", 2, 1, 1, 2, 4),
-         Case("pp2-dp2", 2, 2, 1, 2, 4)]
+         Case("pp2-dp2", 2, 2, 1, 2, 4), Case("pp1-lora", 1, 1, 1, 4, 2, "lora"), Case("pp2-lora", 2, 1, 1, 2, 4, "lora"),
+         Case("pp1-qlora", 1, 1, 1, 4, 2, "qlora")]
+LORA_R = 16
 
 
 def match_gpu(device_name: str) -> str | None:
@@ -122,7 +129,9 @@ def plan_cases(names: list[str], gpus: int, dry_run: bool) -> list[tuple[Case, s
     out = []
     for case in (c for c in CASES if c.name in names):
         why = None
-        if case.world > gpus:
+        if case.adapters == "qlora" and (dry_run or importlib.util.find_spec("bitsandbytes") is None):
+            why = "--qlora needs CUDA and bitsandbytes (pip install bitsandbytes)"
+        elif case.world > gpus:
             why = (f"needs {case.world} CPU processes; the dry run starts at most {gpus} (--gpus {case.world} "
                    f"includes it, about a minute on 2 cores)" if dry_run else
                    f"needs {case.world} GPUs, {gpus} available")
@@ -136,7 +145,7 @@ def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int:
     from toolkit.plan.planner import PlanRequest, estimate_layout
 
     req = PlanRequest(model=str(model_dir), gbs=case.gbs, gpus_per_node=case.world, gpu=preset, seq_len=seq,
-                      precision="bf16", attention="sdpa")
+                      precision="bf16", attention="sdpa", lora=LORA_R if case.adapters else None)
     return estimate_layout(req, Layout(pp=case.pp, dp=case.dp, zero=case.zero, mbs=case.mbs, gas=case.gas)).memory
 
 
@@ -156,7 +165,7 @@ def launch_command(case: Case, config: Path, data: Path, out: Path, opts) -> lis
     return ["bash", str(REPO / "launch.sh"), "--num-gpus", str(case.world), "--config", str(config), "--",
             "--model", opts.model, "--data", str(data), "--seq-len", str(opts.seq_len),
             "--steps", str(opts.warmup + opts.steps), "--attention", "sdpa", "--no-export", "--eval-fraction", "0",
-            "--out", str(out)]
+            "--out", str(out), *([f"--{case.adapters}", "--lora-r", str(LORA_R)] if case.adapters else [])]
 
 
 def child_env(dry_run: bool) -> dict:

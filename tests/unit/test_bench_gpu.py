@@ -59,18 +59,24 @@ def test_cases_that_need_more_gpus_are_skipped_with_the_reason():
     one = dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 1, dry_run=False))
     assert one["pp1-zero1"] is None and one["pp1-zero3"] is None
     assert one["pp2"] == "needs 2 GPUs, 1 available" and one["pp2-dp2"] == "needs 4 GPUs, 1 available"
-    assert all(why is None for _, why in gpu_finetune.plan_cases(NAMES, 4, dry_run=False))
+    four = {c.name: why for c, why in gpu_finetune.plan_cases(NAMES, 4, dry_run=False)}
+    assert all(why is None for name, why in four.items() if name != "pp1-qlora")
+    assert "bitsandbytes" in dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 4, True))["pp1-qlora"]
 
 
 def test_the_case_runs_the_trainer_through_launch_sh():
     opts = gpu_finetune.parse_args([])
-    case = gpu_finetune.CASES[-1]
+    case = next(c for c in gpu_finetune.CASES if c.name == "pp2-dp2")
     cmd = gpu_finetune.launch_command(case, Path("c.json"), Path("d.txt"), Path("out"), opts)
     assert cmd[:4] == ["bash", str(ROOT / "launch.sh"), "--num-gpus", "4"]
     args = " ".join(cmd[cmd.index("--") + 1:])
     assert "--model llama-3.2-1b" in args and "--seq-len 2048" in args and "--steps 33" in args
     for flag in ("--attention sdpa", "--no-export", "--eval-fraction 0", "--out out"):
         assert flag in args
+    assert "--lora" not in args
+    lora = next(c for c in gpu_finetune.CASES if c.name == "pp2-lora")
+    args = gpu_finetune.launch_command(lora, Path("c.json"), Path("d.txt"), Path("out"), opts)
+    assert args[-3:] == ["--lora", "--lora-r", "16"]
 
 
 def test_tokens_per_s_leaves_out_the_warmup_steps():
@@ -121,8 +127,8 @@ def test_gpu_finetune_skips_without_cuda(capsys):
 
 @pytest.mark.distributed
 def test_gpu_finetune_dry_run_on_cpu(tmp_path):
-    """Every case two CPU processes allow runs the trainer (tiny-llama, seq 64, 2 steps); pp2 x dp2 is
-    reported as skipped. About 80 s on 2 cores (three launches)."""
+    """Every case two CPU processes allow runs the trainer (tiny-llama, seq 64, 2 steps); pp2 x dp2 and
+    QLoRA (CUDA) are reported as skipped. About 2 minutes on 2 cores (five launches)."""
     import torch
 
     if torch.cuda.is_available():
@@ -136,7 +142,9 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     result = json.loads((tmp_path / "out" / "gpu.json").read_text())
     cases = {c["name"]: c for c in result["cases"]}
     assert list(cases) == NAMES
-    assert [c["status"] for c in cases.values()] == ["ok", "ok", "ok", "skipped"]
+    assert [c["status"] for c in cases.values()] == ["ok", "ok", "ok", "skipped", "ok", "ok", "skipped"]
+    lora = cases["pp2-lora"]["summary"]
+    assert all(0 < t < p / 10 for t, p in zip(lora["trainable_params_per_rank"], lora["params_per_rank"]))
     assert "needs 4 CPU processes" in cases["pp2-dp2"]["reason"]
     for case in (c for c in cases.values() if c["status"] == "ok"):
         per_rank = case["summary"]["params_per_rank"]  # the trainer's own summary, one entry per rank
