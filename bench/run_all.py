@@ -28,6 +28,8 @@ SCRIPTS = {
     "wrapper_overhead": ("wrapper_overhead.py", [], ["--full"]),
     "train": ("train_scaling.py", ["--steps", "10", "--warmup", "2"], ["--steps", "60", "--warmup", "5"]),
     "plan": ("plan_accuracy.py", [], []),
+    "lora": ("lora_vs_full.py", ["--repeats", "1", "--steps", "4", "--warmup", "1"],  # ~2 min on 2 cores
+             ["--repeats", "5", "--steps", "20", "--warmup", "4"]),
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
     "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only
 }

@@ -67,9 +67,10 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group and no model: the config (for `world_size` processes
     when known), the data file, the run folder. Every rank runs them first, so a mistake costs
     seconds, not a rendezvous; launch.sh runs them once before it starts any rank (`--check`)."""
-    from toolkit.train import data, hf, rundir
+    from toolkit.train import data, hf, lora, rundir
 
-    read_checked_config(args.config, world_size, args.pp)
+    cfg, pp = read_checked_config(args.config, world_size, args.pp)
+    lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0))
     hf.check_model(args.model)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
@@ -107,7 +108,6 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     _log_levels(args.verbose)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
-    lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0))
     if args.qlora:  # where the ranks run (check() could not know without a launcher's world size)
         lora.check_qlora_here(args.model)
     topo = Topology(dist.get_world_size(), pp)
