@@ -159,3 +159,30 @@ def test_dstk_export_writes_the_adapters_alone_or_beside_the_merge(ds_world1, tm
     refused = runner.invoke(cli, ["export", str(full), str(tmp_path / "nothing"), "--no-merge"])
     assert refused.exit_code != 0 and "--no-merge: " in str(refused.exception) and "not a LoRA run" in str(refused.exception)
     assert not (tmp_path / "nothing").exists()
+
+
+def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path):
+    """Under bf16 the checkpoint holds the frozen base rounded to bf16 (no fp32 masters for frozen
+    weights); the export takes the base from the run's --model directory, so OUT/hf is exactly
+    base + adapters, what PeftModel.from_pretrained(base, OUT/adapter) computes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.train.runner import TrainArgs, run
+
+    base_dir = tmp_path / "base"
+    _model().save_pretrained(base_dir)
+    hf.byte_tokenizer().save_pretrained(base_dir)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "bf16": {"enabled": True},
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    out = tmp_path / "run"
+    run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
+                  progress=False, eval_batches=1, lora=True, lora_r=4))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
+        want = peft.eval()(input_ids=ids).logits
+    assert (merged - want).abs().max() < 1e-5

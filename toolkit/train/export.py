@@ -264,10 +264,13 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
-    qlora = (layout.get("lora") or {}).get("qlora")
-    if qlora:  # the checkpoint's base is 4-bit: the adapters merge into the weights it was quantized from
-        state = {k: v for k, v in state.items() if is_adapter(k)}
-        model = _qlora_base(layout, cls, config)
+    lora = layout.get("lora") or {}
+    base = _lora_base(layout, cls, config, required=bool(lora.get("qlora"))) if lora else None
+    if base is not None and not lora.get("qlora") and not _same_base(state, base[0]):
+        base = None  # the directory changed since the run: the checkpoint's own copy of the base it trained on
+    if base is not None:  # the adapters merge into the exact weights the run started from
+        model, absent = base
+        state = {k: v for k, v in state.items() if is_adapter(k) or _base_name(k) in absent}
     else:
         model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
     if layout.get("lora"):
@@ -276,7 +279,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not _tied(model, k) and (not qlora or is_adapter(k))]
+    missing = [k for k in missing if not _tied(model, k) and (base is None or is_adapter(k))]
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
@@ -301,16 +304,45 @@ def _save_with_tokenizer(model, meta: Path, folder: Path) -> None:
     AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
 
 
-def _qlora_base(layout: dict, cls, config):
-    """The full-precision model a QLoRA run quantized (the run's --model directory), in fp32."""
+def _lora_base(layout: dict, cls, config, required: bool):
+    """(the run's --model directory loaded in fp32, the HF names it lacks) for a LoRA run, or None when
+    there is no such directory (a built-in model, or moved) and it is not `required`.
+
+    The base never trains, so the directory holds it exactly, while the checkpoint holds it at the
+    training precision (bf16 weights rounded; QLoRA: 4 bits). Weights the directory lacks (a head it
+    was saved without, initialised by the run) are taken from the checkpoint."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     path = layout.get("model")
     if not path or not Path(path).is_dir():
+        if not required:
+            return None
         raise UnusableInput(f"this QLoRA checkpoint holds its base in 4 bits only; export merges the adapters into "
                             f"the full-precision model it was trained from, {path!r}, which is not a directory here. "
                             "Make it available at that path (or export on the machine that has it)")
-    return cls.from_pretrained(path, config=config, dtype=torch.float32)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists the heads the directory lacks: expected here
+    try:
+        model, info = cls.from_pretrained(path, config=config, dtype=torch.float32, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(level)
+    return model, set(info["missing_keys"])
+
+
+def _same_base(state: dict, model, sample: int = 8) -> bool:
+    """Whether the directory's weights are the checkpoint's frozen ones, up to the training precision
+    (bf16 rounds by at most 2^-8 of a value), on a sample of tensors."""
+    import torch
+
+    mine = model.state_dict()
+    keys = [k for k in state if not is_adapter(k) and _base_name(k) in mine][:sample]
+    return all(torch.allclose(state[k].float(), mine[_base_name(k)].float(), rtol=2**-7, atol=1e-6) for k in keys)
+
+
+def _base_name(key: str) -> str:
+    """A PeftModel state-dict name -> the HF model's (no PEFT prefix, no `.base_layer`)."""
+    return key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def _with_adapters(model, settings: dict, task: str):
