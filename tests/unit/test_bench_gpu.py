@@ -144,7 +144,7 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     assert list(cases) == NAMES
     assert [c["status"] for c in cases.values()] == ["ok", "ok", "ok", "skipped", "ok", "ok", "skipped"]
     lora = cases["pp2-lora"]["summary"]
-    assert all(0 < t < p / 10 for t, p in zip(lora["trainable_params_per_rank"], lora["params_per_rank"]))
+    assert all(0 < t < p for t, p in zip(lora["trainable_params_per_rank"], lora["params_per_rank"]))  # a frozen base
     assert "needs 4 CPU processes" in cases["pp2-dp2"]["reason"]
     for case in (c for c in cases.values() if c["status"] == "ok"):
         per_rank = case["summary"]["params_per_rank"]  # the trainer's own summary, one entry per rank
