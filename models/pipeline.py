@@ -1,7 +1,7 @@
 """`build_pipeline_module`: a PipelineSpec -> deepspeed.pipe.PipelineModule, on exactly the
 stage boundaries dstk chose (`parts`) so every rank agrees, without building layers to count them.
 
-Two things DeepSpeed 0.19 gets wrong for these layer lists, put right on the module it builds:
+Three things DeepSpeed 0.19 gets wrong for these layer lists, put right on the module it builds:
 - Gradient clipping without ZeRO/bf16/fp16 (`clip_fp32_gradients` -> runtime/utils.clip_grad_norm_
   with mpu = the pipeline grid) counts a parameter only where `mpu.get_model_parallel_rank() == 0`
   or the parameter says `model_parallel`. On a PipeDataParallelTopology that rank is the STAGE
@@ -14,6 +14,10 @@ Two things DeepSpeed 0.19 gets wrong for these layer lists, put right on the mod
   every segment holding parameters, the embedding included, whose inputs are token ids; the
   reentrant checkpoint then returns a hidden state without a graph and the embedding gets no
   gradient. Only block and final-norm layers are checkpointed by default (`checkpointable_layers`).
+- A frozen tied weight (LoRA trains adapters on a frozen embedding): the pipeline engine reduces
+  every tied weight's gradient between its stages, and under bf16 reads `weight._hp_grad`, which
+  exists only for what BF16_Optimizer optimizes (AttributeError at the first step). Frozen tied
+  weights are left out of `get_tied_weights_and_groups`: they have no gradient to reduce.
 """
 
 from toolkit.errors import ConfigError
@@ -52,6 +56,11 @@ def _module_class():
             self.parts = list(self._dstk_parts)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def get_tied_weights_and_groups(self):
+            # A frozen tied weight (LoRA's embedding) has no gradient to reduce between its stages; under
+            # bf16 the engine reads its `_hp_grad`, which BF16_Optimizer gives only to what it optimizes.
+            return [(w, group) for w, group in super().get_tied_weights_and_groups() if w.requires_grad]
 
         def _count_layer_params(self):
             # DeepSpeed's version builds every LayerSpec (loading its weights) just to count them

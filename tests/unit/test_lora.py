@@ -186,3 +186,28 @@ def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path)
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
         want = peft.eval()(input_ids=ids).logits
     assert (merged - want).abs().max() < 1e-5
+
+
+def test_a_pipeline_stage_without_adapters_is_refused(ds_world1):
+    """tiny-gpt2 at pp 3 with parts [0, 1, 4, 5]: stage 0 is the frozen embedding alone."""
+    from toolkit.topology import Topology
+    from toolkit.train.pipe import pipeline_module
+
+    config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
+    model = lora.apply(hf.build_model("tiny-gpt2", config, "causal-lm", 0), lora.LoraSettings(r=2), "causal-lm")
+    cfg = {"pipeline": {"stages": 3, "parts": [0, 1, 4, 5]}}
+    topo = Topology(3, 3)
+    with pytest.raises(ConfigError, match=r"pipeline stage 0 holds layers 0-0 \(embed\) and no adapters"):
+        pipeline_module(model.base_model.model, "causal-lm", topo, cfg, config=config, lora=lora.LoraSettings(r=2))
+
+
+@pytest.mark.parametrize("flags, words", [(dict(merge=False, adapter_dir="ad"), "--adapter-dir with --no-merge"),
+                                          (dict(adapter_dir="OUT"), "is OUT_DIR")])
+def test_export_adapter_flags_that_cannot_both_hold_are_refused(tmp_path, flags, words):
+    from toolkit.train.export import _check_adapter_flags
+
+    flags = {k: (tmp_path / v if k == "adapter_dir" else v) for k, v in flags.items()}
+    with pytest.raises(ConfigError, match=words):
+        _check_adapter_flags(tmp_path, tmp_path / "OUT", flags.get("adapter_dir"), flags.get("merge", True), True)
+    with pytest.raises(ConfigError, match="--adapter-dir: .* is not a LoRA run"):
+        _check_adapter_flags(tmp_path, tmp_path / "OUT", tmp_path / "ad", True, False)

@@ -247,12 +247,10 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     ckpt_dir = find_checkpoint_dir(ckpt_dir)
     out_dir = Path(out_dir)
     _check_out(out_dir, overwrite)
+    meta = ckpt_dir / META
+    _check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(_read_layout(meta / "layout.json").get("lora")))
     if adapter_dir is not None:
         _check_out(Path(adapter_dir), overwrite)
-    meta = ckpt_dir / META
-    if not merge and not _read_layout(meta / "layout.json").get("lora"):
-        raise ConfigError(f"--no-merge: {ckpt_dir} is not a LoRA run (no adapters to write apart); export the full "
-                          "model without --no-merge")
     state, layout = load_state_dict(ckpt_dir, tag)
     try:
         config = AutoConfig.from_pretrained(meta)
@@ -265,7 +263,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
     lora = layout.get("lora") or {}
-    base = _lora_base(layout, cls, config, required=bool(lora.get("qlora"))) if lora else None
+    base = _lora_base(layout, cls, config, required=bool(lora.get("qlora"))) if lora and merge else None
     if base is not None and not lora.get("qlora") and not _same_base(state, base[0]):
         base = None  # the directory changed since the run: the checkpoint's own copy of the base it trained on
     if base is not None:  # the adapters merge into the exact weights the run started from
@@ -295,6 +293,21 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     _write_dir_atomically(out_dir, lambda folder: _save_with_tokenizer(model, meta, folder))
     return out_dir
+
+
+def _check_adapter_flags(ckpt_dir: Path, out_dir: Path, adapter_dir, merge: bool, is_lora: bool) -> None:
+    if not merge and not is_lora:
+        raise ConfigError(f"--no-merge: {ckpt_dir} is not a LoRA run (no adapters to write apart); export the full "
+                          "model without --no-merge")
+    if adapter_dir is None:
+        return
+    if not is_lora:
+        raise ConfigError(f"--adapter-dir: {ckpt_dir} is not a LoRA run (no adapters to write); drop --adapter-dir")
+    if not merge:
+        raise ConfigError("--adapter-dir with --no-merge: OUT_DIR already gets the adapters alone; drop one of them")
+    if Path(adapter_dir).absolute() == out_dir.absolute():
+        raise ConfigError(f"--adapter-dir {adapter_dir} is OUT_DIR: the merged model would replace the adapters; "
+                          "give another folder")
 
 
 def _save_with_tokenizer(model, meta: Path, folder: Path) -> None:
@@ -336,7 +349,8 @@ def _same_base(state: dict, model, sample: int = 8) -> bool:
     import torch
 
     mine = model.state_dict()
-    keys = [k for k in state if not is_adapter(k) and _base_name(k) in mine][:sample]
+    shared = [k for k in state if not is_adapter(k) and _base_name(k) in mine]
+    keys = shared[:: max(1, len(shared) // sample)]  # spread over the model: first, middle and last layers
     return all(torch.allclose(state[k].float(), mine[_base_name(k)].float(), rtol=2**-7, atol=1e-6) for k in keys)
 
 

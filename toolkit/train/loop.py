@@ -66,7 +66,10 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
     if resume_tag:
-        loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=resume_tag)
+        # QLoRA: bitsandbytes' 4-bit layers save quantization state they do not load back (the base is
+        # frozen and was just loaded from --model, so only the adapters need to come from the checkpoint)
+        qlora = bool(getattr(args, "qlora", False))
+        loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=resume_tag, load_module_strict=not qlora)
         if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
             raise UnusableInput(f"--resume: {ckpt_dir / resume_tag} could not be loaded (files missing on this rank "
                                 f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")

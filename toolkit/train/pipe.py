@@ -53,6 +53,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
     if lora is not None:
         layout["lora"] = {**lora.to_dict(), "targets": sorted(adapters.target_modules)}
+        _check_every_stage_trains(layout, spec)
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
     # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
@@ -65,6 +66,20 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
         for name, p in module.named_parameters():  # PEFT's rule: adapters (and a classifier's copy) train
             p.requires_grad_(is_adapter(name))
     return module, layout
+
+
+def _check_every_stage_trains(layout: dict, spec) -> None:
+    """With LoRA a stage of only frozen layers (the embedding alone, or the norm and head) has nothing
+    to train, and DeepSpeed cannot build an optimizer over no parameters: refused, on every rank alike."""
+    parts = layout["parts"]
+    for stage in range(len(parts) - 1):
+        layers = range(parts[stage], parts[stage + 1])
+        if not any(is_adapter(name) for i in layers for name in layout["hf_names"][i].values()):
+            kinds = ", ".join(spec.kinds[i] for i in layers)
+            raise ConfigError(f"--lora with parts {parts}: pipeline stage {stage} holds layers {layers.start}-"
+                              f"{layers.stop - 1} ({kinds}) and no adapters, so it has nothing to train; give every "
+                              "stage a block: fewer stages, partition_method \"compute\", or pipeline.parts "
+                              "(`dstk partition MODEL --pp N --lora R --config FILE`)")
 
 
 def _peft_config(config, task: str, lora):
