@@ -237,3 +237,21 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     with torch.no_grad():
         hf_loss = sum(float(model(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 2
     assert abs(hf_loss - summary(tmp_path / "run")["eval_loss"]) < 1e-5
+
+
+def test_dropout_draws_another_stream_on_each_data_parallel_replica(tmp_path):
+    """pp 2 x dp 2: the two stages of a replica draw alike, the two replicas differently (the same
+    dropout masks on every replica would make dp x the batch see one mask pattern)."""
+    cfg = ds_config(tmp_path / "ds.json", 2, 2, 2)
+    out = tmp_path / "draws.json"
+    launcher = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(launcher), "--num_gpus", "4", "--master_port", str(free_port()),
+           str(REPO / "tests" / "distributed" / "scripts" / "dropout_streams.py"), str(cfg), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    by_replica = {}
+    for stage, dp_rank, draw in json.loads(out.read_text()):
+        by_replica.setdefault(dp_rank, {})[stage] = draw
+    assert sorted(by_replica) == [0, 1] and all(sorted(v) == [0, 1] for v in by_replica.values())
+    assert all(v[0] == v[1] for v in by_replica.values())  # a replica's stages: one stream
+    assert by_replica[0][0] != by_replica[1][0]  # another per replica
