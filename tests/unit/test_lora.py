@@ -211,3 +211,32 @@ def test_export_adapter_flags_that_cannot_both_hold_are_refused(tmp_path, flags,
         _check_adapter_flags(tmp_path, tmp_path / "OUT", flags.get("adapter_dir"), flags.get("merge", True), True)
     with pytest.raises(ConfigError, match="--adapter-dir: .* is not a LoRA run"):
         _check_adapter_flags(tmp_path, tmp_path / "OUT", tmp_path / "ad", True, False)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_lora_run_saves_its_adapters_only_and_resumes_exactly(ds_world1, tmp_path, zero):
+    """From a directory the checkpoint leaves the frozen base out (it is re-read from --model): 2 + 2
+    resumed steps give the 4-step run's losses."""
+    from toolkit.train.runner import TrainArgs, run
+
+    base_dir = tmp_path / "base"
+    _model().save_pretrained(base_dir)
+    hf.byte_tokenizer().save_pretrained(base_dir)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "zero_optimization": {"stage": zero},
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+
+    def train(out, steps, resume=False):
+        run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=steps,
+                      progress=False, eval_batches=1, lora=True, lora_r=4, export=False, resume=resume))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "step" in r}
+
+    straight = train(tmp_path / "straight", 4)
+    train(tmp_path / "resumed", 2)
+    sizes = sum(f.stat().st_size for f in (tmp_path / "resumed" / "checkpoints" / "global_step2").iterdir())
+    resumed = train(tmp_path / "resumed", 4, resume=True)
+    assert all(abs(resumed[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in (3, 4)), (resumed, straight)
+    base_bytes = sum(p.numel() * 4 for p in _model().parameters())
+    assert sizes < base_bytes, (sizes, base_bytes)  # adapters and their Adam states, not another copy of the base

@@ -18,12 +18,14 @@ from toolkit.errors import ConfigError, UnusableInput
 META = "dstk"
 
 
-def save(engine, ckpt_dir: Path, step: int) -> str:
-    """Save every rank's part under tag global_step<step>, then point `latest` at it."""
+def save(engine, ckpt_dir: Path, step: int, frozen: bool = True) -> str:
+    """Save every rank's part under tag global_step<step>, then point `latest` at it. frozen=False
+    leaves frozen parameters out (a LoRA run's base: its --model directory holds it unchanged)."""
     import torch.distributed as dist
 
     tag = f"global_step{step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False,
+                           exclude_frozen_parameters=not frozen)
     dist.barrier()  # every rank's files are on disk before `latest` names the tag
     if dist.get_rank() == 0:
         write_latest(ckpt_dir, tag)

@@ -66,7 +66,8 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     tag = resolve_tag(ckpt_dir, tag)
     layout = _read_layout(ckpt_dir / META / "layout.json")
     if layout.get("pp", 1) > 1:
-        state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"]), **_pipeline_masters(ckpt_dir / tag, layout)}
+        state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
+                 **_pipeline_masters(ckpt_dir / tag, layout)}
     elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -153,18 +154,22 @@ def first_line(exc: Exception) -> str:
     return line.split(". ")[0].rstrip(".")
 
 
-def _pipeline_state(tag_dir: Path, hf_names: list) -> dict:
+def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True) -> dict:
     """layer_XX-model_states.pt (keys relative to the layer) -> HF names via the saved layout.
 
-    hf_names[i] is {key in layer i's state dict: HF parameter name}."""
+    hf_names[i] is {key in layer i's state dict: HF parameter name}. base_saved False (LoRA from a
+    directory): a layer without adapters has no file, and the others hold their adapters only."""
     state = {}
     for i, names in enumerate(hf_names):
         path = tag_dir / f"layer_{i:02d}-model_states.pt"
         if not names or (not path.exists() and set(names.values()) <= set(state)):
             continue  # DeepSpeed saves a tied module once, with its first layer
+        if not path.exists() and not base_saved and not any(is_adapter(hf) for hf in names.values()):
+            continue
         layer = _torch_load(path)
         for key, hf in names.items():
-            state[hf] = layer[key]
+            if key in layer:  # a LoRA run's layer files may hold its adapters only
+                state[hf] = layer[key]
     return state
 
 
@@ -263,7 +268,8 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
     lora = layout.get("lora") or {}
-    base = _lora_base(layout, cls, config, required=bool(lora.get("qlora"))) if lora and merge else None
+    required = bool(lora.get("qlora")) or layout.get("base_saved") is False  # the checkpoint has no usable base
+    base = _lora_base(layout, cls, config, required=required) if lora and (merge or required) else None
     if base is not None and not lora.get("qlora") and not _same_base(state, base[0]):
         base = None  # the directory changed since the run: the checkpoint's own copy of the base it trained on
     if base is not None:  # the adapters merge into the exact weights the run started from
@@ -331,9 +337,10 @@ def _lora_base(layout: dict, cls, config, required: bool):
     if not path or not Path(path).is_dir():
         if not required:
             return None
-        raise UnusableInput(f"this QLoRA checkpoint holds its base in 4 bits only; export merges the adapters into "
-                            f"the full-precision model it was trained from, {path!r}, which is not a directory here. "
-                            "Make it available at that path (or export on the machine that has it)")
+        held = "in 4 bits only (QLoRA)" if (layout.get("lora") or {}).get("qlora") else "not at all (adapters only)"
+        raise UnusableInput(f"this LoRA checkpoint holds its base {held}; export merges the adapters into the "
+                            f"model the run was trained from, {path!r}, which is not a directory here. Make it "
+                            "available at that path (or export on the machine that has it)")
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report lists the heads the directory lacks: expected here
     try:

@@ -31,6 +31,7 @@ class Job:
     dp: int
     dp_rank: int
     ckpt_dir: Path
+    save_frozen: bool = True  # False: a LoRA run from a directory saves adapters (and optimizer) only
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
@@ -63,19 +64,21 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
         names = {id(p): n for n, p in model.named_parameters()}  # before initialize replaces them (bf16)
         layout["param_groups"] = [[names[id(p)] for p in g["params"]] for g in groups]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
+    # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
+    layout["base_saved"] = save_frozen = not (args.lora or args.qlora) or not Path(args.model).is_dir()
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
     if resume_tag:
-        # QLoRA: bitsandbytes' 4-bit layers save quantization state they do not load back (the base is
-        # frozen and was just loaded from --model, so only the adapters need to come from the checkpoint)
-        qlora = bool(getattr(args, "qlora", False))
-        loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=resume_tag, load_module_strict=not qlora)
+        # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
+        # just read from --model, and only the adapters come from the checkpoint
+        loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=resume_tag, load_module_strict=save_frozen)
         if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
             raise UnusableInput(f"--resume: {ckpt_dir / resume_tag} could not be loaded (files missing on this rank "
                                 f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
     steps = args.steps or sampler.steps_per_epoch
     return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, batch.gbs * args.seq_len,
-               topo.dp, dp_rank, ckpt_dir)
+               topo.dp, dp_rank, ckpt_dir, save_frozen)
 
 
 def param_groups(model, cfg: dict) -> list:
@@ -198,7 +201,7 @@ def loop(args, job: Job, is_logger: bool) -> dict:
         if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
             record["eval_loss"] = eval_loss(job, args)
         if step == job.steps or (args.save_every and step % args.save_every == 0):
-            checkpoint.save(job.engine, job.ckpt_dir, step)
+            checkpoint.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen)
         losses.append(loss)
         if log:
             log.write(record)
