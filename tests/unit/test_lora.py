@@ -18,6 +18,17 @@ def _model(name="tiny-llama"):
     return hf.build_model(name, hf.load_config(name, tok, "causal-lm"), "causal-lm", 0)
 
 
+def _base_and_config(tmp_path, **ds) -> tuple:
+    """(a saved tiny-llama directory with the byte tokenizer, a DeepSpeed config file: mbs 2, AdamW lr 1e-2 + `ds`)."""
+    base_dir = tmp_path / "base"
+    _model().save_pretrained(base_dir)
+    hf.byte_tokenizer().save_pretrained(base_dir)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, **ds,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    return base_dir, cfg
+
+
 @pytest.mark.parametrize("name, expected", [
     ("tiny-llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     ("tiny-gpt2", ["c_attn", "c_proj", "c_fc"]),
@@ -101,12 +112,7 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     from toolkit.train.export import export
     from toolkit.train.runner import TrainArgs, run
 
-    base_dir = tmp_path / "base"
-    _model().save_pretrained(base_dir)
-    hf.byte_tokenizer().save_pretrained(base_dir)
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    base_dir, cfg = _base_and_config(tmp_path)
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
                   progress=False, eval_batches=1, lora=True, lora_r=4, export=False))
@@ -170,13 +176,7 @@ def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path)
 
     from toolkit.train.runner import TrainArgs, run
 
-    base_dir = tmp_path / "base"
-    _model().save_pretrained(base_dir)
-    hf.byte_tokenizer().save_pretrained(base_dir)
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                               "bf16": {"enabled": True},
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    base_dir, cfg = _base_and_config(tmp_path, bf16={"enabled": True})
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
                   progress=False, eval_batches=1, lora=True, lora_r=4))
@@ -219,13 +219,7 @@ def test_a_lora_run_saves_its_adapters_only_and_resumes_exactly(ds_world1, tmp_p
     resumed steps give the 4-step run's losses."""
     from toolkit.train.runner import TrainArgs, run
 
-    base_dir = tmp_path / "base"
-    _model().save_pretrained(base_dir)
-    hf.byte_tokenizer().save_pretrained(base_dir)
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                               "zero_optimization": {"stage": zero},
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    base_dir, cfg = _base_and_config(tmp_path, zero_optimization={"stage": zero})
 
     def train(out, steps, resume=False):
         run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=steps,
