@@ -142,10 +142,17 @@ def _module_names(model, config):
     if bad or getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"model_type {config.model_type!r}: {bad or 'encoder-decoder'} changes the model's "
                           "forward outside its layers; dstk's generic wrapper would compute something else")
+    if getattr(config, "hidden_size_per_layer_input", None):  # gemma3n, gemma4: per-layer inputs (altup, laurel)
+        raise ConfigError(f"model_type {config.model_type!r}: hidden_size_per_layer_input "
+                          f"{config.hidden_size_per_layer_input}: its base model computes an extra input for every "
+                          "layer outside the layers, which dstk's generic wrapper does not send between stages")
     if model.get_output_embeddings() is None:
         raise ConfigError(f"{type(model).__name__} has no LM head: pass a *ForCausalLM model or use task='causal-lm'")
     cut = plan.index("layers")
     base = model.get_submodule(prefix)
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList):
+        raise ConfigError(f"model_type {config.model_type!r}: its base_model_pp_plan names 'layers' but "
+                          f"{type(base).__name__} has no .layers list of decoder layers; dstk cannot split it")
     blocks = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
     rotary = next((f"{prefix}.{n}" for n, m in base.named_children() if "Rotary" in type(m).__name__), None)
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
@@ -163,8 +170,10 @@ def _mask_function(config, layer_idx):
         sliding = getattr(config, "sliding_window", None) is not None
         return mu.create_sliding_window_causal_mask if sliding else mu.create_causal_mask
     if layer_types[layer_idx] not in by_type:
-        raise ConfigError(f"model_type {config.model_type!r}: layer {layer_idx} is {layer_types[layer_idx]!r}, "
-                          f"not attention ({sorted(by_type)}); recurrent/linear layers keep state dstk cannot send")
+        raise ConfigError(f"model_type {config.model_type!r}: layer {layer_idx} is {layer_types[layer_idx]!r}, not "
+                          f"one of the layer kinds dstk builds masks for ({', '.join(sorted(by_type))}): an indexed or "
+                          "compressed attention needs its own inputs, a recurrent/linear layer keeps state dstk cannot "
+                          "send between stages")
     return by_type[layer_types[layer_idx]]
 
 
@@ -174,7 +183,13 @@ def _rope_kwargs(rotary, config, layer_idx) -> dict:
 
     if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
         return {}
-    return {"layer_type": config.layer_types[layer_idx]}
+    layer_type = config.layer_types[layer_idx]
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type in params and params[layer_type] is None:  # beam: NoPE layers
+        raise ConfigError(f"model_type {config.model_type!r}: layer {layer_idx} ({layer_type}) has no rotary "
+                          "parameters; its base model handles those layers' positions outside the layers (e.g. "
+                          "position-dependent attention scaling), which dstk's generic wrapper does not reproduce")
+    return {"layer_type": layer_type}
 
 
 def _is_tied(model, embed_name, head_name) -> bool:

@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import arch_sweep  # noqa: E402
@@ -47,3 +49,11 @@ def test_table_counts_and_order(tmp_path):
 def test_a_hung_type_is_a_crash_and_the_sweep_goes_on():
     rows = arch_sweep.run_sweep(["llama", "gpt2"], timeout=0.01)  # the worker is still importing: no result
     assert [r["outcome"] for r in rows] == ["crash", "crash"] and "Timeout" in rows[0]["reason"]
+
+
+@pytest.mark.parametrize("model_type, words", [("hrm_text", "has no .layers list"),
+                                               ("beam", "has no rotary parameters"),
+                                               ("gemma3n_text", "hidden_size_per_layer_input")])
+def test_what_used_to_crash_is_refused_with_the_reason(ds_world1, model_type, words):
+    row = arch_sweep.sweep_one(model_type)
+    assert row["outcome"] == "refused" and words in row["reason"], row
