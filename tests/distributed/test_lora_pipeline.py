@@ -76,7 +76,7 @@ def test_the_base_comes_out_bit_identical_and_only_adapters_have_optimizer_state
     import torch
     from safetensors.torch import load_file
 
-    from toolkit.train.export import load_state_dict
+    from toolkit.train.checkpoint_state import load_state_dict
     from toolkit.train.lora import PEFT_PREFIX, is_adapter
 
     for name in LAYOUTS:

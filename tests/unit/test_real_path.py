@@ -210,7 +210,7 @@ def test_zero0_masters_from_fusedadams_flat_groups():
     group ("fp32_groups_flat") instead of one per parameter. That format, written as DeepSpeed writes
     it (no GPU here to make one), is cut back into parameters by the recorded order."""
     from toolkit.errors import UnusableInput
-    from toolkit.train.export import _zero0_masters
+    from toolkit.train.checkpoint_state import _zero0_masters
 
     saved = {"module": {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.bfloat16)},
              "optimizer": {"fp32_groups_flat": [torch.arange(10.0)]}}

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.train.export import first_line
+from toolkit.train.checkpoint_state import first_line
 from toolkit.train.hf import no_dropout
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32

@@ -129,7 +129,8 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     if summary["rank0"]:
         summary["loss_png"] = str(_loss_png(Path(args.out)))
         if args.export:
-            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf", adapter_dir=Path(args.out) / "adapter"))
+            adapters = Path(args.out) / "adapter" if lora.settings_of(args) else None
+            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf", adapter_dir=adapters))
     return summary
 
 

@@ -1,0 +1,221 @@
+"""What a dstk checkpoint holds, by HF name: pipeline layer files, pp = 1 module states, ZeRO shards
+(gathered with DeepSpeed's zero_to_fp32) and the fp32 masters of DeepSpeed's bf16/fp16 optimizers,
+through the layout dstk train saved beside them. toolkit.train.export turns this into HF directories.
+"""
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+from toolkit.errors import ConfigError, UnusableInput
+from toolkit.train.checkpoint import META, read_latest
+from toolkit.train.lora import is_adapter
+
+
+def find_checkpoint_dir(path) -> Path:
+    """PATH when it is a checkpoint folder (it holds dstk/), or PATH/checkpoints when PATH is a run's --out."""
+    path = Path(path)
+    if (path / META).is_dir():
+        return path
+    if (path / "checkpoints" / META).is_dir():
+        return path / "checkpoints"
+    raise UnusableInput(f"{path} has no {META}/ folder: it was not written by dstk train; give the run's --out "
+                        "folder or its checkpoints/ folder")
+
+
+def tags(ckpt_dir: Path) -> list:
+    """The checkpoint tags (folders) in CHECKPOINT_DIR, oldest step first."""
+    def order(name):  # global_stepN by N, then any other name
+        match = re.fullmatch(r"global_step(\d+)", name)
+        return (0, int(match.group(1)), "") if match else (1, 0, name)
+
+    names = [p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name != META and not p.name.startswith(".")]
+    return sorted(names, key=order)
+
+
+def resolve_tag(ckpt_dir: Path, tag: str | None) -> str:
+    """`tag`, or the one `latest` names; a message listing the tags there are when it is missing."""
+    there = tags(ckpt_dir)
+    listed = f"tags are {', '.join(there)}" if there else "it holds no tags"
+    if tag is not None:
+        if not (Path(ckpt_dir) / tag).is_dir():
+            raise ConfigError(f"{ckpt_dir}: no tag {tag}; {listed}")
+        return tag
+    tag = read_latest(ckpt_dir)
+    if tag is None or not (Path(ckpt_dir) / tag).is_dir():
+        raise UnusableInput(f"{ckpt_dir} holds no complete checkpoint (no 'latest' file naming a tag directory); "
+                            f"{listed}" + ("; pass --tag" if there else ""))
+    return tag
+
+
+def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
+    """(HF state dict in fp32, layout) from a pipeline or pp = 1 (incl. ZeRO) checkpoint."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = resolve_tag(ckpt_dir, tag)
+    layout = read_layout(ckpt_dir / META / "layout.json")
+    if layout.get("pp", 1) > 1:
+        state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
+                 **_pipeline_masters(ckpt_dir / tag, layout)}
+    elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+                state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+            state = {**_frozen(ckpt_dir / tag), **state}  # a frozen base (LoRA) is not in the optimizer's files
+        except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({first_line(exc)}); "
+                                "the checkpoint is incomplete or damaged: export another tag with --tag") from None
+    else:
+        saved = _torch_load(ckpt_dir / tag / "mp_rank_00_model_states.pt")
+        if not isinstance(saved, dict) or "module" not in saved:
+            raise UnusableInput(f"{ckpt_dir / tag / 'mp_rank_00_model_states.pt'} holds no 'module' state dict: "
+                                "not a DeepSpeed model checkpoint")
+        state = {**saved["module"], **_zero0_masters(saved, layout)}
+    return {k: v.float() for k, v in state.items()}, layout
+
+
+def _frozen(tag_dir: Path) -> dict:
+    """The module's own tensors at pp = 1 (frozen parameters are not in ZeRO's optimizer files; under
+    ZeRO-3 the module holds empty placeholders, which are left out)."""
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    saved = _torch_load(path) if path.exists() else {}
+    return {k: v for k, v in (saved.get("module") or {}).items() if v.numel()}
+
+
+def _zero0_masters(saved: dict, layout: dict) -> dict:
+    """ZeRO-0 under bf16/fp16: the fp32 masters DeepSpeed's optimizer wrapper keeps, by name, in the
+    optimizer's parameter order that training recorded (layout["param_groups"]): one tensor per
+    parameter ("fp32_groups", FP16_UnfusedOptimizer: torch's AdamW) or one flat tensor per group
+    ("fp32_groups_flat", FP16_Optimizer: FusedAdam on CUDA). {} without masters (fp32 training: the
+    module's weights are the masters); a checkpoint that does not match the recorded order is refused."""
+    optimizer = saved.get("optimizer") if isinstance(saved.get("optimizer"), dict) else {}
+    names = layout.get("param_groups")
+    groups = optimizer.get("fp32_groups")
+    if groups is None and optimizer.get("fp32_groups_flat") is not None:
+        groups = [_split(flat, [saved["module"][n].numel() for n in group_names])
+                  for flat, group_names in zip(optimizer["fp32_groups_flat"], names or [])]
+    if not groups or not names:
+        return {}
+    if [len(g) for g in groups] != [len(n) for n in names]:
+        raise UnusableInput(f"the checkpoint's fp32 masters ({[len(g) for g in groups]} per group) do not match the "
+                            f"parameter order training recorded ({[len(n) for n in names]}); export with --tag "
+                            "another checkpoint of this run")
+    return {name: master for group, group_names in zip(groups, names) for name, master in zip(group_names, group)}
+
+
+def _split(flat, numels: list) -> list:
+    """A flat fp32 group cut into its parameters (padding past their sum is dropped)."""
+    if sum(numels) > flat.numel():
+        return []
+    return list(flat[: sum(numels)].split(numels))
+
+
+def read_layout(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnusableInput(f"{path} is missing: the checkpoint was not written by dstk train") from None
+    except (OSError, ValueError) as exc:
+        raise UnusableInput(f"{path} cannot be read: {first_line(exc)}") from None
+
+
+def _torch_load(path: Path):
+    """torch.load, with a one-line error for a missing, truncated or foreign file."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    if not path.is_file():
+        raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+        raise UnusableInput(f"{path} cannot be read ({first_line(exc)}): the file is truncated or damaged "
+                            "(a save cut short?); export another tag with --tag") from None
+
+
+def first_line(exc: Exception) -> str:
+    """The first sentence of an exception's message (torch's run to a paragraph)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line.split(". ")[0].rstrip(".")
+
+
+def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True) -> dict:
+    """layer_XX-model_states.pt (keys relative to the layer) -> HF names via the saved layout.
+
+    hf_names[i] is {key in layer i's state dict: HF parameter name}. base_saved False (LoRA from a
+    directory): a layer without adapters has no file, and the others hold their adapters only."""
+    state = {}
+    for i, names in enumerate(hf_names):
+        path = tag_dir / f"layer_{i:02d}-model_states.pt"
+        if not names or (not path.exists() and set(names.values()) <= set(state)):
+            continue  # DeepSpeed saves a tied module once, with its first layer
+        if not path.exists() and not base_saved and not any(is_adapter(hf) for hf in names.values()):
+            continue
+        layer = _torch_load(path)
+        for key, hf in names.items():
+            if key in layer:  # a LoRA run's layer files may hold its adapters only
+                state[hf] = layer[key]
+    return state
+
+
+def _pipeline_masters(tag_dir: Path, layout: dict) -> dict:
+    """A pipeline trained in bf16/fp16: the fp32 masters of DeepSpeed's BF16_Optimizer, by HF name.
+
+    Each stage s and data-parallel rank r wrote bf16_zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt:
+    per parameter group a flat fp32 partition (r's share of the group), and param_slice_mappings:
+    stage-module name ("3.layer.mlp.down_proj.weight", "tied_modules.embed.parts.0.weight") -> where
+    its fragment starts in that partition. Fragments are put together across r in order, shaped
+    like the module's weights. {} when there are no such files (fp32: the weights are the masters)."""
+    files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_*_optim_states.pt"))
+    if not files:
+        return {}
+    by_stage = {}
+    for path in files:
+        dp_rank, stage = map(int, re.match(r"bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_", path.name).groups())
+        by_stage.setdefault(stage, {})[dp_rank] = path
+    pieces = {}  # stage-module name -> [fp32 fragments in order]
+    for stage, ranks in sorted(by_stage.items()):
+        for dp_rank in sorted(ranks):
+            saved = _torch_load(ranks[dp_rank])["optimizer_state_dict"]
+            for flat, mapping in zip(saved["single_partition_of_fp32_groups"], saved["param_slice_mappings"]):
+                for name, where in mapping.items():
+                    pieces.setdefault((stage, name), []).append(flat.narrow(0, where.start, where.numel))
+    return _masters_by_hf_name(pieces, layout)
+
+
+def _masters_by_hf_name(pieces: dict, layout: dict) -> dict:
+    """{(stage, stage-module name): fragments} -> {HF name: flat fp32 tensor}. A tied module's copy is
+    taken from the first layer that holds it (the same stage whose layer file export reads)."""
+    hf_names, tied = layout["hf_names"], layout.get("tied", {})
+    out = {}
+    for (stage, name), fragments in pieces.items():
+        head, _, key = name.partition(".")
+        if head == "tied_modules":
+            tie, _, key = key.partition(".")
+            index = min(tied.get(tie, [None]) or [None])
+            if index is None or not _in_stage(layout, index, stage):
+                continue  # a later stage's copy of the tied weight
+        elif head.isdigit():
+            index = int(head)
+        else:
+            continue
+        hf = (hf_names[index] if index < len(hf_names) else {}).get(key)
+        if hf is not None:
+            out[hf] = _cat(fragments)
+    return out
+
+
+def _in_stage(layout: dict, index: int, stage: int) -> bool:
+    parts = layout.get("parts") or []
+    return len(parts) > stage + 1 and parts[stage] <= index < parts[stage + 1]
+
+
+def _cat(fragments: list):
+    import torch
+
+    return torch.cat(fragments) if len(fragments) > 1 else fragments[0]
