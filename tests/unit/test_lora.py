@@ -29,6 +29,18 @@ def _base_and_config(tmp_path, **ds) -> tuple:
     return base_dir, cfg
 
 
+def _merge_gap(merged_dir, base_dir, adapter_dir) -> float:
+    """Largest logit difference between the merged export and PeftModel.from_pretrained(base, adapter)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+        return float((merged - peft(input_ids=ids).logits).abs().max())
+
+
 @pytest.mark.parametrize("name, expected", [
     ("tiny-llama", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     ("tiny-gpt2", ["c_attn", "c_proj", "c_fc"]),
@@ -105,9 +117,6 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     """A QLoRA checkpoint's base is 4-bit: export takes the adapters from it and merges them into the run's
     --model directory. The checkpoint here is a LoRA run's whose layout says qlora (no CUDA to quantize): the
     adapters are real; its fp32 base is ignored by the export, which reads the directory's."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from toolkit.errors import UnusableInput
     from toolkit.train.export import export
     from toolkit.train.runner import TrainArgs, run
@@ -122,12 +131,7 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     layout["lora"]["qlora"] = True
     layout_file.write_text(json.dumps(layout))
     export(out, tmp_path / "hf", adapter_dir=tmp_path / "adapter")
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(input_ids=ids).logits
-        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter")
-        want = peft.eval()(input_ids=ids).logits
-    assert (merged - want).abs().max() < 1e-5
+    assert _merge_gap(tmp_path / "hf", base_dir, tmp_path / "adapter") < 1e-5
     layout["model"] = str(tmp_path / "gone")
     layout_file.write_text(json.dumps(layout))
     with pytest.raises(UnusableInput, match="holds its base in 4 bits only"):
@@ -171,21 +175,13 @@ def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path)
     """Under bf16 the checkpoint holds the frozen base rounded to bf16 (no fp32 masters for frozen
     weights); the export takes the base from the run's --model directory, so OUT/hf is exactly
     base + adapters, what PeftModel.from_pretrained(base, OUT/adapter) computes."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from toolkit.train.runner import TrainArgs, run
 
     base_dir, cfg = _base_and_config(tmp_path, bf16={"enabled": True})
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
                   progress=False, eval_batches=1, lora=True, lora_r=4))
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()(input_ids=ids).logits
-        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
-        want = peft.eval()(input_ids=ids).logits
-    assert (merged - want).abs().max() < 1e-5
+    assert _merge_gap(out / "hf", base_dir, out / "adapter") < 1e-5
 
 
 def test_a_pipeline_stage_without_adapters_is_refused(ds_world1):

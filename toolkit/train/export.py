@@ -43,6 +43,8 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     ckpt_dir = find_checkpoint_dir(ckpt_dir)
     out_dir = Path(out_dir)
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     _check_out(out_dir, overwrite)
     meta = ckpt_dir / META
     _check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(read_layout(meta / "layout.json").get("lora")))
@@ -53,33 +55,34 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
         config = AutoConfig.from_pretrained(meta)
     except (OSError, ValueError) as exc:
         raise UnusableInput(f"{meta}/config.json cannot be read as a HF config: {first_line(exc)}") from None
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     cls = models.auto_class(MODEL_TASKS[layout["task"]])
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
     lora = layout.get("lora") or {}
-    required = bool(lora.get("qlora")) or layout.get("base_saved") is False  # the checkpoint has no usable base
-    base = _lora_base(layout, cls, config, required=required) if lora and (merge or required) else None
-    if base is not None and not lora.get("qlora") and not _same_base(state, base[0]):
-        base = None  # the directory changed since the run: the checkpoint's own copy of the base it trained on
-    if base is not None:  # the adapters merge into the exact weights the run started from
-        model, absent = base
+    base = None
+    if lora and merge:  # the adapters merge into the exact weights the run started from, where they still are
+        required = bool(lora.get("qlora")) or layout.get("base_saved") is False  # no usable base in the checkpoint
+        base = _lora_base(layout, cls, config, required=required)
+        if base is not None and not lora.get("qlora") and not _same_base(state, base[0]):
+            base = None  # the directory changed since the run: the checkpoint's own copy of the base it trained on
+    adapters_only = base is not None or (lora and not merge)
+    if adapters_only:
+        model, absent = base if base is not None else (cls.from_config(config, dtype=torch.float32), set())
         state = {k: v for k, v in state.items() if is_adapter(k) or _base_name(k) in absent}
     else:
         model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
-    if layout.get("lora"):
-        model = _with_adapters(model, layout["lora"], layout["task"])
+    if lora:
+        model = _with_adapters(model, lora, layout["task"])
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not _tied(model, k) and (base is None or is_adapter(k))]
+    missing = [k for k in missing if not _tied(model, k) and (not adapters_only or is_adapter(k))]
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
-    if layout.get("lora"):
+    if lora:
         if adapter_dir is not None or not merge:  # PEFT's adapter_config + adapter_model (+ the tokenizer)
             _write_dir_atomically(Path(adapter_dir) if merge else out_dir,
                                   lambda folder: _save_with_tokenizer(model, meta, folder))

@@ -66,7 +66,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
     # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
-    layout["base_saved"] = save_frozen = not (args.lora or args.qlora) or not Path(args.model).is_dir()
+    layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
     if resume_tag:
@@ -117,22 +117,19 @@ def _model(args, config, topo, cfg: dict):
 
     settings = lora.settings_of(args)
     checkpointing = "activation_checkpointing" in cfg  # DeepSpeed's section configures an API HF models never call
-    if topo.pp == 1 and settings is not None and settings.qlora:
-        torch.manual_seed(args.seed)
-        compute = "bfloat16" if (cfg.get("bf16") or {}).get("enabled") else "float32"
-        model = lora.quantized_model(args.model, config, args.task, compute, checkpointing)
-        model = lora.apply(model, settings, args.task, args.seed)
-        targets = model.peft_config["default"].target_modules
-        return model, {"pp": 1, "lora": {**settings.to_dict(), "targets": sorted(targets)}}
     if topo.pp == 1:
-        model = hf.build_model(args.model, config, args.task, args.seed, cfg)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings is not None and settings.qlora:
+            torch.manual_seed(args.seed)
+            compute = "bfloat16" if (cfg.get("bf16") or {}).get("enabled") else "float32"
+            model = lora.quantized_model(args.model, config, args.task, compute, checkpointing)
+        else:
+            model = hf.build_model(args.model, config, args.task, args.seed, cfg)
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings is None:
             return model, {"pp": 1}
         model = lora.apply(model, settings, args.task, args.seed)
-        targets = model.peft_config["default"].target_modules
-        return model, {"pp": 1, "lora": {**settings.to_dict(), "targets": sorted(targets)}}
+        return model, {"pp": 1, "lora": lora.layout_entry(settings, model.peft_config["default"])}
     from toolkit.train.pipe import pipeline_module
 
     if Path(args.model).is_dir():

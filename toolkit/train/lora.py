@@ -40,10 +40,10 @@ class LoraSettings:
 
 def settings_of(args) -> LoraSettings | None:
     """The run's LoRA settings (TrainArgs), or None without --lora / --qlora."""
-    if not (args.lora or getattr(args, "qlora", False)):
+    if not (args.lora or args.qlora):
         return None
     targets = tuple(t.strip() for t in (args.lora_targets or "").split(",") if t.strip())
-    return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, targets, bool(getattr(args, "qlora", False)))
+    return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, targets, args.qlora)
 
 
 def linear_names(model) -> list:
@@ -86,6 +86,12 @@ def peft_config(model, settings: LoraSettings, task: str):
     return LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r, lora_dropout=settings.dropout,
                       target_modules=resolve_targets(model, settings), task_type=kind,
                       fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
+
+
+def layout_entry(settings: LoraSettings, config) -> dict:
+    """What layout.json records of a LoRA run (export rebuilds the adapters from it): the settings,
+    with the targets peft's LoraConfig `config` resolved to."""
+    return {**settings.to_dict(), "targets": sorted(config.target_modules)}
 
 
 def apply(model, settings: LoraSettings, task: str, seed: int = 0):

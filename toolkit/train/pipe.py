@@ -18,7 +18,7 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.train.hf import MODEL_TASKS
-from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, peft_config, wrap
+from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, layout_entry, peft_config, wrap
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
         log.warning("dstk: %s", fallback)
     layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
     if lora is not None:
-        layout["lora"] = {**lora.to_dict(), "targets": sorted(adapters.target_modules)}
+        layout["lora"] = layout_entry(lora, adapters)
         _check_every_stage_trains(layout, spec)
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
@@ -86,17 +86,19 @@ def _peft_config(config, task: str, lora):
     """peft's LoraConfig for the run's model, its targets found on a meta-device skeleton."""
     if config is None:
         raise ValueError("pipeline_module(lora=...) needs the run's HF config")
-    return peft_config(_skeleton(config, task), lora, task)
+    return peft_config(_skeleton(config, MODEL_TASKS[task]), lora, task)
 
 
-def _skeleton(config, task: str):
-    """The model of `config` on the meta device: its structure and names, no memory, no weights."""
+def _skeleton(config, model_task: str, adapters=None):
+    """The model of `config` on the meta device (its structure and names, no memory, no weights);
+    wrapped by get_peft_model with `adapters` (peft's LoraConfig) when given."""
     import torch
 
     import models
 
     with torch.device("meta"):
-        return models.auto_class(MODEL_TASKS[task]).from_config(config)
+        skeleton = models.auto_class(model_task).from_config(config)
+        return wrap(skeleton, adapters) if adapters is not None else skeleton
 
 
 def checkpoint_interval(cfg: dict) -> int:
@@ -178,12 +180,8 @@ def hf_name_map(spec, adapters=None) -> list:
     names under its spec.hf_names entry. adapters (peft's LoraConfig): the copy is wrapped by
     get_peft_model first, and the names are the PeftModel's."""
     import models
-    import torch
 
-    with torch.device("meta"):
-        skeleton = models.auto_class(spec.task).from_config(spec.config)
-        if adapters is not None:
-            skeleton = wrap(skeleton, adapters)
+    skeleton = _skeleton(spec.config, spec.task, adapters)
     by_id = {}
     for name, t in skeleton.state_dict(keep_vars=True).items():
         by_id.setdefault(id(t), name)  # a tied weight keeps its first name (the embedding's)
@@ -193,8 +191,8 @@ def hf_name_map(spec, adapters=None) -> list:
     for layer, owned in zip(meta_spec.layers, spec.hf_names):
         built = layer.build() if hasattr(layer, "build") else layer
         found = {k: by_id[id(t)] for k, t in built.state_dict(keep_vars=True).items() if id(t) in by_id}
-        stray = [hf for hf in found.values()
-                 if not any(hf.removeprefix(prefix) == n or hf.removeprefix(prefix).startswith(n + ".") for n in owned)]
+        bare = [hf.removeprefix(prefix) for hf in found.values()]
+        stray = [hf for hf in bare if not any(hf == n or hf.startswith(n + ".") for n in owned)]
         if stray:
             raise ConfigError(f"layer {len(names)} holds {stray[:3]}, outside its HF modules {owned}")
         names.append(found)

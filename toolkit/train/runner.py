@@ -104,11 +104,12 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     from toolkit.train import loop as train_loop
     from toolkit.train.export import export
 
-    check(args, toolkit_dist.env_world_size())
+    world = toolkit_dist.env_world_size()
+    check(args, world)
     _log_levels(args.verbose)
     dist = toolkit_dist.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
-    if args.qlora:  # where the ranks run (check() could not know without a launcher's world size)
+    if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
         lora.check_qlora_here(args.model)
     topo = Topology(dist.get_world_size(), pp)
     stage, dp_rank = topo.coords(dist.get_rank())
