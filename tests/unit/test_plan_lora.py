@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from toolkit.cli import main
+from tests.unit.test_plan import run  # `dstk plan ARGS` -> (exit code, stdout, stderr)
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import arch_from_config, build_hf_model, layer_params, load_arch
 from toolkit.plan.costs import layer_costs
@@ -135,13 +135,6 @@ def test_a_bad_rank_is_refused(r):
         lora_params(load_arch("gpt2"), r)
     with pytest.raises(ConfigError, match="--lora must be a positive integer"):
         make_plan(PlanRequest(model="gpt2", gbs=8, gpu="l4", gpus_per_node=2, lora=r))
-
-
-def run(capsys, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", *args])
-    out = capsys.readouterr()
-    return exit_info.value.code, out.out, out.err
 
 
 def test_plan_cli_says_lora_r_and_trainable_count(capsys):
