@@ -1,17 +1,19 @@
 """Any causal LM whose config declares `base_model_pp_plan` (llama, mistral, qwen2/3, gemma, phi3,
 olmo, gpt_neox, ...) as [embedding, L decoder layers, final norm, LM head]: L + 3 layers.
 
-What travels between stages: (hidden (B, T, H) float, attention_mask (B, T) int64). Every block
-rebuilds its 4-D mask with HF's own mask function for its layer type (so eager, sdpa and flex
-agree with HF) and recomputes rotary cos/sin from the model's rotary module; nothing but those
-two fixed-shape tensors is sent. The decoder layers are HF's own modules.
+What travels between stages: (hidden (B, T, H) float, document ids (B, T) int64: 0 padding, 1..k the
+documents packed in a row; a plain 0/1 padding mask is the one-document case). Every block rebuilds its
+4-D mask with HF's own mask function for its layer type (so eager, sdpa and flex agree with HF; packed
+rows in HF's packed-sequence format, models.spec.attention_inputs) and recomputes rotary cos/sin from
+the model's rotary module at each document's positions; nothing but those two fixed-shape tensors is
+sent. The decoder layers are HF's own modules.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.spec import PipelineSpec, causal_lm_loss, needs_grad
+from models.spec import PipelineSpec, attention_inputs, causal_lm_loss, needs_grad
 from toolkit.errors import ConfigError
 
 # config attributes that change the base model's forward outside its sub-modules: not replicated.
@@ -44,13 +46,13 @@ class DecoderBlock(nn.Module):
         self.rope_kwargs = _rope_kwargs(self.rotary, config, layer_idx)
 
     def forward(self, inputs):
-        hidden, attention_mask = inputs
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        hidden, doc_ids = inputs
+        attention_mask, position_ids = attention_inputs(doc_ids)
         mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                             cache=None, position_ids=position_ids)
         rope = self.rotary(hidden, position_ids, **self.rope_kwargs) if self.rotary is not None else None
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
-        return (out[0] if isinstance(out, tuple) else out), attention_mask
+        return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
 class FinalNorm(nn.Module):

@@ -1,14 +1,14 @@
 """GPT-2 (no pp plan; learned positions; head tied to wte) as [embed, L blocks, ln_f, head]."""
 
-import torch
 from torch import nn
 
 from models.generic import FinalNorm, LMHead, LogitTransform, TiedLogits
-from models.spec import PipelineSpec, causal_lm_loss, needs_grad
+from models.spec import PipelineSpec, attention_inputs, causal_lm_loss, needs_grad
 
 
 class GPT2Embed(nn.Module):
-    """Layer 0: (input_ids, mask2d) -> (wte(ids) + wpe(0..T-1), mask2d), then dropout."""
+    """Layer 0: (input_ids, document ids) -> (wte(ids) + wpe(positions), document ids), then dropout;
+    positions restart at each document of a packed row (models.spec.attention_inputs)."""
 
     def __init__(self, source, prefix):
         super().__init__()
@@ -16,14 +16,13 @@ class GPT2Embed(nn.Module):
         self.parts = nn.ModuleList(source.module(f"{prefix}.{n}") for n in ("wte", "wpe", "drop"))
 
     def forward(self, inputs):
-        input_ids, attention_mask = inputs[0], inputs[1]
+        input_ids, doc_ids = inputs[0], inputs[1]
         wte, wpe, drop = self.parts
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, T)
-        return needs_grad(drop(wte(input_ids) + wpe(positions))), attention_mask
-
+        positions = attention_inputs(doc_ids)[1]  # (1, T), or (B, T) for packed rows
+        return needs_grad(drop(wte(input_ids) + wpe(positions))), doc_ids
 
 class GPT2BlockStage(nn.Module):
-    """One GPT2Block with a causal+padding mask built by HF's create_causal_mask."""
+    """One GPT2Block with a causal+padding (or packed-document) mask built by HF's create_causal_mask."""
 
     def __init__(self, source, name, config):
         super().__init__()
@@ -33,13 +32,12 @@ class GPT2BlockStage(nn.Module):
     def forward(self, inputs):
         from transformers.masking_utils import create_causal_mask
 
-        hidden, attention_mask = inputs
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        hidden, doc_ids = inputs
+        attention_mask, position_ids = attention_inputs(doc_ids)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   cache=None, position_ids=position_ids)
         out = self.block(hidden, cache=None, attention_mask=mask, position_ids=position_ids)
-        return (out[0] if isinstance(out, tuple) else out), attention_mask
-
+        return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 def build_gpt2(source, config) -> PipelineSpec:
     """GPT2LMHeadModel as L + 3 layers; the head shares wte through TiedLayerSpec("embed")."""

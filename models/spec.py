@@ -78,3 +78,26 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
         return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
     return F.cross_entropy(logits.float(), labels.reshape(-1))
 
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids (B, T) that restart at 0 where the document id changes (a packed row's documents;
+    padding, id 0, counts as a segment of its own). One document per row: 0 .. T-1, as HF's default."""
+    idx = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)  # first token of each segment
+    return idx - torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def attention_inputs(doc_ids: torch.Tensor) -> tuple:
+    """(attention_mask, position_ids) for a HF forward from the (B, T) int tensor dstk's batches carry:
+    0 = padding, 1..k = the k-th document packed in the row (a 0/1 padding mask is the one-document case).
+
+    Rows with one document each: the padding mask and 0 .. T-1 positions, exactly what HF builds itself.
+    Packed rows: no padding mask and positions restarting per document, HF's packed-sequence format
+    (masking_utils.find_packed_sequence_indices): attention never crosses a document (or padding) boundary
+    and rotary/learned positions count from each document's start. Call the HF model with use_cache=False:
+    with a cache (the default outside training) HF ignores the packed format."""
+    if int(doc_ids.max()) <= 1:
+        position_ids = torch.arange(doc_ids.shape[1], device=doc_ids.device).unsqueeze(0)
+        return doc_ids, position_ids
+    return None, document_positions(doc_ids)

@@ -1,6 +1,7 @@
 """Two real pipeline stages (2 processes, deepspeed launcher, gloo) give the HF model's loss, logits
 and gradients for llama, qwen2 (tied), gemma2, gpt2 (tied), BERT MLM (tied) and classification,
-with and without padding; a sharded saved model loads per stage. One launch (~45 s on 2 cores)."""
+with and without padding; packed rows of several documents give each document's own logits and loss;
+a sharded saved model loads per stage. One launch (~45 s on 2 cores)."""
 
 import json
 from pathlib import Path
@@ -26,8 +27,8 @@ def results(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_two_stages_match_hf(results):
-    cases = [c for c in results[0] if c != "dir"]
-    assert len(cases) == 12 and set(cases) == {c for c in results[1] if c != "dir"}
+    cases = [c for c in results[0] if c != "dir" and not c.startswith("packed:")]
+    assert len(cases) == 12 and set(cases) == {c for c in results[1] if c != "dir" and not c.startswith("packed:")}
     assert results[0]["gpt2:causal-lm:pad=True"]["parts"] == [0, 1, 5]  # the given boundaries, not DeepSpeed's
     for case in cases:
         first, last = results[0][case], results[1][case]
@@ -39,6 +40,15 @@ def test_two_stages_match_hf(results):
         for name in set(first["extras"]) | set(last["extras"]):
             owners = [r["extras"][name] for r in (first, last) if name in r["extras"]]
             assert min(owners) <= TOLERANCE, (case, name)
+
+
+@pytest.mark.distributed
+def test_packed_documents_through_two_stages_compute_each_document_alone(results):
+    packed = [c for c in results[1] if c.startswith("packed:")]
+    assert sorted(packed) == ["packed:gemma2", "packed:gpt2", "packed:llama", "packed:qwen2"]
+    for case in packed:
+        assert results[0][case]["stage"] == 0 and results[1][case]["stage"] == 1
+        assert results[1][case]["logits"] <= TOLERANCE and results[1][case]["loss"] <= TOLERANCE, (case, results[1][case])
 
 
 @pytest.mark.distributed

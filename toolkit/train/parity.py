@@ -207,3 +207,38 @@ def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=N
         hf = small_model(model, task, attn_implementation=attn_implementation, registry=True)
         check_seq_len(hf.config, seq_len, model, small=True)
     return check_model(hf, name=model, task=task, seq_len=seq_len, pad=pad)
+
+
+def packed_batch(config, rows=((5, 3, 4), (10,)), seq_len=16, seed=0):
+    """A packed batch: `rows` lists each row's document lengths; ((ids, doc_ids), labels) as dstk's data
+    yields it (doc ids 1..k, 0 on padding; labels -100 on padding and on each document's first token, which
+    no token of the previous document may predict), and the documents as (row, start, ids)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, config.vocab_size, (len(rows), seq_len), generator=g)
+    doc_ids, labels, docs = torch.zeros_like(ids), torch.full_like(ids, -100), []
+    for r, lengths in enumerate(rows):
+        start = 0
+        for k, n in enumerate(lengths, 1):
+            doc_ids[r, start:start + n] = k
+            labels[r, start + 1:start + n] = ids[r, start + 1:start + n]
+            docs.append((r, start, ids[r, start:start + n]))
+            start += n
+    return (ids, doc_ids), labels, docs
+
+
+def packed_vs_alone(logits, loss, hf, docs) -> tuple:
+    """(max |logits - each document's logits run alone|, |loss - the token-weighted loss of the documents
+    run alone|) for a packed batch's logits (B, T, V) and mean loss."""
+    import torch
+    import torch.nn.functional as F
+
+    worst, total, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for row, start, ids in docs:
+            alone = hf(input_ids=ids[None]).logits[0].float()
+            worst = max(worst, (logits[row, start:start + len(ids)].float() - alone).abs().max().item())
+            total += F.cross_entropy(alone[:-1], ids[1:], reduction="sum").item()
+            count += len(ids) - 1
+    return worst, abs(float(loss) - total / count)

@@ -5,7 +5,8 @@
 For each case every rank builds the same small HF model (same seed), wraps it, splits it with
 explicit `parts` (the tied head on the other stage than the embedding), runs engine.train_batch
 (loss, gradients captured by a no-op optimizer after DeepSpeed's tied-gradient all-reduce) and
-eval_batch (logits), once without and once with padding, and writes the max abs differences to
+eval_batch (logits), once without and once with padding (and the causal LMs once on a packed batch
+of several documents per row, against each document alone), and writes the max abs differences to
 OUT_DIR/rank<R>.json. HF_DIR, if given, is a saved model loaded per stage from safetensors.
 """
 
@@ -99,6 +100,19 @@ def run_dir_case(path, parts):
     return out
 
 
+def run_packed_case(hf, spec, parts):
+    """A packed batch (documents in a row, attention blocked per document) through 2 stages: the last
+    stage's logits and loss vs each document run alone through the HF model."""
+    module = models.build_pipeline_module(spec, num_stages=2, parts=parts)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=GradCapture(module.parameters()), config=DS_CONFIG)
+    inputs, labels, docs = parity.packed_batch(hf.config)
+    loss, logits = engine.eval_batch(iter([(inputs, labels)]), return_logits=True)
+    out = {"stage": engine.stage_id}
+    if engine.is_last_stage():
+        out["logits"], out["loss"] = parity.packed_vs_alone(logits, loss, hf, docs)
+    return out
+
+
 def main(out_dir, hf_dir=None):
     dist.init()
     results = {}
@@ -107,6 +121,9 @@ def main(out_dir, hf_dir=None):
         spec = models.pipeline_layers(hf)
         for pad in (False, True):
             results[f"{model_type}:{spec.task}:pad={pad}"] = run_case(hf, spec, parts, pad)
+    for model_type, _, overrides, parts in CASES[:4]:  # causal LMs: llama, qwen2 (tied), gemma2 (windows), gpt2
+        hf = parity.small_model(model_type, **overrides)
+        results[f"packed:{model_type}"] = run_packed_case(hf, models.pipeline_layers(hf), parts)
     if hf_dir:
         results["dir"] = run_dir_case(hf_dir, [0, 2, 5])
     rank = torch.distributed.get_rank()
