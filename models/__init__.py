@@ -22,7 +22,8 @@
     never the embedding (see models/pipeline.py).
 
 Layer lists:
-    causal LMs (any config with base_model_pp_plan, and GPT-2): [embed, L blocks, final norm, head]
+    causal LMs (a config with base_model_pp_plan, or the standard structure read from the module tree:
+    models/discover.py; and GPT-2): [embed, L blocks, final norm, head]
     BERT: [embeddings, L encoder layers, head] (MLM head tied to the word embeddings, or
     pooler + classifier for sequence classification).
 Tied input/output embeddings use TiedLayerSpec key "embed" (tied_weight_attr "parts.0.weight",

@@ -9,6 +9,8 @@ the model's rotary module at each document's positions; nothing but those two fi
 sent. The decoder layers are HF's own modules.
 """
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,9 +43,12 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer = source.module(layer_name)
         self.rotary = source.module(rotary_name) if rotary_name else None
-        self.config = config
+        self.config = config = config.get_text_config()  # a multimodal model's decoder: its text config
         self.mask_fn = _mask_function(config, layer_idx)
         self.rope_kwargs = _rope_kwargs(self.rotary, config, layer_idx)
+        params = inspect.signature(self.layer.forward).parameters.values()
+        # a layer without **kwargs gets only what it names (older layers take no position_embeddings)
+        self.takes = None if any(p.kind is p.VAR_KEYWORD for p in params) else {p.name for p in params}
 
     def forward(self, inputs):
         hidden, doc_ids = inputs
@@ -51,7 +56,10 @@ class DecoderBlock(nn.Module):
         mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                             cache=None, position_ids=position_ids)
         rope = self.rotary(hidden, position_ids, **self.rope_kwargs) if self.rotary is not None else None
-        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+        kwargs = {"attention_mask": mask, "position_ids": position_ids, "position_embeddings": rope}
+        if self.takes is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.takes}
+        out = self.layer(hidden, **kwargs)
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 
@@ -73,6 +81,7 @@ class LogitTransform:
     """What a CausalLM forward does to logits after the head: softcap (gemma2/3), scaling."""
 
     def __init__(self, config):
+        config = config.get_text_config()  # a multimodal model's LM settings live in its text config
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.multiply = getattr(config, "logit_scale", None)  # cohere
         self.divide = getattr(config, "logits_scaling", None)  # granite
@@ -135,11 +144,10 @@ def build_generic(source, config) -> PipelineSpec:
 
 def _module_names(model, config):
     """(pre-layer names, block names, post-layer names, head name, rotary name) in the HF model."""
+    from models.discover import discover
+
     prefix = model.base_model_prefix
     plan = list(getattr(config, "base_model_pp_plan", None) or {})
-    if "layers" not in plan:
-        raise ConfigError(f"model_type {config.model_type!r}: config has no base_model_pp_plan with "
-                          "'layers', so dstk cannot split it generically (supported: pp-plan causal LMs, gpt2, bert)")
     bad = [a for a in _UNSUPPORTED if getattr(config, a, None) not in (None, 1, 1.0)]
     if bad or getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"model_type {config.model_type!r}: {bad or 'encoder-decoder'} changes the model's "
@@ -150,6 +158,8 @@ def _module_names(model, config):
                           "layer outside the layers, which dstk's generic wrapper does not send between stages")
     if model.get_output_embeddings() is None:
         raise ConfigError(f"{type(model).__name__} has no LM head: pass a *ForCausalLM model or use task='causal-lm'")
+    if "layers" not in plan:  # no pp plan: the standard structure, read from the module tree
+        return discover(model, config)
     cut = plan.index("layers")
     base = model.get_submodule(prefix)
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
@@ -181,8 +191,6 @@ def _mask_function(config, layer_idx):
 
 def _rope_kwargs(rotary, config, layer_idx) -> dict:
     """Rotary modules with one frequency set per layer type (gemma3) take the layer's type."""
-    import inspect
-
     if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
         return {}
     layer_type = config.layer_types[layer_idx]
