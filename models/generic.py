@@ -152,6 +152,13 @@ def _module_names(model, config):
     if bad or getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"model_type {config.model_type!r}: {bad or 'encoder-decoder'} changes the model's "
                           "forward outside its layers; dstk's generic wrapper would compute something else")
+    if getattr(config.get_text_config(), "output_router_logits", False):  # MoE load balancing in the loss
+        raise ConfigError(f"model_type {config.model_type!r}: output_router_logits is true, so HF adds "
+                          f"router_aux_loss_coef ({getattr(config.get_text_config(), 'router_aux_loss_coef', '?')}) x "
+                          "a load-balancing loss over every layer's router logits to the loss; dstk's pipeline "
+                          "stages send only hidden states, so that term would be missing. Set output_router_logits "
+                          "to false in config.json (released MoE checkpoints' default: the LM loss alone, computed "
+                          "exactly), or train at pp 1, where the HF model computes it")
     if getattr(config, "hidden_size_per_layer_input", None):  # gemma3n, gemma4: per-layer inputs (altup, laurel)
         raise ConfigError(f"model_type {config.model_type!r}: hidden_size_per_layer_input "
                           f"{config.hidden_size_per_layer_input}: its base model computes an extra input for every "
