@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.moe import RouterAux, RouterCapture
 from models.spec import PipelineSpec, attention_inputs, causal_lm_loss, needs_grad
 from toolkit.errors import ConfigError
 
@@ -23,25 +24,27 @@ _UNSUPPORTED = ("embedding_multiplier", "scale_emb", "mup_embedding_multiplier")
 
 
 class EmbedStage(nn.Module):
-    """Layer 0: (input_ids, attention_mask) -> (hidden (B, T, H), attention_mask)."""
+    """Layer 0: (input_ids, document ids) -> (hidden (B, T, H), document ids[, router sums (2E + 1)])."""
 
-    def __init__(self, source, names):
+    def __init__(self, source, names, aux=None):
         super().__init__()
         self.parts = nn.ModuleList(source.module(n) for n in names)  # embed_tokens[, emb_dropout]
+        self.aux = aux  # models.moe.RouterAux: the MoE aux loss's sums start here
 
     def forward(self, inputs):
-        x, attention_mask = inputs[0], inputs[1]
+        x, doc_ids = inputs[0], inputs[1]
         for part in self.parts:
             x = part(x)
-        return needs_grad(x), attention_mask
+        return (needs_grad(x), doc_ids) + ((self.aux.zeros(x),) if self.aux else ())
 
 
 class DecoderBlock(nn.Module):
     """One HF decoder layer: (hidden, mask2d) -> (hidden, mask2d), mask and rotary built here."""
 
-    def __init__(self, source, layer_name, rotary_name, config, layer_idx):
+    def __init__(self, source, layer_name, rotary_name, config, layer_idx, aux=None):
         super().__init__()
         self.layer = source.module(layer_name)
+        self.routers = RouterCapture(self.layer, aux) if aux else None  # MoE aux loss: add this layer's sums
         self.rotary = source.module(rotary_name) if rotary_name else None
         self.config = config = config.get_text_config()  # a multimodal model's decoder: its text config
         self.mask_fn = _mask_function(config, layer_idx)
@@ -51,7 +54,7 @@ class DecoderBlock(nn.Module):
         self.takes = None if any(p.kind is p.VAR_KEYWORD for p in params) else {p.name for p in params}
 
     def forward(self, inputs):
-        hidden, doc_ids = inputs
+        hidden, doc_ids, *stats = inputs
         attention_mask, position_ids = attention_inputs(doc_ids)
         mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                             cache=None, position_ids=position_ids)
@@ -59,12 +62,16 @@ class DecoderBlock(nn.Module):
         kwargs = {"attention_mask": mask, "position_ids": position_ids, "position_embeddings": rope}
         if self.takes is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in self.takes}
-        out = self.layer(hidden, **kwargs)
-        return (out[0] if isinstance(out, tuple) else out), doc_ids
+        if self.routers is None:
+            out = self.layer(hidden, **kwargs)
+        else:
+            out, stats[0] = self.routers.add(stats[0], doc_ids, lambda: self.layer(hidden, **kwargs))
+        return ((out[0] if isinstance(out, tuple) else out), doc_ids, *stats)
 
 
 class FinalNorm(nn.Module):
-    """Layer L+1: (hidden, mask2d) -> normed hidden (B, T, H); the mask is not needed after this."""
+    """Layer L+1: (hidden, doc ids[, router sums]) -> normed hidden (B, T, H)[, router sums]; the document
+    ids are not needed after this."""
 
     def __init__(self, source, names):
         super().__init__()
@@ -74,7 +81,7 @@ class FinalNorm(nn.Module):
         x = inputs[0]
         for part in self.parts:
             x = part(x)
-        return x
+        return (x, inputs[2]) if len(inputs) > 2 else x
 
 
 class LogitTransform:
@@ -105,6 +112,8 @@ class LMHead(nn.Module):
         self.transform = transform
 
     def forward(self, hidden):
+        if isinstance(hidden, tuple):  # (hidden, MoE router sums): the loss needs both
+            return self.transform(self.head(hidden[0])), hidden[1]
         return self.transform(self.head(hidden))
 
 
@@ -115,6 +124,8 @@ class TiedLogits:
         self.transform = transform
 
     def __call__(self, embed_stage, hidden):
+        if isinstance(hidden, tuple):  # (hidden, MoE router sums)
+            return self.transform(F.linear(hidden[0], embed_stage.parts[0].weight)), hidden[1]
         return self.transform(F.linear(hidden, embed_stage.parts[0].weight))
 
 
@@ -125,19 +136,21 @@ def build_generic(source, config) -> PipelineSpec:
     names = _module_names(source.skeleton, config)
     pre, blocks, post, head, rotary = names
     transform = LogitTransform(config)
+    aux = RouterAux.of(source.skeleton, config)  # MoE with output_router_logits: the aux loss, carried
     tied = _is_tied(source.skeleton, pre[0], head)
     if tied:
         attrs = ["parts.0.weight"]  # only the shared matrix is all-reduced (see models/__init__)
-        first = TiedLayerSpec("embed", EmbedStage, source, pre, tied_weight_attr=attrs)
-        last = TiedLayerSpec("embed", EmbedStage, source, pre, forward_fn=TiedLogits(transform), tied_weight_attr=attrs)
+        first = TiedLayerSpec("embed", EmbedStage, source, pre, aux, tied_weight_attr=attrs)
+        last = TiedLayerSpec("embed", EmbedStage, source, pre, aux, forward_fn=TiedLogits(transform),
+                             tied_weight_attr=attrs)
     else:
-        first, last = LayerSpec(EmbedStage, source, pre), LayerSpec(LMHead, source, head, transform)
+        first, last = LayerSpec(EmbedStage, source, pre, aux), LayerSpec(LMHead, source, head, transform)
     layers = [first]
-    layers += [LayerSpec(DecoderBlock, source, name, rotary, config, i) for i, name in enumerate(blocks)]
+    layers += [LayerSpec(DecoderBlock, source, name, rotary, config, i, aux) for i, name in enumerate(blocks)]
     layers += [LayerSpec(FinalNorm, source, post), last]
     hf_names = [pre] + [[b] for b in blocks] + [post, pre if tied else [head]]
     return PipelineSpec(
-        layers=layers, loss_fn=causal_lm_loss, kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
+        layers=layers, loss_fn=aux.loss_fn if aux else causal_lm_loss, kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
         config=config, task="causal-lm", tied={"embed": [0, len(layers) - 1]} if tied else {},
         param_counts=[_numel(source.skeleton, n) for n in hf_names], hf_names=hf_names)
 
@@ -152,13 +165,6 @@ def _module_names(model, config):
     if bad or getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"model_type {config.model_type!r}: {bad or 'encoder-decoder'} changes the model's "
                           "forward outside its layers; dstk's generic wrapper would compute something else")
-    if getattr(config.get_text_config(), "output_router_logits", False):  # MoE load balancing in the loss
-        raise ConfigError(f"model_type {config.model_type!r}: output_router_logits is true, so HF adds "
-                          f"router_aux_loss_coef ({getattr(config.get_text_config(), 'router_aux_loss_coef', '?')}) x "
-                          "a load-balancing loss over every layer's router logits to the loss; dstk's pipeline "
-                          "stages send only hidden states, so that term would be missing. Set output_router_logits "
-                          "to false in config.json (released MoE checkpoints' default: the LM loss alone, computed "
-                          "exactly), or train at pp 1, where the HF model computes it")
     if getattr(config, "hidden_size_per_layer_input", None):  # gemma3n, gemma4: per-layer inputs (altup, laurel)
         raise ConfigError(f"model_type {config.model_type!r}: hidden_size_per_layer_input "
                           f"{config.hidden_size_per_layer_input}: its base model computes an extra input for every "

@@ -31,6 +31,9 @@ CASES = [  # (model_type, task, config overrides, parts over L + 3 (or L + 2) la
     ("gpt2", None, {}, [0, 1, 5]),
     ("bert", "masked-lm", {}, [0, 2, 4]),
     ("bert", "sequence-classification", {}, [0, 2, 4]),
+    # MoE with the router aux loss in the loss: its sums travel from stage 0's router to the loss on stage 1
+    ("mixtral", None, {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+                       "router_aux_loss_coef": 0.5}, [0, 2, 5]),
 ]
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
              "steps_per_print": 10**6, "gradient_clipping": 0.0, "pipeline": {"activation_checkpoint_interval": 0}}
@@ -68,6 +71,7 @@ def run_case(hf, spec, parts, pad):
            "extras": {n: d for n, d in diffs.items() if n in extras}}
     _, logits = engine.eval_batch(iter([(inputs, labels)]), return_logits=True)
     if engine.is_last_stage():
+        logits = logits[0] if isinstance(logits, tuple) else logits  # (logits, MoE router sums)
         out["logits"] = (logits - logits_hf).abs().max().item()
     return out
 
