@@ -107,8 +107,9 @@ def trained_model_dir(model: str, work: Path) -> Path:
 
 def flops_per_token(arch, seq_len: int) -> dict:
     """Training FLOPs per token: 6N (forward 2N, backward 4N), and with attention's 12 L s h_attn added
-    (scores and weighted sum, forward and backward, without the causal saving: PaLM's convention)."""
-    matmul_params = arch.num_params() - (arch.max_positions * arch.hidden if arch.learned_positions else 0)
+    (scores and weighted sum, forward and backward, without the causal saving: PaLM's convention).
+    N counts the parameters a token uses: an MoE block's top-k experts, not all of them."""
+    matmul_params = arch.active_params() - (arch.max_positions * arch.hidden if arch.learned_positions else 0)
     six_n = 6 * matmul_params
     return {"matmul_params": matmul_params, "6N": six_n,
             "6N+attention": six_n + 12 * arch.layers * seq_len * arch.heads * arch.head_dim}

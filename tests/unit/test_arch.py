@@ -10,7 +10,8 @@ from toolkit.errors import ConfigError, UnusableInput
 
 # Published totals (model cards / HF num_parameters) for a few, as an anchor independent of HF code.
 PUBLISHED = {"gpt2": 124_439_808, "llama-3-8b": 8_030_261_248, "llama-2-7b": 6_738_415_616,
-             "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768, "bert-base": 109_514_298}
+             "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768, "bert-base": 109_514_298,
+             "mixtral-8x7b": 46_702_792_704}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))

@@ -2,6 +2,7 @@
 
     arch.py              architectures as plain numbers (built-ins, or a HF config.json) and their
                          per-layer parameter counts
+    moe.py               mixture-of-experts configs: experts, top-k routing, shared experts, refusals
     lora.py              LoRA adapter counts per layer: which linears `--lora` adapts, what trains
     precision.py         bytes per element by precision and optimizer (the one table)
     costs.py             per-layer FLOPs, model-state and activation bytes

@@ -4,6 +4,10 @@ HF directory's config.json read with `json` (no transformers import, so `dstk pa
     arch = load_arch("llama-3.2-1b")           # a built-in
     arch = load_arch("path/to/hf_model")       # a directory holding config.json
     arch.num_params()                          # unique parameters (tied weights counted once)
+    load_arch("mixtral-8x7b").active_params()  # of which one token's forward uses (top-k experts of E)
+
+Mixture-of-experts configs (mixtral, olmoe, qwen2_moe, qwen3_moe) are read with their experts, shared
+experts and dense blocks (toolkit.plan.moe); other MoE families are refused, never counted as dense.
 
 `to_hf_config(arch)` (imports transformers) builds the matching HF config; the tests build the
 HF model from it on the meta device and check that `num_params()` equals the real count.
@@ -15,10 +19,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
+from toolkit.plan.moe import block_inactive_params, check_moe, moe_fields, moe_params
 
 # Model types whose MLP is a plain up -> act -> down (no gate) and whose norms are LayerNorm.
 NON_GATED_TYPES = {"gpt2", "bert", "gpt_neox", "phi", "starcoder2", "gpt_bigcode", "falcon", "opt", "gptj"}
 LAYERNORM_TYPES = NON_GATED_TYPES
+# Attention details read per model type: RMSNorms on queries and keys ("head": over head_dim, Qwen3;
+# "full": over the query and key widths, OLMoE), and attention_bias on the output projection too.
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}
+O_BIAS_TYPES = {"llama", "qwen3", "qwen3_moe", "olmoe"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,15 @@ class Arch:
     type_vocab: int = 0  # BERT token-type embeddings
     attn_dropout: bool = False  # dropout on attention probabilities (GPT-2, BERT): one more saved copy
     act_fn: str = "silu"  # MLP activation (HF hidden_act / activation_function): sets saved activations
+    qk_norm: str = ""  # "" none, "head" or "full": RMSNorms on q and k (QK_NORM)
+    o_bias: bool = False  # a bias on the attention output projection alone (attention_bias: Llama, Qwen3, OLMoE)
+    # Mixture of experts (toolkit.plan.moe); experts = 0 is a dense model.
+    experts: int = 0  # E: routed experts in each MoE block
+    experts_per_token: int = 0  # k: experts each token runs (num_experts_per_tok, top-k routing)
+    expert_intermediate: int = 0  # I_e: one expert's MLP width
+    shared_intermediate: int = 0  # I_s: the shared expert every token runs (Qwen2-MoE)
+    shared_gate: bool = False  # Qwen2-MoE: sigmoid(linear h -> 1) scales the shared expert's output
+    dense_blocks: tuple = ()  # blocks of an MoE model with a dense MLP of width `intermediate`
     extra: dict = field(default_factory=dict, compare=False)  # config keys kept for to_hf_config
 
     def __post_init__(self):
@@ -58,6 +76,10 @@ class Arch:
         if self.heads % self.kv_heads:
             raise ConfigError(f"architecture {self.name!r}: heads({self.heads}) is not a multiple of "
                               f"kv_heads({self.kv_heads})")
+        if self.qk_norm not in ("", "head", "full"):
+            raise ConfigError(f"architecture {self.name!r}: qk_norm {self.qk_norm!r} is not '', 'head' or 'full'")
+        object.__setattr__(self, "dense_blocks", tuple(self.dense_blocks))
+        check_moe(self)
 
     @property
     def is_encoder(self) -> bool:
@@ -69,21 +91,46 @@ class Arch:
         """Entries in the pipeline layer list: L+3 for causal LMs, L+2 for BERT."""
         return self.layers + (2 if self.is_encoder else 3)
 
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    def moe_block(self, index: int) -> bool:
+        """Whether block `index` routes tokens to experts (else its MLP is dense)."""
+        return self.is_moe and index not in self.dense_blocks
+
     def num_params(self) -> int:
-        """Unique parameters of the HF model (tied matrices once). Summed from the cost model."""
+        """Unique parameters of the HF model (tied matrices once), every expert included. Summed from the
+        cost model."""
         return sum(held - tied for _, held, tied in layer_params(self))
+
+    def inactive_params(self) -> int:
+        """Parameters one token's forward does not use: the E - k experts of each MoE block it is not
+        routed to (0 for a dense model)."""
+        return sum(block_inactive_params(self) for i in range(self.layers) if self.moe_block(i))
+
+    def active_params(self) -> int:
+        """Parameters one token's forward uses (MoE: the router's top-k experts of each block)."""
+        return self.num_params() - self.inactive_params()
 
 
 def _norm(arch: Arch) -> int:
     return (2 if arch.norm == "layernorm" else 1) * arch.hidden
 
 
-def _block_params(arch: Arch) -> int:
-    h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    attn = h * (qd + 2 * kd) + qd * h + arch.qkv_bias * (qd + 2 * kd) + arch.out_bias * h
+def _attn_params(arch: Arch) -> int:
+    h, qd, kd = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    qk_norm = {"": 0, "head": 2 * arch.head_dim, "full": h + h // arch.heads * arch.kv_heads}[arch.qk_norm]
+    return h * (qd + 2 * kd) + qd * h + arch.qkv_bias * (qd + 2 * kd) + (arch.out_bias or arch.o_bias) * h + qk_norm
+
+
+def _block_params(arch: Arch, index: int) -> int:
+    if arch.moe_block(index):
+        return 2 * _norm(arch) + _attn_params(arch) + moe_params(arch)
+    h, i = arch.hidden, arch.intermediate
     up = 2 if arch.gated_mlp else 1  # gate and up, or fc
     mlp = (up + 1) * h * i + arch.out_bias * (up * i + h)
-    return 2 * _norm(arch) + attn + mlp
+    return 2 * _norm(arch) + _attn_params(arch) + mlp
 
 
 def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
@@ -95,7 +142,7 @@ def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
     embed = v * h + arch.learned_positions * arch.max_positions * h
     if arch.is_encoder:  # token types and a LayerNorm inside BERT's embeddings
         embed += arch.type_vocab * h + _norm(arch)
-    blocks = [(f"block.{i}", _block_params(arch), 0) for i in range(arch.layers)]
+    blocks = [(f"block.{i}", _block_params(arch, i), 0) for i in range(arch.layers)]
     if arch.is_encoder:  # MLM head: dense h->h, LayerNorm, decoder (tied to word embeddings) + bias V
         head_own = h * h + h + _norm(arch) + v
         if arch.tied:
@@ -134,6 +181,8 @@ BUILTINS = {a.name: a for a in [
     _llama("mistral-7b", "mistral", 4096, 32, 32, 8, 14336, 32000, 32768),
     _llama("qwen2.5-0.5b", "qwen2", 896, 24, 14, 2, 4864, 151936, 32768, tied=True, qkv_bias=True),
     _llama("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 18944, 152064, 131072, qkv_bias=True),
+    _llama("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 14336, 32000, 32768, experts=8, experts_per_token=2,
+           expert_intermediate=14336),
     _bert("bert-base", 768, 12, 12, 3072),
     _bert("bert-large", 1024, 24, 16, 4096),
     # Tiny ones for tests: same code paths, seconds on a CPU.
@@ -144,7 +193,7 @@ BUILTINS = {a.name: a for a in [
 ]}
 ALIASES = {"gpt2-small": "gpt2", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
            "llama-1b": "llama-3.2-1b", "llama-3b": "llama-3.2-3b", "llama-8b": "llama-3-8b",
-           "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b"}
+           "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b"}
 
 
 def is_builtin(name) -> bool:
@@ -219,8 +268,20 @@ def arch_from_config(cfg: dict, name: str) -> Arch:
     return Arch(name, model_type, kv_heads=cfg.get("num_key_value_heads") or 0, head_dim=cfg.get("head_dim") or 0,
                 tied=bool(cfg.get("tie_word_embeddings", False)),
                 norm="layernorm" if model_type in LAYERNORM_TYPES else "rmsnorm", gated_mlp=not plain,
-                qkv_bias=plain or bool(cfg.get("attention_bias", model_type == "qwen2")), out_bias=plain,
-                attn_dropout=(cfg.get("attention_dropout") or 0) > 0, **common)
+                qkv_bias=plain or _qkv_bias(cfg, model_type), out_bias=plain,
+                o_bias=model_type in O_BIAS_TYPES and bool(cfg.get("attention_bias")),
+                qk_norm=QK_NORM.get(model_type, ""), attn_dropout=(cfg.get("attention_dropout") or 0) > 0,
+                **moe_fields(cfg, model_type, name), **common)
+
+
+def _qkv_bias(cfg: dict, model_type: str) -> bool:
+    """Biases on q, k, v: Qwen2 always, Qwen2-MoE by its own qkv_bias key (default on), Mixtral never,
+    the others by attention_bias."""
+    if model_type == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    if model_type == "mixtral":
+        return False
+    return bool(cfg.get("attention_bias", model_type == "qwen2"))
 
 
 def to_hf_config(arch: Arch):
@@ -242,6 +303,12 @@ def to_hf_config(arch: Arch):
         return transformers.BertConfig(type_vocab_size=arch.type_vocab, **kwargs)
     if arch.model_type == "llama":
         kwargs["attention_bias"] = arch.qkv_bias
+    if arch.model_type == "mixtral":  # its experts' width is intermediate_size
+        kwargs.update(num_local_experts=arch.experts, num_experts_per_tok=arch.experts_per_token,
+                      intermediate_size=arch.expert_intermediate)
+    elif arch.is_moe:
+        raise ConfigError(f"architecture {arch.name!r}: to_hf_config builds MoE models from a config.json "
+                          f"(arch_from_config) or mixtral's fields only, not {arch.model_type!r}")
     return transformers.AutoConfig.for_model(arch.model_type, num_key_value_heads=arch.kv_heads,
                                              head_dim=arch.head_dim, **kwargs)
 

@@ -14,6 +14,8 @@ FLOPs (a multiply-add counts 2), per micro-batch, forward:
                                                             the masked half of a causal one)
                     + (3 if gated else 2) * 2*N*h*I          MLP
                     + 10*N*h + 5*B*a*T^2 + 4*N*I             two norms, softmax, activation (rough)
+  MoE block         the MLP term becomes toolkit.plan.moe's: 2*N*h*E (router) + k * 3 * 2*N*h*I_e
+                    (each token's top-k experts, not all E) + 3 * 2*N*h*I_s + 2*N*h (shared expert, gate)
   embed             0                                        a lookup
   norm              5*N*h
   head              2*N*h*V (+ 2*N*h*h BERT's transform)     logits
@@ -29,6 +31,7 @@ their FLOPs suggest (memory bound): the `profile` partition method measures inst
 
 Memory, bytes (see toolkit.plan.precision): model states = params * param bytes + trainable * (grad + optimizer
 bytes); trainable = params, or with LoRA the adapters alone (frozen weights are held, nothing else).
+An MoE block's params are all E experts (every rank holds them), while its FLOPs count the k a token runs.
 LoRA leaves activations as they are: the frozen base still backpropagates through them. Activations
 held per micro-batch between its forward and backward (no activation checkpointing), with
 e = bytes per activation element:
@@ -37,6 +40,7 @@ e = bytes per activation element:
                                                            in, fp32 normalised, out (k=3)
                + 2*qd + 2*kd                                q, k, v, attention output
                + (qd + kd if rotary)                        rotary's saved inputs
+               + (2*qd + 2*kd with q/k norms)               their inputs and fp32 normalised (Qwen3, OLMoE)
                + m*I)                                       MLP: m = 2 (fc and activation outputs; 5 for
                                                            GPT-2's gelu_new, MLP_SAVED) + 2 if gated
           + c*e*B*a*T^2                                    attention="eager": c = 2 (softmax output and the
@@ -44,6 +48,8 @@ e = bytes per activation element:
                                                            attention="sdpa" (flash / efficient): c = 0
                                                            (on CPU, SDPA with dropout falls back to the
                                                            math path and keeps them: use "eager")
+          MoE block: the e*N*m*I term becomes toolkit.plan.moe.moe_act_bytes: per routed row (k*N of
+          them) its input, 4*I_e intermediates and scaled output; the router's fp32 probabilities (E per token)
   norm    k/2 * e*N*h (LayerNorm: input; RMSNorm: input and normalised)
   head    e*N*h (x5 BERT's transform) + 4*N*V              input, fp32 log-softmax for the loss
 These follow the tensors HF's modules save for backward (checked in tests/unit/test_costs.py with
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import Arch, layer_params
 from toolkit.plan.lora import block_linears, lora_params
+from toolkit.plan.moe import moe_act_bytes, moe_elementwise_flops, moe_flops
 from toolkit.plan.precision import PRECISIONS, weight_bytes
 
 
@@ -79,44 +86,47 @@ class LayerCost:
         return self.state_bytes + in_flight * self.act_bytes
 
 
-def _block_flops(arch: Arch, b: int, t: int) -> float:
+def _block_flops(arch: Arch, b: int, t: int, moe: bool) -> float:
     n, h, i = b * t, arch.hidden, arch.intermediate
     attn = 4 * b * t * t * arch.heads * arch.head_dim
-    elementwise = 10 * n * h + 5 * b * arch.heads * t * t + 4 * n * i
-    return _weight_flops(arch, "block", b, t) + attn + elementwise  # projections and MLP + the rest
+    mlp = moe_elementwise_flops(arch, n) if moe else 4 * n * i
+    elementwise = 10 * n * h + 5 * b * arch.heads * t * t + mlp
+    return _weight_flops(arch, "block", b, t, moe) + attn + elementwise  # projections and MLP + the rest
 
 
-def _weight_flops(arch: Arch, kind: str, b: int, t: int) -> float:
-    """Forward FLOPs of the matmuls against weight matrices (a frozen one skips their weight gradient)."""
+def _weight_flops(arch: Arch, kind: str, b: int, t: int, moe: bool = False) -> float:
+    """Forward FLOPs of the matmuls against weight matrices (a frozen one skips their weight gradient);
+    `moe`: the block routes tokens to experts (the router, k experts per token, the shared expert)."""
     n, h = b * t, arch.hidden
     if kind == "block":
         qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-        return 2 * n * h * (qd + 2 * kd) + 2 * n * qd * h + (3 if arch.gated_mlp else 2) * 2 * n * h * arch.intermediate
+        mlp = moe_flops(arch, n) if moe else (3 if arch.gated_mlp else 2) * 2 * n * h * arch.intermediate
+        return 2 * n * h * (qd + 2 * kd) + 2 * n * qd * h + mlp
     if kind == "head":
         return 2 * n * h * arch.vocab + arch.is_encoder * 2 * n * h * h
     return 0.0
 
 
-def _lora_flops(arch: Arch, kind: str, b: int, t: int, lora: int | None) -> tuple[float, float]:
+def _lora_flops(arch: Arch, kind: str, b: int, t: int, lora: int | None, moe: bool) -> tuple[float, float]:
     """(forward, forward + backward) FLOPs of one layer under LoRA of rank `lora` (module docstring)."""
-    fwd = _fwd_flops(arch, kind, b, t)
+    fwd = _fwd_flops(arch, kind, b, t, moe)
     if kind == "embed":
         return fwd, fwd  # frozen lookup, integer inputs: nothing to backpropagate
     if kind == "block":
-        linears = block_linears(arch)
+        linears = block_linears(arch, moe)
     elif kind == "head" and arch.is_encoder:
         linears = [(arch.hidden, arch.hidden)]  # BERT's MLM transform, adapted too (toolkit.plan.lora)
     else:
         linears = []
     adapters = sum(2 * b * t * lora * (i + o) for i, o in linears)
-    return fwd + adapters, 3 * fwd - _weight_flops(arch, kind, b, t) + 3 * adapters
+    return fwd + adapters, 3 * fwd - _weight_flops(arch, kind, b, t, moe) + 3 * adapters
 
 
-def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
+def _fwd_flops(arch: Arch, kind: str, b: int, t: int, moe: bool = False) -> float:
     """Forward FLOPs of one layer for b sequences of t tokens (formulas in the module docstring)."""
     n, h, v = b * t, arch.hidden, arch.vocab
     if kind == "block":
-        return _block_flops(arch, b, t)
+        return _block_flops(arch, b, t, moe)
     if kind == "norm":
         return 5 * n * h
     if kind == "head":
@@ -129,16 +139,20 @@ def _fwd_flops(arch: Arch, kind: str, b: int, t: int) -> float:
 MLP_SAVED = {"gelu_new": 5}
 
 
-def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str) -> int:
+def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str, moe: bool = False) -> int:
     """Activation bytes held per micro-batch (formulas in the module docstring); e bytes per element."""
     n, h = b * t, arch.hidden
     k = 2 if arch.norm == "layernorm" else 3
     if kind == "block":
         qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-        mlp = MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp
-        per_token = 2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd) + mlp * arch.intermediate
+        per_token = (2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd)
+                     + bool(arch.qk_norm) * 2 * (qd + kd))
         copies = (2 + arch.attn_dropout) if attention == "eager" else 0
-        return e * n * per_token + copies * e * b * arch.heads * t * t
+        if moe:
+            mlp_bytes = moe_act_bytes(arch, n, e)
+        else:
+            mlp_bytes = e * n * (MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp) * arch.intermediate
+        return e * n * per_token + mlp_bytes + copies * e * b * arch.heads * t * t
     if kind == "norm":
         return e * n * h * k // 2
     if kind == "head":
@@ -173,15 +187,16 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
     costs = []
     for i, (name, params, tied) in enumerate(layer_params(arch)):
         kind = name.split(".")[0]
+        moe = kind == "block" and arch.moe_block(int(name.split(".")[1]))
         if adapters is None:
-            fwd = _fwd_flops(arch, kind, mbs, seq_len)
+            fwd = _fwd_flops(arch, kind, mbs, seq_len, moe)
             total = fwd + 2 * mbs * seq_len * arch.hidden if kind == "embed" else 3 * fwd
             trainable = params
         else:
-            fwd, total = _lora_flops(arch, kind, mbs, seq_len, lora)
+            fwd, total = _lora_flops(arch, kind, mbs, seq_len, lora, moe)
             params, trainable = params + adapters[i], adapters[i]
-        states = params * p.param + trainable * (p.grad + p.optim)
-        acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention)
+        states = params * p.param + trainable * (p.grad + p.optim)  # all E experts: every rank holds them
+        acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention, moe)
         costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable))
     return costs
 

@@ -24,11 +24,16 @@ def check_lora_rank(r) -> None:
         raise ConfigError(f"--lora must be a positive integer (the LoRA rank r), got {r!r}")
 
 
-def block_linears(arch: Arch) -> list[tuple[int, int]]:
+def block_linears(arch: Arch, moe: bool = False) -> list[tuple[int, int]]:
     """(in, out) features of each linear layer inside one block: the modules LoRA adapts by default
-    (toolkit.train.lora: every block linear). Fused projections are one linear each."""
+    (toolkit.train.lora: every block linear). Fused projections are one linear each. An MoE block's
+    router and experts are parameters, not nn.Linear modules (transformers' fused 3-D experts), so only
+    its attention and shared expert (with its h -> 1 gate) are adapted."""
     h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     attn = [(h, qd + 2 * kd)] if arch.model_type in FUSED_QKV_TYPES else [(h, qd), (h, kd), (h, kd)]
+    if moe:
+        s = arch.shared_intermediate
+        return attn + [(qd, h)] + ([(h, s), (h, s), (s, h), (h, 1)] if arch.shared_gate else [])
     if not arch.gated_mlp:
         up = [(h, i)]
     else:
@@ -43,10 +48,10 @@ def lora_params(arch: Arch, r: int) -> list[int]:
     target "dense" by name, so the MLM head's transform (h x h) is adapted too; it is counted on the
     head (the layer that runs it). These are the only parameters that train; the base is frozen."""
     check_lora_rank(r)
-    block = r * sum(a + b for a, b in block_linears(arch))
+    dense, moe = (r * sum(a + b for a, b in block_linears(arch, m)) for m in (False, True))
     head = r * 2 * arch.hidden if arch.is_encoder else 0
-    return [block if name.startswith("block.") else head if name == "head" else 0
-            for name, _, _ in layer_params(arch)]
+    return [(moe if arch.moe_block(int(name[6:])) else dense) if name.startswith("block.") else
+            head if name == "head" else 0 for name, _, _ in layer_params(arch)]
 
 
 def param_counts(arch: Arch, lora: int | None = None) -> tuple[int, int]:

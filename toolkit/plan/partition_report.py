@@ -53,6 +53,7 @@ class PartitionReport:
     balanced_by: str  # "compute (FLOPs)", "memory" or "measured time"
     lora_r: int | None = None  # LoRA rank: adapters on every block linear train, the base is frozen
     trainable_params: int = 0  # unique parameters that train: all, or the adapters
+    active_params: int = 0  # unique parameters one token's forward uses: all, or (MoE) its top-k experts
     stages: list = field(default_factory=list)
     splits: list = field(default_factory=list)  # dstk's first, then DeepSpeed's
 
@@ -72,7 +73,7 @@ def partition_report(arch: Arch, pp: int, seq_len: int, mbs: int = 1, method: st
     parts = partition_layers(costs, pp, method, times=times)
     params, trainable = param_counts(arch, lora)
     report = PartitionReport(arch.name, params, len(costs), pp, seq_len, mbs, precision, method, balanced_by,
-                             lora, trainable)
+                             lora, trainable, params - arch.inactive_params())
     for s in range(pp):
         chunk = costs[parts[s]:parts[s + 1]]
         report.stages.append(Stage(s, chunk[0].name, chunk[-1].name, len(chunk),
@@ -105,8 +106,9 @@ def _stage_memory(costs, pp):
 
 def format_report(r: PartitionReport) -> str:
     """Human-readable table of the report."""
-    lines = [f"{r.model}: {_si(r.params)} parameters, {r.num_layers} pipeline layers, seq {r.seq_len} x mbs "
-             f"{r.mbs}, {r.precision}, pp {r.pp}; method {r.method!r}",
+    active = f" ({_si(r.active_params)} active per token)" if r.active_params != r.params else ""
+    lines = [f"{r.model}: {_si(r.params)} parameters{active}, {r.num_layers} pipeline layers, "
+             f"seq {r.seq_len} x mbs {r.mbs}, {r.precision}, pp {r.pp}; method {r.method!r}",
              *([f"LoRA r={r.lora_r} on every block linear: {_si(r.trainable_params)} trainable parameters "
                 f"({r.trainable_params / r.params:.2%}); the base is frozen"] if r.lora_r else []),
              f"{'stage':>5}  {'layers':<22}{'blocks':>6}  {'params':>8}  {'fwd+bwd':>10}  {'share':>6}  "

@@ -65,6 +65,7 @@ class PlanResult:
     reasons: list  # one line per shown layout: why it ranks where it does
     params: int = 0  # the model's unique parameters (with LoRA: base + adapters)
     trainable: int = 0  # of which train: all, or LoRA's adapters
+    active: int = 0  # of which one token's forward uses: all, or an MoE model's top-k experts per block
 
     @property
     def best(self) -> list:
@@ -83,6 +84,7 @@ class PlanResult:
         return {"model": r.model, "world_size": r.gpus_per_node * r.nodes, "gpu": self.gpu.name,
                 "gpu_memory_bytes": self.gpu.memory, "seq_len": self.seq_len, "gbs": r.gbs,
                 "precision": r.precision, "lora_r": r.lora, "params": self.params, "trainable_params": self.trainable,
+                "active_params": self.active,
                 "layouts_considered": self.considered, "layouts_fitting": len(self.fitting),
                 "best": [dict(e.to_dict(), reason=why) for e, why in zip(self.best, self.reasons)],
                 "closest": self.closest.to_dict() if self.closest else None}
@@ -97,6 +99,7 @@ def make_plan(req: PlanRequest) -> PlanResult:
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
     closest = None if fitting else min(estimates, key=lambda e: e.excess)
     result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [], *param_counts(arch, req.lora))
+    result.active = result.params - arch.inactive_params()
     best = result.best
     result.reasons = [_reason(e, best, i) for i, e in enumerate(best)]
     return result

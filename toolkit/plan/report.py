@@ -11,7 +11,9 @@ OPTIMIZER_TYPES = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
 def render_text(result: PlanResult) -> str:
     r = result.request
     usable = result.fitting[0].capacity if result.fitting else result.closest.capacity
-    lines = [f"{r.model} on {r.nodes} x {r.gpus_per_node} {result.gpu.name} ({fb(result.gpu.memory)} each, "
+    active = f", {result.active:,} active per token" if result.active != result.params else ""
+    lines = [f"{r.model} ({result.params:,} parameters{active}) on {r.nodes} x {r.gpus_per_node} "
+             f"{result.gpu.name} ({fb(result.gpu.memory)} each, "
              f"{fb(usable)} usable after a {r.reserve:.0%} reserve); seq {result.seq_len}, gbs {r.gbs}, {r.precision}",
              f"{result.considered} layouts considered, {len(result.fitting)} fit."]
     if r.lora:
