@@ -82,11 +82,14 @@ def _check_call_order(base, pre, layers, post, refuse) -> None:
     except (OSError, TypeError):  # no source (compiled, dynamic): the structure alone decides
         return
     calls = [(m.start(), m.group(1)) for m in re.finditer(r"self\.(\w+)\s*[(\[]", source)]
-    loop = next((at for at, name in calls if name == layers), None)
-    if loop is None:
+    loops = [at for at, name in calls if name == layers]
+    if not loops:
         return
+    if len(loops) > 1:  # dory: input layers, recurrent layers looped with norms between, output layers
+        raise refuse(f"{type(base).__name__}.forward runs its decoder layers in {len(loops)} separate loops (with "
+                     "work between them), not once in order, which dstk's wrapper does not reproduce")
     for at, name in calls:
-        if (name in pre and at > loop) or (name in post and at < loop):
+        if (name in pre and at > loops[0]) or (name in post and at < loops[0]):
             raise refuse(f"{type(base).__name__}.forward applies {name} {'after' if name in pre else 'before'} "
                          f"its decoder layers too, which dstk's wrapper does not repeat")
 

@@ -150,7 +150,8 @@ def build_generic(source, config) -> PipelineSpec:
     layers += [LayerSpec(FinalNorm, source, post), last]
     hf_names = [pre] + [[b] for b in blocks] + [post, pre if tied else [head]]
     return PipelineSpec(
-        layers=layers, loss_fn=aux.loss_fn if aux else causal_lm_loss, kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
+        layers=layers, loss_fn=aux.loss_fn if aux else causal_lm_loss,
+        kinds=["embed"] + ["block"] * len(blocks) + ["norm", "head"],
         config=config, task="causal-lm", tied={"embed": [0, len(layers) - 1]} if tied else {},
         param_counts=[_numel(source.skeleton, n) for n in hf_names], hf_names=hf_names)
 
@@ -178,10 +179,21 @@ def _module_names(model, config):
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
         raise ConfigError(f"model_type {config.model_type!r}: its base_model_pp_plan names 'layers' but "
                           f"{type(base).__name__} has no .layers list of decoder layers; dstk cannot split it")
+    _check_no_shared_kv(base.layers[0], config)
     blocks = [f"{prefix}.layers.{i}" for i in range(len(base.layers))]
     rotary = next((f"{prefix}.{n}" for n, m in base.named_children() if "Rotary" in type(m).__name__), None)
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
     return ([f"{prefix}.{k}" for k in plan[:cut]], blocks, [f"{prefix}.{k}" for k in plan[cut + 1:]], head, rotary)
+
+
+def _check_no_shared_kv(layer, config) -> None:
+    """Layers that store or read other layers' keys/values (gemma4's KV sharing) get them from their base
+    model's forward, a dependency between layers that is not the hidden state: refused."""
+    for module in layer.modules():
+        if "shared_kv_states" in inspect.signature(module.forward).parameters:
+            raise ConfigError(f"model_type {config.model_type!r}: {type(module).__name__} takes shared_kv_states: "
+                              "layers share keys/values (KV sharing, a dict the base model's forward passes every "
+                              "layer), which dstk's pipeline stages do not send between layers")
 
 
 def _mask_function(config, layer_idx):

@@ -1,5 +1,7 @@
-"""bench/arch_sweep.py: tiny configs, the outcome of a few known types, the table, a hung worker."""
+"""bench/arch_sweep.py: tiny configs, the outcome of a few known types, the table, a hung worker, and
+(slow tier) the whole sweep against the committed table."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import arch_sweep  # noqa: E402
 
+TABLE = Path(arch_sweep.RESULTS) / "arch_sweep.json"
+
 
 def test_tiny_config_shrinks_every_size():
     config = arch_sweep.tiny_config("deepseek_v3")
@@ -17,6 +21,19 @@ def test_tiny_config_shrinks_every_size():
     assert config.num_key_value_heads == config.num_attention_heads  # MLA keeps one kv head per head
     gemma3 = arch_sweep.tiny_config("gemma3_text")  # one layer of each kind, sliding window cutting seq 8
     assert gemma3.layer_types == ["sliding_attention", "full_attention"] and gemma3.sliding_window == 4
+
+
+def test_tiny_config_keeps_per_layer_overrides_and_sub_configs_consistent():
+    gemma4 = arch_sweep.tiny_config("gemma4_text")  # per_layer_config {"05": {"head_dim": 512}, ...} (zero-padded)
+    assert gemma4.layer_types == ["sliding_attention", "full_attention"]
+    per_layer = {int(k): v for k, v in gemma4.to_dict()["per_layer_config"].items()}
+    assert per_layer == {1: {"head_dim": 32}}  # still twice the others' 16
+    dbrx = arch_sweep.tiny_config("dbrx")  # PER_TYPE updates the shrunk attn_config, not replaces it
+    assert (dbrx.attn_config.clip_qkv, dbrx.attn_config.kv_n_heads, dbrx.ffn_config.moe_num_experts) == (8.0, 2, 4)
+    from arch_sweep_config import causal_lm_class
+
+    cls, config = causal_lm_class(arch_sweep.tiny_config("musicgen"))  # the CausalLM takes the decoder's config
+    assert cls.__name__ == "MusicgenForCausalLM" and config.model_type == "musicgen_decoder"
 
 
 def test_known_types_are_classified(ds_world1):
@@ -57,3 +74,27 @@ def test_a_hung_type_is_a_crash_and_the_sweep_goes_on():
 def test_what_used_to_crash_is_refused_with_the_reason(ds_world1, model_type, words):
     row = arch_sweep.sweep_one(model_type)
     assert row["outcome"] == "refused" and words in row["reason"], row
+
+
+@pytest.mark.slow
+def test_the_whole_sweep_has_no_failure_and_matches_the_committed_table_and_readme():
+    """Every causal LM type (~1-2 min on 2 cores, as `bench/arch_sweep.py`): no crash or mismatch (MoE
+    types also with their router aux loss), bench/results/arch_sweep.json holds today's outcome of every
+    type, and README's architecture section is the one bench/arch_table.py makes from that table."""
+    rows = {r["type"]: r for r in arch_sweep.run_sweep(sorted(arch_sweep.causal_lm_types()), timeout=120)}
+    broken = {t: f"{r['outcome']}: {r['reason']}" for t, r in rows.items() if r["outcome"] in ("crash", "mismatch")}
+    assert not broken, "crash/mismatch:\n" + "\n".join(f"  {t}: {why}" for t, why in sorted(broken.items()))
+    committed = {r["type"]: (r["outcome"], r.get("aux")) for r in json.loads(TABLE.read_text())["rows"]}
+    fresh = {t: (r["outcome"], r.get("aux")) for t, r in rows.items()}
+    stale = {t: f"{committed.get(t)} -> {fresh.get(t)}" for t in sorted(committed.keys() | fresh.keys())
+             if committed.get(t) != fresh.get(t)}
+    assert not stale, f"{TABLE.name} is stale; re-run `.venv/bin/python bench/arch_sweep.py`: {stale}"
+
+
+def test_readme_lists_what_the_committed_sweep_measured():
+    import arch_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = arch_table.section(json.loads(TABLE.read_text()))
+    assert section in readme, "README's architecture section is stale: run `.venv/bin/python bench/arch_table.py`"
+    assert "| other |" not in section  # every refusal falls under a named kind
