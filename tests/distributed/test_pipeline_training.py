@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 STEPS, SEQ, LR, CLIP = 10, 32, 1e-3, 1.0
-COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", str(SEQ), "--no-progress", "--eval-batches", "1",
+COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", str(SEQ), "--no-progress",
           "--no-export", "--steps", str(STEPS)]
 
 
@@ -58,12 +58,12 @@ def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
     norm before clipping, as torch.nn.utils.clip_grad_norm_ returns it)."""
     import torch
 
+    from models.spec import attention_inputs
     from toolkit.train import data, hf
 
     tok = hf.byte_tokenizer()
     config = hf.load_config("tiny-gpt2", tok, "causal-lm")
-    rows = data.tokenize(data.read_records(CORPUS), tok, SEQ, "causal-lm", hf.max_positions(config))
-    train_set, _ = data.split(rows, 0.05, 1234)
+    train_set = data.prepare(data.DataOptions(str(CORPUS), SEQ, max_positions=hf.max_positions(config)), tok).train
     it = data.ShardedBatches(train_set, mbs, gas, 1, 0, 1234).micro_batches(0)
     model = hf.build_model("tiny-gpt2", config, "causal-lm", 1234).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -71,8 +71,10 @@ def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
     for step in range(1, STEPS + 1):
         losses[step] = 0.0
         for _ in range(gas):
-            (ids, mask), labels = next(it)
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            (ids, docs), labels = next(it)
+            mask, positions = attention_inputs(docs)  # packed documents: HF's packed-sequence format
+            loss = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels,
+                         use_cache=False).loss
             (loss / gas).backward()
             losses[step] += float(loss.detach()) / gas
         norms[step] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))

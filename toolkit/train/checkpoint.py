@@ -16,18 +16,24 @@ from pathlib import Path
 from toolkit.errors import ConfigError, UnusableInput
 
 META = "dstk"
+TAG_LAYOUT = "dstk-layout.json"  # a tag's own copy of layout.json (the run may have moved since)
 
 
-def save(engine, ckpt_dir: Path, step: int, frozen: bool = True) -> str:
+def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=None, layout=None) -> str:
     """Save every rank's part under tag global_step<step>, then point `latest` at it. frozen=False
-    leaves frozen parameters out (a LoRA run's base: its --model directory holds it unchanged)."""
+    leaves frozen parameters out (a LoRA run's base: its --model directory holds it unchanged).
+    param_names: this rank's optimizer parameters by name, per group, in the order the optimizer got
+    them (saved with the rank's states: what names torch's optimizer state for another layout).
+    layout: the run's layout.json, also written into the tag (TAG_LAYOUT): the layout that tag has."""
     import torch.distributed as dist
 
     tag = f"global_step{step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False,
-                           exclude_frozen_parameters=not frozen)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step, "param_names": param_names},
+                           save_latest=False, exclude_frozen_parameters=not frozen)
     dist.barrier()  # every rank's files are on disk before `latest` names the tag
     if dist.get_rank() == 0:
+        if layout is not None:
+            (Path(ckpt_dir) / tag / TAG_LAYOUT).write_text(json.dumps(layout, indent=1))
         write_latest(ckpt_dir, tag)
     dist.barrier()
     return tag
@@ -70,6 +76,25 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
+def tag_layout(ckpt_dir: Path, tag: str) -> dict:
+    """The layout checkpoint `tag` was written with: its own copy, else the run's layout.json."""
+    own = Path(ckpt_dir) / tag / TAG_LAYOUT
+    return json.loads((own if own.is_file() else Path(ckpt_dir) / META / "layout.json").read_text())
+
+
+def move_meta(ckpt_dir: Path, layout: dict) -> None:
+    """The run continues on another layout: every tag without its own copy keeps the old layout.json,
+    which then becomes `layout`."""
+    meta = Path(ckpt_dir) / META / "layout.json"
+    old = meta.read_text()
+    for tag_dir in Path(ckpt_dir).glob("*/"):
+        if tag_dir.name != META and tag_dir.is_dir() and not (tag_dir / TAG_LAYOUT).exists():
+            (tag_dir / TAG_LAYOUT).write_text(old)
+    tmp = meta.with_name(f".layout.{os.getpid()}")
+    tmp.write_text(json.dumps(layout, indent=1))
+    os.replace(tmp, meta)
+
+
 def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
     """What export needs besides the weights: the HF config, the tokenizer, the layer layout."""
     meta = Path(ckpt_dir) / META
@@ -79,18 +104,33 @@ def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
     (meta / "layout.json").write_text(json.dumps(layout, indent=1))
 
 
-RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "pp", "dp", "zero_stage", "lora")  # what a resume must match
+RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora")  # what a resume must match
+LAYOUT_KEYS = ("pp", "dp", "zero_stage")  # what may change on resume (toolkit.train.portable)
 
 
-def check_resumable(ckpt_dir: Path, now: dict) -> None:
-    """Refuse to resume a checkpoint written with another model, tokenizer, task, seq-len or layout
-    (pp, dp, ZeRO stage): DeepSpeed would fail deep inside load_checkpoint, or load mismatched state."""
-    saved = json.loads((Path(ckpt_dir) / META / "layout.json").read_text())
+def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
+    """Refuse to resume a checkpoint written with another model, tokenizer, task, seq-len or LoRA setting,
+    and a move to another layout that cannot be honoured; returns the layout keys that change (pp, dp,
+    zero_stage: the run continues there through toolkit.train.portable)."""
+    saved = tag_layout(ckpt_dir, tag) if tag else json.loads((Path(ckpt_dir) / META / "layout.json").read_text())
     diffs = [f"{k}: checkpoint {saved[k]!r}, now {now.get(k)!r}" for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
     if diffs:
         raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(diffs)}); resume with the same "
-                          "--model, --tokenizer, --task, --seq-len and config layout, or start a fresh --out "
-                          "(a checkpoint cannot move between layouts yet)")
+                          "--model, --tokenizer, --task, --seq-len and LoRA options, or start a fresh --out")
+    moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
+    was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
+    why = None
+    if moved and 3 in (saved.get("zero_stage"), now.get("zero_stage")):
+        why = "ZeRO-3 partitions carry no parameter names dstk can move"
+    elif moved and saved.get("lora"):
+        why = "moving a LoRA run between layouts is not supported yet"
+    elif moved and not saved.get("portable"):
+        why = "the checkpoint was written by an older dstk that did not name its optimizer states"
+    if why:
+        raise ConfigError(f"--resume: {ckpt_dir} was written with {was} and this run has "
+                          f"{', '.join(f'{k} {now.get(k)}' for k in LAYOUT_KEYS)}: {why}; resume with the "
+                          "checkpoint's layout (its config), or start a fresh --out")
+    return moved
 
 
 def _shape_keys(config) -> dict:

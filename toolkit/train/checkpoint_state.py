@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.train.checkpoint import META, read_latest
+from toolkit.train.checkpoint import META, TAG_LAYOUT, read_latest
 from toolkit.train.lora import is_adapter
 
 
@@ -54,7 +54,7 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     """(HF state dict in fp32, layout) from a pipeline or pp = 1 (incl. ZeRO) checkpoint."""
     ckpt_dir = Path(ckpt_dir)
     tag = resolve_tag(ckpt_dir, tag)
-    layout = read_layout(ckpt_dir / META / "layout.json")
+    layout = layout_of(ckpt_dir, tag)
     if layout.get("pp", 1) > 1:
         state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
                  **_pipeline_masters(ckpt_dir / tag, layout)}
@@ -113,6 +113,13 @@ def _split(flat, numels: list) -> list:
     return list(flat[: sum(numels)].split(numels))
 
 
+def layout_of(ckpt_dir: Path, tag: str) -> dict:
+    """The layout tag was written with: its own copy (a run that moved to another layout keeps one per
+    tag), else the run's dstk/layout.json."""
+    own = Path(ckpt_dir) / tag / TAG_LAYOUT
+    return read_layout(own if own.is_file() else Path(ckpt_dir) / META / "layout.json")
+
+
 def read_layout(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -122,8 +129,9 @@ def read_layout(path: Path) -> dict:
         raise UnusableInput(f"{path} cannot be read: {first_line(exc)}") from None
 
 
-def _torch_load(path: Path):
-    """torch.load, with a one-line error for a missing, truncated or foreign file."""
+def _torch_load(path: Path, mmap: bool = False):
+    """torch.load, with a one-line error for a missing, truncated or foreign file. mmap: the tensors
+    stay in the file (pages are read when touched, and let go with the last tensor)."""
     import pickle
     import zipfile
 
@@ -132,7 +140,7 @@ def _torch_load(path: Path):
     if not path.is_file():
         raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         raise UnusableInput(f"{path} cannot be read ({first_line(exc)}): the file is truncated or damaged "
                             "(a save cut short?); export another tag with --tag") from None

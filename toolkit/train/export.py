@@ -1,8 +1,11 @@
 """A dstk-trained DeepSpeed checkpoint -> a HF directory (safetensors, config, tokenizer).
 
-The checkpoint's tensors by HF name come from toolkit.train.checkpoint_state (pipeline layer files,
-ZeRO shards, fp32 masters); a LoRA run's are loaded into the PeftModel, whose adapters are written in
-PEFT's format and merged.
+A full model is streamed (toolkit.train.export_stream over toolkit.train.checkpoint_stream): about
+one layer in memory at a time, written into sharded safetensors + index. A LoRA run (and a model
+whose saved names transformers converts, e.g. fused MoE experts) takes the whole-model path: the
+tensors by HF name from toolkit.train.checkpoint_state (pipeline layer files, ZeRO shards, fp32
+masters) are loaded into the model (a LoRA run's into the PeftModel, whose adapters are written in
+PEFT's format and merged), then save_pretrained.
 
 The HF directory is written into a temporary folder beside OUT_DIR and renamed into place: a
 failure leaves no half-written export, and an existing OUT_DIR is replaced only with overwrite.
@@ -27,34 +30,73 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dtype: str = "fp32",
-           adapter_dir=None, merge: bool = True) -> Path:
+           adapter_dir=None, merge: bool = True, max_shard_size="5GB", stream: bool = True) -> Path:
     """Write OUT_DIR = a HF directory (safetensors, config, tokenizer) with the checkpoint's weights.
 
     ckpt_dir: a checkpoint folder or the run folder holding it. overwrite=False refuses an OUT_DIR
     that already holds files (checked before anything is loaded). dtype: fp32 (the default: the
     weights as trained, masters where the checkpoint holds them) or bf16/fp16 (half the bytes);
-    config.json's "dtype" says which. A LoRA run (layout["lora"]): OUT_DIR holds the adapters merged
+    config.json's "dtype" says which. max_shard_size: "5GB", "500MB" or bytes; a larger model is
+    split into model-0000k-of-0000n.safetensors + model.safetensors.index.json.
+
+    A full model is streamed (toolkit.train.export_stream: about one layer in memory at a time);
+    stream=False, a LoRA run, or a model whose saved names save_pretrained converts, load the whole
+    model and save_pretrained it. A LoRA run (layout["lora"]): OUT_DIR holds the adapters merged
     into full weights, and `adapter_dir` (when given) the adapters alone in PEFT's format; with
     merge=False OUT_DIR holds the adapters alone instead (no merged weights)."""
-    import torch
-    from transformers import AutoConfig
-
-    import models
+    from toolkit.train.export_stream import parse_size
 
     ckpt_dir = find_checkpoint_dir(ckpt_dir)
     out_dir = Path(out_dir)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    max_bytes = parse_size(max_shard_size)
     _check_out(out_dir, overwrite)
     meta = ckpt_dir / META
-    _check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(read_layout(meta / "layout.json").get("lora")))
+    layout = read_layout(meta / "layout.json")
+    _check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(layout.get("lora")))
     if adapter_dir is not None:
         _check_out(Path(adapter_dir), overwrite)
-    state, layout = load_state_dict(ckpt_dir, tag)
+    if stream and not layout.get("lora") and _streamed(ckpt_dir, tag, layout, out_dir, dtype, max_bytes):
+        return out_dir
+    return _export_in_memory(ckpt_dir, out_dir, tag, dtype, adapter_dir, merge, max_bytes)
+
+
+def _streamed(ckpt_dir: Path, tag, layout: dict, out_dir: Path, dtype: str, max_bytes: int) -> bool:
+    """Whether the streaming export wrote OUT_DIR (False: this checkpoint needs the whole model)."""
+    from toolkit.train.checkpoint_state import resolve_tag
+    from toolkit.train.checkpoint_stream import NotStreamable
+    from toolkit.train.export_stream import export_streaming
+
+    tag = resolve_tag(ckpt_dir, tag)
+    config = _read_config(ckpt_dir / META)
     try:
-        config = AutoConfig.from_pretrained(meta)
+        _write_dir_atomically(out_dir, lambda folder: export_streaming(ckpt_dir, tag, layout, config, folder,
+                                                                       DTYPES[dtype], max_bytes))
+    except NotStreamable:
+        return False
+    return True
+
+
+def _read_config(meta: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(meta)
     except (OSError, ValueError) as exc:
         raise UnusableInput(f"{meta}/config.json cannot be read as a HF config: {first_line(exc)}") from None
+
+
+def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_dir, merge: bool, max_bytes: int) -> Path:
+    """The whole model in fp32 in this process, then save_pretrained (LoRA runs; the reference the
+    streaming export is tested against)."""
+    import torch
+
+    import models
+
+    meta = ckpt_dir / META
+    state, layout = load_state_dict(ckpt_dir, tag)
+    config = _read_config(meta)
     cls = models.auto_class(MODEL_TASKS[layout["task"]])
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -77,7 +119,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(_without_tied_copies(model, state), strict=False)
     missing = [k for k in missing if not _tied(model, k) and (not adapters_only or is_adapter(k))]
     if missing or unexpected:
         raise ConfigError(f"{ckpt_dir} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
@@ -92,7 +134,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     model.to(getattr(torch, DTYPES[dtype]))
     model.config.dtype = DTYPES[dtype]
 
-    _write_dir_atomically(out_dir, lambda folder: _save_with_tokenizer(model, meta, folder))
+    _write_dir_atomically(out_dir, lambda folder: _save_with_tokenizer(model, meta, folder, max_bytes))
     return out_dir
 
 
@@ -111,10 +153,10 @@ def _check_adapter_flags(ckpt_dir: Path, out_dir: Path, adapter_dir, merge: bool
                           "give another folder")
 
 
-def _save_with_tokenizer(model, meta: Path, folder: Path) -> None:
+def _save_with_tokenizer(model, meta: Path, folder: Path, max_bytes: int | None = None) -> None:
     from transformers import AutoTokenizer
 
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_bytes} if max_bytes else {}))
     AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
 
 
@@ -200,6 +242,16 @@ def _write_dir_atomically(out_dir: Path, write) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _without_tied_copies(model, state: dict) -> dict:
+    """`state` less a tied weight's second name (lm_head.weight) where its first is there too: both
+    would load into one tensor, the later winning, and at ZeRO-0 under bf16 the second is the
+    module's bf16 copy while the first holds the fp32 master."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # {lm_head.weight: transformer.wte.weight}
+    prefix = PEFT_PREFIX if any(k.startswith(PEFT_PREFIX) for k in state) else ""
+    return {k: v for k, v in state.items()
+            if not (k.removeprefix(prefix) in tied and prefix + tied[k.removeprefix(prefix)] in state)}
 
 
 def _tied(model, key: str) -> bool:

@@ -37,8 +37,28 @@ def _byte_chars() -> dict:
     return chars
 
 
-def load_tokenizer(model: str, tokenizer: str | None = None):
-    """The tokenizer given, else the model directory's, else the byte tokenizer for built-ins."""
+def load_tokenizer(model: str, tokenizer: str | None = None, chat_template: str | None = None):
+    """The tokenizer given, else the model directory's, else the byte tokenizer for built-ins; with the
+    Jinja chat template read from the file `chat_template` when given (it is saved with the tokenizer)."""
+    tok = _tokenizer(model, tokenizer)
+    if chat_template:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(path: str) -> str:
+    """The text of --chat-template FILE, refused clearly when it is not a readable file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({type(exc).__name__}); pass a Jinja template "
+                          "file") from None
+    if not text.strip():
+        raise ConfigError(f"--chat-template {path} is empty; pass a Jinja template file")
+    return text
+
+
+def _tokenizer(model: str, tokenizer: str | None):
     from transformers import AutoTokenizer
 
     source = tokenizer or (model if Path(model).is_dir() else None)

@@ -24,7 +24,7 @@ class Job:
     engine: object
     pipeline: bool
     train: data.ShardedBatches
-    eval_set: data.TokenData
+    eval_set: data.Rows
     start_step: int
     steps: int
     tokens_per_step: int  # gbs * seq_len
@@ -32,21 +32,22 @@ class Job:
     dp_rank: int
     ckpt_dir: Path
     save_frozen: bool = True  # False: a LoRA run from a directory saves adapters (and optimizer) only
+    data_info: dict | None = None  # data.Prepared.info: format, documents, rows, truncations
+    param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
+    layout: dict | None = None  # the run's layout.json, also saved with every tag (a run can change layout)
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
     """Tokenizer, data, model and engine; resumes from checkpoint `resume_tag` when given."""
     import deepspeed
 
-    tokenizer = hf.load_tokenizer(args.model, args.tokenizer)
-    rows = data.read_records(args.data, args.encoding)
+    tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
     config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
-    tokens = data.tokenize(rows, tokenizer, args.seq_len, args.task, hf.max_positions(config), args.text_field)
+    prepared = data.prepare_once_per_node(data_options(args, hf.max_positions(config)), tokenizer)
     if args.task == "classification":
-        config.num_labels = int(tokens.labels.max()) + 1  # the head's size, from the data
-    train_set, eval_set = data.split(tokens, args.eval_fraction, args.seed)
+        config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
     batch = config_batch(cfg, topo.dp)
-    sampler = data.ShardedBatches(train_set, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
+    sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = Path(args.out) / "checkpoints"
     start = checkpoint.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
@@ -58,27 +59,58 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
         failed = type(exc)(f"rank {dist.get_rank()} (pipeline stage {stage}): {exc}")
         failed.every_rank = True  # printed by the rank that hit it, not only by rank 0
         raise failed from None
+    _quiet_packed_rows()
     torch.manual_seed(args.seed + 1 + dp_rank)  # from here on (dropout): another stream per replica
     groups = param_groups(model, cfg)
-    if topo.pp == 1:  # the optimizer's order of parameters: how export finds fp32 masters by name
-        names = {id(p): n for n, p in model.named_parameters()}  # before initialize replaces them (bf16)
-        layout["param_groups"] = [[names[id(p)] for p in g["params"]] for g in groups]
+    # the optimizer's order of parameters, by name (before initialize replaces them under bf16): how export
+    # finds pp = 1 fp32 masters, and how torch's optimizer state is named when the run moves to another layout
+    names = {id(p): n for n, p in model.named_parameters()}
+    param_names = [[names[id(p)] for p in g["params"]] for g in groups]
+    if topo.pp == 1:
+        layout["param_groups"] = param_names
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
     # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
     layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
+    layout = {**layout, **run_identity(args, topo, cfg), "portable": True}
     if dist.get_rank() == 0 and not resume_tag:
-        checkpoint.save_meta(ckpt_dir, config, tokenizer, {**layout, **run_identity(args, topo, cfg)})
+        checkpoint.save_meta(ckpt_dir, config, tokenizer, layout)
     if resume_tag:
-        # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
-        # just read from --model, and only the adapters come from the checkpoint
-        loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=resume_tag, load_module_strict=save_frozen)
-        if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
-            raise UnusableInput(f"--resume: {ckpt_dir / resume_tag} could not be loaded (files missing on this rank "
-                                f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
+        _resume(engine, ckpt_dir, resume_tag, layout, save_frozen)
     steps = args.steps or sampler.steps_per_epoch
-    return Job(engine, topo.pp > 1, sampler, eval_set, start, steps, batch.gbs * args.seq_len,
-               topo.dp, dp_rank, ckpt_dir, save_frozen)
+    return Job(engine, topo.pp > 1, sampler, prepared.eval, start, steps, batch.gbs * args.seq_len,
+               topo.dp, dp_rank, ckpt_dir, save_frozen, prepared.info, param_names, layout)
+
+
+def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool) -> None:
+    """Load checkpoint `tag` into the engine: DeepSpeed's own load on the layout it was written with; on
+    another layout (or from `dstk reshard`'s portable folder) by HF name (toolkit.train.portable), after
+    which layout.json describes the new layout (each older tag keeps its own copy)."""
+    from toolkit.train import portable
+
+    saved = checkpoint.tag_layout(ckpt_dir, tag)
+    if portable.moved(saved, layout) or portable.is_portable(ckpt_dir / tag):
+        names = portable.hf_names_of(engine.module, layout)
+        portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
+        if dist.get_rank() == 0:
+            checkpoint.move_meta(ckpt_dir, layout)
+        dist.barrier()
+        return
+    # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
+    # just read from --model, and only the adapters come from the checkpoint
+    loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=save_frozen)
+    if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
+        raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on this rank "
+                            f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
+
+
+def data_options(args, max_positions=None) -> data.DataOptions:
+    """The data settings of a run (TrainArgs) for toolkit.train.data.prepare."""
+    return data.DataOptions(path=args.data, seq_len=args.seq_len, task=args.task, format=args.format,
+                            text_field=args.text_field, train_on=args.train_on, packing=args.packing,
+                            drop_long=args.drop_long, eval_fraction=args.eval_fraction, eval_data=args.eval_data,
+                            seed=args.seed, encoding=args.encoding, cache_dir=args.data_cache,
+                            workers=args.data_workers, max_positions=max_positions)
 
 
 def param_groups(model, cfg: dict) -> list:
@@ -157,11 +189,34 @@ def train_step(job: Job, it) -> float:
 
 
 def _forward(engine, batch) -> torch.Tensor:
-    """pp = 1: DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does)."""
-    (input_ids, attention_mask), labels = batch
+    """pp = 1: the HF model on a batch whose second tensor holds document ids (packed rows: positions
+    restart and attention stays inside each document, models.spec.attention_inputs). DeepSpeedEngine.forward
+    does not move inputs (only the PipelineEngine does)."""
+    from models.spec import attention_inputs
+
+    (input_ids, doc_ids), labels = batch
     device = engine.device
-    return engine(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                  labels=labels.to(device)).loss
+    attention_mask, position_ids = attention_inputs(doc_ids)  # on the host: no device sync for the packed check
+    # a classifier (BERT) is never packed; a causal LM without use_cache=False builds a KV cache, and HF
+    # reads packed rows from position_ids only without one (masking_utils._preprocess_mask_arguments)
+    extra = {} if labels.dim() == 1 else {"position_ids": position_ids.to(device), "use_cache": False}
+    mask = attention_mask.to(device) if attention_mask is not None else None
+    return engine(input_ids=input_ids.to(device), attention_mask=mask, labels=labels.to(device), **extra).loss
+
+
+class _NoPaddingMaskWarning:
+    """Packed rows pass attention_mask=None on purpose (positions carry the documents): HF's advice to
+    pass a padding mask then does not apply."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return "strongly recommend passing in an `attention_mask`" not in record.getMessage()
+
+
+def _quiet_packed_rows() -> None:
+    import logging
+
+    logging.getLogger("transformers.modeling_utils").addFilter(_NoPaddingMaskWarning)
 
 
 def _dp_mean(loss: torch.Tensor) -> float:
@@ -169,20 +224,32 @@ def _dp_mean(loss: torch.Tensor) -> float:
     return float(loss) / dist.get_world_size()
 
 
-def eval_loss(job: Job, args) -> float | None:
-    """Mean loss over eval_batches steps' worth of eval rows (wrapping around a small split); None
+def eval_loss(job: Job, args=None) -> float | None:
+    """The mean loss over every target of the whole eval split, each token (a classifier: each row)
+    weighted alike: sum(mean loss of a micro-batch * its targets) / targets, over all dp ranks. None
     without an eval split (--eval-fraction 0)."""
     if len(job.eval_set) == 0:
         return None
-    gas = job.engine.gradient_accumulation_steps()
-    it = data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank, gas * args.eval_batches)
+    count = data.eval_batch_count(len(job.eval_set), job.train.mbs, job.dp)
+    weights = []  # targets per micro-batch, in the order the engine pulls them
+
+    def batches():
+        for batch in data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank):
+            weights.append(data.loss_weight(batch[1]))
+            yield batch
+
     if job.pipeline:
-        return sum(float(job.engine.eval_batch(it)) for _ in range(args.eval_batches)) / args.eval_batches
-    job.engine.eval()
-    with torch.no_grad():
-        loss = torch.stack([_forward(job.engine, b).float() for b in it]).mean()
-    job.engine.train()
-    return _dp_mean(loss)
+        losses = job.engine.eval_batch(batches(), reduce_output=None, bcast_loss=False, num_micro_batches=count)
+        losses = [float(x) for x in losses] if job.engine.is_last_stage() else []  # only the last stage has them
+    else:
+        job.engine.eval()
+        with torch.no_grad():
+            losses = [float(_forward(job.engine, b)) for b in batches()]
+        job.engine.train()
+    total = sum(loss * w for loss, w in zip(losses, weights) if w)  # an all-filler micro-batch's mean is nan
+    sums = torch.tensor([total, float(sum(weights) if losses else 0)], dtype=torch.float64)
+    dist.all_reduce(sums)  # every replica's share (pipelines: the last stages' only)
+    return float(sums[0] / sums[1]) if sums[1] else None
 
 
 def loop(args, job: Job, is_logger: bool) -> dict:
@@ -197,20 +264,30 @@ def loop(args, job: Job, is_logger: bool) -> dict:
         record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], "tokens_per_s": rates[-1]}
         if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
             record["eval_loss"] = eval_loss(job, args)
+            record["eval_ppl"] = _perplexity(record["eval_loss"])
         if step == job.steps or (args.save_every and step % args.save_every == 0):
-            checkpoint.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen)
+            checkpoint.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
+                            layout=job.layout)
         losses.append(loss)
         if log:
             log.write(record)
         if args.crash_at_step == step and dist.get_rank() == dist.get_world_size() - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies without cleaning up
+    final_eval = eval_loss(job, args)
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss(job, args),
+               "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
+               "eval_ppl": _perplexity(final_eval), "data": job.data_info,
                "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
                **_per_rank(job.engine)}
     if log:
         log.close(summary)
     return summary
+
+
+def _perplexity(loss: float | None) -> float | None:
+    import math
+
+    return None if loss is None else math.exp(min(loss, 700.0))  # exp(710) overflows a float
 
 
 def _per_rank(engine) -> dict:
@@ -250,6 +327,8 @@ class _Log:
         tty = args.progress and sys.stderr.isatty()
         self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
         self.plain = args.progress and not tty
+        if job.data_info:  # what was read and inferred, truncated and dropped: never silently
+            self.bar.write(data.Prepared(None, None, job.data_info).message())
 
     def write(self, record: dict):
         self.file.write(json.dumps(record) + "\n")

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit import dist as toolkit_dist
+from toolkit.errors import ConfigError
 from toolkit.topology import Topology
 
 
 @dataclass
 class TrainArgs:
     model: str  # local HF directory, or a built-in name (toolkit.plan.arch.BUILTINS)
-    data: str  # .txt or .jsonl (see toolkit.train.data)
+    data: str  # a local file or save_to_disk folder (see toolkit.train.data)
     config: str  # DeepSpeed JSON
     out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
     tokenizer: str | None = None
@@ -28,13 +29,21 @@ class TrainArgs:
     seq_len: int = 128
     steps: int | None = None  # optimizer steps; default: one epoch
     eval_every: int = 0  # 0: only at the end
-    eval_batches: int = 2  # optimizer-step-sized eval batches per evaluation
+    eval_batches: int | None = None  # deprecated, ignored: evaluation covers the whole eval split
     save_every: int = 0  # 0: only at the end
     resume: bool = False
     overwrite: bool = False  # clear a used --out first
     seed: int = 1234
     eval_fraction: float = 0.05
     text_field: str = "text"
+    format: str = "auto"  # toolkit.train.data_formats.FORMATS, or auto: from the columns
+    train_on: str = "assistant"  # or "all"
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
+    packing: bool | None = None  # None: on for text, off for supervised formats
+    drop_long: bool = False  # drop rows longer than seq_len instead of truncating them
+    eval_data: str | None = None  # a file to evaluate on instead of a share of --data
+    data_cache: str | None = None  # where tokenized rows are cached (None: HF_DATASETS_CACHE)
+    data_workers: int | None = None  # tokenizing processes (None: 1 for small data, else up to 8)
     attention: str = "sdpa"  # eager | sdpa | flash_attention_2 (CUDA + flash-attn)
     lora: bool = False  # adapters through peft; the base frozen (toolkit.train.lora)
     lora_r: int = 16
@@ -78,7 +87,11 @@ def check(args: TrainArgs, world_size: int | None) -> None:
             from toolkit.train.lora import check_qlora_here
 
             check_qlora_here(args.model)
-    data.check_path(args.data)
+    data.check_path(args.data, encoding=args.encoding)
+    if args.eval_data:
+        data.check_path(args.eval_data, "--eval-data", args.encoding)
+    if args.chat_template:
+        hf.read_chat_template(args.chat_template)
     rundir.check_out(args.out, args.resume, args.overwrite)
 
 
@@ -99,7 +112,8 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
 
     teardown (the process entry, `dstk train`): the process group is destroyed once training is over,
     before rank 0 draws the loss curve and exports; nobody waits in a collective (whose timeout
-    would abort the ranks) while a large model is converted. In-process callers keep their group."""
+    would abort the ranks) while a large model is converted. In-process callers keep their group.
+    The export runs after the engine is gone and streams a full model (about one layer in memory)."""
     from toolkit.train import checkpoint, lora, rundir
     from toolkit.train import loop as train_loop
     from toolkit.train.export import export
@@ -116,15 +130,24 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     ckpt_dir = Path(args.out) / "checkpoints"
     resume_tag = checkpoint.agreed_latest(ckpt_dir) if args.resume else None
     if resume_tag:
-        checkpoint.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg))
+        checkpoint.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag)
     if args.overwrite and dist.get_rank() == 0:
         rundir.clear(args.out)
     dist.barrier()  # nobody writes into --out before it is cleared
-    job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
+    try:
+        job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
+    except ConfigError as exc:
+        if teardown and not getattr(exc, "every_rank", False):  # every rank refuses: none is left to die at exit
+            toolkit_dist.shutdown()  # in gloo's threads (exit -6); it meets the others in a barrier
+        raise
     summary = train_loop.loop(args, job, is_logger=dist.get_rank() == 0)
     summary["rank0"] = dist.get_rank() == 0
     dist.barrier()  # every rank's last checkpoint is complete
     job.engine.destroy()  # autograd hooks keep an engine (and its buffers) alive otherwise
+    del job  # the engine, module, optimizer states and data: nothing of training stays resident for the export
+    import gc
+
+    gc.collect()
     if teardown:
         toolkit_dist.shutdown()
     if summary["rank0"]:

@@ -1,0 +1,26 @@
+"""Reference computations tests compare dstk's own numbers with, done directly with the HF model."""
+
+
+def eval_reference(model, held) -> float:
+    """The token-weighted mean loss of `model` over every row of the eval split `held` (data.Rows), computed
+    directly: summed cross entropy of every target / the number of targets."""
+    import torch
+    import torch.nn.functional as F
+
+    from models.spec import attention_inputs
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for k in range(len(held)):
+            (ids, docs), labels = held.batch([k])
+            if labels.dim() == 1:  # a classifier: one target per row
+                logits = model(input_ids=ids, attention_mask=docs).logits
+                total, count = total + float(F.cross_entropy(logits.double(), labels, reduction="sum")), count + 1
+                continue
+            mask, positions = attention_inputs(docs)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            target = labels[:, 1:].reshape(-1)
+            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).double(), target,
+                                           ignore_index=-100, reduction="sum"))
+            count += int((target != -100).sum())
+    return total / count

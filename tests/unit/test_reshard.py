@@ -1,0 +1,80 @@
+"""`dstk reshard` and resuming on another layout, in one process (a gloo world of one; the multi-process
+moves are tests/distributed/test_resume_layouts.py): the portable state equals the checkpoint's, a run
+continued on another ZeRO stage gives the uninterrupted run's losses and weights, and what cannot move
+is refused before anything is built."""
+
+import json
+
+import pytest
+
+from tests.unit.test_launch import _args
+from toolkit.cli import main
+from toolkit.errors import ConfigError
+from toolkit.train import portable
+
+
+def _losses(out):
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "step" in r}
+
+
+def test_reshard_writes_the_checkpoints_state_by_hf_name_and_the_run_continues_there(ds_world1, tmp_path, capsys):
+    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.train.runner import run
+
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    run(_args(whole, 1, steps=6, save_every=3, export=False, eval_fraction=0))  # ZeRO-1, 6 steps
+    half = tmp_path / "half"
+    half.mkdir()
+    run(_args(half, 1, steps=3, export=False, eval_fraction=0))
+    original = portable.read(half / "run" / "checkpoints")
+    capsys.readouterr()  # the runs' own output
+    with pytest.raises(SystemExit) as done:
+        main(["reshard", str(half / "run"), str(tmp_path / "moved"), "--zero", "0", "--json"])
+    assert done.value.code in (0, None)
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["from"]["zero_stage"] == 1 and summary["to"]["zero_stage"] == 0 and summary["tag"] == "global_step3"
+    moved = portable.read(tmp_path / "moved" / "checkpoints")
+    assert moved.optimizer_step == original.optimizer_step == 3
+    for kind in portable.MOMENTS:
+        assert set(moved.moments[kind]) == set(original.moments[kind])
+        assert all((moved.moments[kind][k] == original.moments[kind][k].reshape(moved.moments[kind][k].shape)).all()
+                   for k in original.moments[kind])
+    # the moved run continues on ZeRO-0 (its config) from step 3 as the ZeRO-1 run went on
+    cont = _args(tmp_path / "moved", 0, steps=6, save_every=3, export=False, eval_fraction=0, resume=True)
+    cont.out = str(tmp_path / "moved")
+    run(cont)
+    want, got = _losses(whole / "run"), _losses(tmp_path / "moved")
+    for step in (4, 5, 6):
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+    a = load_state_dict(whole / "run" / "checkpoints", "global_step6")[0]
+    b = load_state_dict(tmp_path / "moved" / "checkpoints", "global_step6")[0]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only"),
+    (["--zero", "3"], "ZeRO-3 partitions carry no parameter names"),
+    (["--dp", "0"], "--dp must be a positive integer, got 0"),
+])
+def test_moves_that_cannot_be_honoured_are_refused(ds_world1, tmp_path, capsys, flags, words):
+    from toolkit.train.runner import run
+
+    run(_args(tmp_path, 0, steps=2, export=False, eval_fraction=0))
+    with pytest.raises(SystemExit) as done:
+        main(["reshard", str(tmp_path / "run"), str(tmp_path / "out"), *flags])
+    assert done.value.code == 1
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_an_older_checkpoint_without_named_optimizer_states_cannot_move(tmp_path):
+    from toolkit.train.checkpoint import check_resumable
+
+    meta = tmp_path / "dstk"
+    meta.mkdir()
+    (meta / "layout.json").write_text(json.dumps({"model": "m", "pp": 2, "dp": 1, "zero_stage": 0}))
+    with pytest.raises(ConfigError, match="written by an older dstk that did not name its optimizer states"):
+        check_resumable(tmp_path, {"model": "m", "pp": 1, "dp": 2, "zero_stage": 0})
+    assert check_resumable(tmp_path, {"model": "m", "pp": 2, "dp": 1, "zero_stage": 0}) == []  # same layout

@@ -1,0 +1,38 @@
+"""`dstk reshard CHECKPOINT_DIR OUT_DIR --pp N [--dp M --zero Z]`: a checkpoint ready for another layout."""
+
+import json
+
+import click
+
+
+@click.command()
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--pp", type=int, metavar="N", help="Pipeline stages of the layout to resume on (default: unchanged).")
+@click.option("--dp", type=int, metavar="M", help="Data-parallel replicas of that layout (default: unchanged).")
+@click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-2 (default: unchanged).")
+@click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def reshard(checkpoint_dir, out_dir, pp, dp, zero, tag, as_json):
+    """Make a run's checkpoint resumable on another layout (pp, dp, ZeRO stage), offline.
+
+    OUT_DIR becomes a run folder holding the checkpoint's weights, Adam moments, optimizer step, LR
+    schedule and step counters by HF name; continue the run there with `dstk train --out OUT_DIR --resume`
+    and a config of the new layout. (`--resume` on another layout straight from the run also works; this
+    does the conversion once, so each rank then reads only its own tensors.)
+
+    \b
+    dstk reshard runs/big runs/big_pp2 --pp 2 --dp 4
+    dstk reshard runs/big/checkpoints runs/big_z0 --zero 0 --tag global_step500 --json
+    """
+    from toolkit.train.reshard import reshard as reshard_checkpoint
+
+    done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero)
+    if as_json:
+        click.echo(json.dumps(done, indent=1))
+        return
+    src, dst = done["from"], done["to"]
+    click.echo(f"wrote {done['out']}: {done['tag']} ({done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB "
+               f"of fp32 weights and moments), pp {src['pp']} dp {src['dp']} ZeRO {src['zero_stage']} -> "
+               f"pp {dst['pp']} dp {dst['dp']} ZeRO {dst['zero_stage']}")
+    click.echo(f"continue with: {done['resume']}")

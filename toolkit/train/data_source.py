@@ -1,0 +1,166 @@
+"""--data / --eval-data -> a HF `datasets.Dataset` (memory-mapped Arrow), local files only.
+
+    *.txt *.text *.md      documents separated by blank lines (datasets "text", sample_by paragraph)
+    *.jsonl *.json         one object per line, or a JSON array          (datasets "json")
+    *.parquet *.csv *.arrow                                              (datasets "parquet"/"csv"/"arrow")
+    a directory            written by Dataset.save_to_disk (a DatasetDict: its "train" split)
+
+datasets builds its Arrow cache once (keyed by the file's path, size and mtime) and every later
+load memory-maps it. Refusals name the file, the row and the fix (toolkit.errors).
+"""
+
+import codecs
+import json
+import re
+from pathlib import Path
+
+from toolkit.errors import ConfigError, UnusableInput
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+BUILDERS = {**{s: "text" for s in TEXT_SUFFIXES}, **{s: "json" for s in JSON_SUFFIXES},
+            ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+CHUNK = 1 << 24  # bytes read at a time when checking a text file (16 MiB)
+
+
+def check_path(path, flag: str = "--data", encoding: str = "utf-8") -> Path:
+    """The data file or save_to_disk folder, if dstk can read it; else a refusal saying why."""
+    path = Path(path)
+    if path.is_dir():
+        if not _saved_dataset(path):
+            raise UnusableInput(f"{flag} {path} is a directory but not one written by datasets' save_to_disk "
+                                f"(no dataset_info.json or dataset_dict.json); pass a file ({', '.join(BUILDERS)})")
+        return path
+    if not path.is_file():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not path.suffix:
+            raise UnusableInput(f"{flag} {path} does not exist locally and looks like a hub dataset name; the hub "
+                                "is not reachable here: save it elsewhere with load_dataset(...).save_to_disk(DIR), "
+                                f"copy DIR here and pass {flag} DIR")
+        raise UnusableInput(f"data file {str(path)!r} does not exist; pass {flag} PATH to a local file "
+                            f"({', '.join(BUILDERS)}) or a save_to_disk directory")
+    if path.suffix.lower() not in BUILDERS:
+        raise UnusableInput(f"{flag} {path}: unknown format {path.suffix or '(no extension)'!r}; dstk train reads "
+                            f"{', '.join(BUILDERS)} files or a save_to_disk directory: rename or convert the file")
+    if path.stat().st_size == 0:
+        raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        check_text(path, encoding, limit=1 << 20)  # the first MiB now; the whole file when it is loaded
+    return path
+
+
+def _saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def check_text(path: Path, encoding: str = "utf-8", limit: int | None = None) -> None:
+    """Read a text file in chunks, strictly: NUL bytes mean binary data, a byte that is not `encoding`
+    is refused with its offset and line (training on replacement characters teaches garbage).
+    limit: read only that many bytes (a quick look before any process starts)."""
+    utf16 = encoding.lower().replace("-", "").startswith(("utf16", "utf32"))
+    try:
+        decoder = codecs.getincrementaldecoder("utf-8-sig" if encoding.lower() in ("utf-8", "utf8") else encoding)()
+    except LookupError:
+        raise UnusableInput(f"--encoding {encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, "
+                            "cp1252, utf-16)") from None
+    offset, lines, seen_text = 0, 0, False
+    with open(path, "rb") as fh:
+        while (limit is None or offset < limit) and (chunk := fh.read(CHUNK if limit is None else limit)):
+            nul = chunk.find(b"\x00")
+            if nul >= 0 and not utf16:
+                raise UnusableInput(f"--data {path}: binary data (a NUL byte at offset {offset + nul}), not text; "
+                                    "pass a text file")
+            try:
+                seen_text |= bool(decoder.decode(chunk).strip())
+            except UnicodeDecodeError as exc:
+                raise _not_encoded(path, encoding, chunk, exc.start, offset, lines) from None
+            offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
+        try:
+            seen_text |= bool(decoder.decode(b"", final=limit is None or offset < limit).strip())
+        except UnicodeDecodeError:  # the file ends inside a character
+            raise _not_encoded(path, encoding, b"?", 0, offset, lines) from None
+    if not seen_text and (limit is None or offset < limit):
+        raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
+
+
+def _not_encoded(path, encoding, chunk: bytes, start: int, offset: int, lines: int) -> UnusableInput:
+    line = lines + chunk.count(b"\n", 0, start) + 1
+    return UnusableInput(f"--data {path} is not {encoding} text: byte 0x{chunk[start]:02x} at offset "
+                         f"{offset + start} (line {line}); pass --encoding with the file's encoding (e.g. "
+                         f"--encoding latin-1), or convert it: iconv -f LATIN1 -t UTF-8 {path} > "
+                         f"{path.stem}.utf8{path.suffix}")
+
+
+def decode_text(raw: bytes, path: Path, encoding: str = "utf-8") -> str:
+    """The text of `raw` (bytes already in memory), with check_text's refusals."""
+    nul = raw.find(b"\x00")
+    if nul >= 0 and not encoding.lower().replace("-", "").startswith(("utf16", "utf32")):
+        raise UnusableInput(f"--data {path}: binary data (a NUL byte at offset {nul}), not text; pass a text file")
+    try:
+        return raw.decode("utf-8-sig" if encoding.lower() in ("utf-8", "utf8") else encoding)
+    except LookupError:
+        raise UnusableInput(f"--encoding {encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, "
+                            "cp1252, utf-16)") from None
+    except UnicodeDecodeError as exc:
+        raise _not_encoded(path, encoding, raw, exc.start, 0, 0) from None
+
+
+def load(path, encoding: str = "utf-8", cache_dir: str | None = None, flag: str = "--data"):
+    """The rows of a checked path as a datasets.Dataset, in file order."""
+    import datasets
+
+    path = check_path(path, flag, encoding)
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded and len(loaded) != 1:
+                raise UnusableInput(f"{flag} {path} holds splits {sorted(loaded)} and none is 'train'; save the "
+                                    "split to train on with Dataset.save_to_disk")
+            loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+        return loaded
+    builder = BUILDERS[path.suffix.lower()]
+    kwargs = {}
+    if builder == "text":
+        check_text(path, encoding)
+        kwargs = {"sample_by": "paragraph", "encoding": encoding}
+    elif builder == "csv":
+        kwargs = {"encoding": encoding}
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train", cache_dir=cache_dir,
+                                   **kwargs)
+    except Exception as exc:  # noqa: BLE001  pyarrow's message names neither the row nor the fix: find them
+        if builder == "json":
+            diagnose_jsonl(path)
+        raise UnusableInput(f"{flag} {path}: datasets could not read it as {builder} "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    if len(ds) == 0:
+        raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
+    return ds
+
+
+def diagnose_jsonl(path: Path) -> None:
+    """Why pyarrow refused a JSON-lines file: the first broken line, non-object, or a field whose type
+    changes between rows (raises), else returns (the caller reports pyarrow's message)."""
+    first: dict = {}
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if lineno == 1 and line.lstrip().startswith("["):
+                    return  # a JSON array file: not line-oriented
+                raise UnusableInput(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one object") \
+                    from None
+            if not isinstance(record, dict):
+                raise UnusableInput(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            for key, value in record.items():
+                kind = type(value)
+                if value is not None and first.setdefault(key, kind) is not kind:
+                    raise ConfigError(f"{path}: JSONL row {lineno}: {key!r} is {kind.__name__} "
+                                      f"{json.dumps(value)[:40]}, not {_a(first[key])}; fix the row")
+
+
+def _a(kind: type) -> str:
+    return {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object",
+            bool: "a boolean"}.get(kind, kind.__name__)
