@@ -1,5 +1,5 @@
-"""Causal LMs without a base_model_pp_plan naming 'layers' (issue 16): the standard structure is read from the module tree
-and the layer list computes what the HF model computes (fp32, 1e-5, right-padded and packed batches);
+"""Causal LMs without a base_model_pp_plan naming 'layers' (issue 16): the standard structure is read from
+the module tree and the layer list computes what the HF model computes (fp32, 1e-5, right-padded and packed batches);
 what is not standard is refused with the reason. The whole table is bench/results/arch_sweep.md."""
 
 import pytest
@@ -41,7 +41,8 @@ def test_discovered_model_loads_per_stage_from_a_directory(ds_world1, tmp_path):
 
 
 @pytest.mark.parametrize("model_type, overrides, words", [
-    ("gpt_neo", {"num_layers": 2, "attention_types": [[["global", "local"], 1]]}, "also holds wpe (Embedding)"),  # learned positions
+    # learned positions
+    ("gpt_neo", {"num_layers": 2, "attention_types": [[["global", "local"], 1]]}, "also holds wpe (Embedding)"),
     ("falcon", {"alibi": True}, "takes ['alibi']"),
     ("mamba", {}, "holds a causal convolution (MambaMixer"),
     ("nanochat", {}, "applies norm before its decoder layers too"),
@@ -57,6 +58,7 @@ def test_what_is_not_standard_is_refused_with_the_reason(model_type, overrides, 
     config.get_text_config().num_hidden_layers = 2
     with torch.device("meta"):
         hf = auto_class("causal-lm", config)._from_config(config)
-    with pytest.raises(ConfigError, match="has no base_model_pp_plan with 'layers' and dstk cannot read its decoder structure") as e:
+    refusal = "has no base_model_pp_plan with 'layers' and dstk cannot read its decoder structure"
+    with pytest.raises(ConfigError, match=refusal) as e:
         models.pipeline_layers(hf, task="causal-lm")
     assert words in str(e.value), str(e.value)

@@ -2,6 +2,7 @@
 
     runner.py      TrainArgs, run(): process group, config check, data, engine, loop, export
     loop.py        the Job (engine + this rank's data) and the step / eval / checkpoint loop
+    report.py      rank 0's progress and metrics.jsonl, per-rank memory, the loss table and loss.png
     data.py        --data -> tokenized, split, packed rows (HF datasets, cached once per node); DataOptions
     data_source.py local files / save_to_disk folders -> a datasets.Dataset; hub names refused
     data_formats.py text, prompt-completion, chat (template, assistant-only loss), alpaca, sharegpt

@@ -28,8 +28,9 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
     import torch.distributed as dist
 
     tag = f"global_step{step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step, "param_names": param_names},
-                           save_latest=False, exclude_frozen_parameters=not frozen)
+    client = {"step": step, "param_names": param_names, **universal_info()}
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
+                           exclude_frozen_parameters=not frozen)
     dist.barrier()  # every rank's files are on disk before `latest` names the tag
     if dist.get_rank() == 0:
         if layout is not None:
@@ -37,6 +38,17 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
         write_latest(ckpt_dir, tag)
     dist.barrier()
     return tag
+
+
+def universal_info() -> dict:
+    """What DeepSpeed's ds_to_universal needs in a checkpoint to convert it (ZeRO-1/2 and bf16 runs): no
+    tensor parallelism here, and a tied embedding's copies on later pipeline stages are replicas of the
+    first stage's (tied_modules.*, all-reduced every step), to be taken once."""
+    from deepspeed.checkpoint import constants as c
+
+    return {c.UNIVERSAL_CHECKPOINT_INFO: {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+                                          c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"tied_modules\..*"],
+                                          c.TP_REPLICATED_PARAMETER_PATTERNS: [r".*"]}}
 
 
 def write_latest(ckpt_dir: Path, tag: str) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.topology import config_batch
 from toolkit.train import checkpoint, data, hf
+from toolkit.train.report import ProgressLog, per_rank
 
 
 @dataclass
@@ -255,7 +256,7 @@ def eval_loss(job: Job, args=None) -> float | None:
 def loop(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
     it = job.train.micro_batches(job.start_step)
-    log = _Log(Path(args.out) / "metrics.jsonl", job, args) if is_logger else None
+    log = ProgressLog(Path(args.out) / "metrics.jsonl", job, args) if is_logger else None
     losses, rates, start = [], [], time.perf_counter()
     for step in range(job.start_step + 1, job.steps + 1):
         t0 = time.perf_counter()
@@ -278,7 +279,7 @@ def loop(args, job: Job, is_logger: bool) -> dict:
                "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
                "eval_ppl": _perplexity(final_eval), "data": job.data_info,
                "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
-               **_per_rank(job.engine)}
+               **per_rank(job.engine)}
     if log:
         log.close(summary)
     return summary
@@ -288,58 +289,3 @@ def _perplexity(loss: float | None) -> float | None:
     import math
 
     return None if loss is None else math.exp(min(loss, 700.0))  # exp(710) overflows a float
-
-
-def _per_rank(engine) -> dict:
-    """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
-    own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
-    engine holds at the end (toolkit.train.held: weights, gradients, masters, optimizer states); and
-    the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
-    torch.cuda.max_memory_allocated (None without CUDA)."""
-    import resource
-
-    from toolkit.train.held import held_bytes
-
-    params = [p for p in engine.module.parameters()]
-    mine = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
-            round(held_bytes(engine) / 2**20, 2), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    keys = ("params_per_rank", "trainable_params_per_rank", "model_state_mib_per_rank", "peak_rss_mib_per_rank",
-            "peak_gpu_mib_per_rank")
-    return {key: [r[i] for r in out] for i, key in enumerate(keys)}
-
-
-class _Log:
-    """Rank 0's output: one JSON line per step in metrics.jsonl, and progress for a person: a tqdm bar
-    (loss, lr, tokens/s) on a terminal, else (a log file, a batch job) a plain line every N steps."""
-
-    def __init__(self, path: Path, job: Job, args):
-        import sys
-
-        from tqdm import tqdm
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a")
-        self.every = args.log_every or max(1, (job.steps - job.start_step) // 20)
-        self.last = job.steps
-        tty = args.progress and sys.stderr.isatty()
-        self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
-        self.plain = args.progress and not tty
-        if job.data_info:  # what was read and inferred, truncated and dropped: never silently
-            self.bar.write(data.Prepared(None, None, job.data_info).message())
-
-    def write(self, record: dict):
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        shown = {k: f"{v:.4g}" for k, v in record.items() if k != "step"}
-        self.bar.set_postfix(shown, refresh=False)
-        self.bar.update(1)
-        if self.plain and (record["step"] % self.every == 0 or record["step"] == self.last):
-            self.bar.write(f"step {record['step']}/{self.last} " + " ".join(f"{k} {v}" for k, v in shown.items()))
-
-    def close(self, summary: dict):
-        self.file.write(json.dumps({"summary": summary}) + "\n")
-        self.file.close()
-        self.bar.close()

@@ -147,7 +147,8 @@ def _by_hf_name(pieces: dict, layout: dict) -> dict:
         return _masters_by_hf_name(pieces, layout)
     import torch
 
-    return {name: torch.cat(fragments) if len(fragments) > 1 else fragments[0] for (_, name), fragments in pieces.items()}
+    return {name: torch.cat(fragments) if len(fragments) > 1 else fragments[0]
+            for (_, name), fragments in pieces.items()}
 
 
 def hf_names_of(module, layout: dict) -> dict:

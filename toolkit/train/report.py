@@ -1,7 +1,7 @@
-"""What a person reads at the end of a run: a short table of the loss curve and OUT/loss.png.
-
-Both are made from OUT/metrics.jsonl (one JSON line per step, the summary last), so they can be
-redrawn for any finished or interrupted run.
+"""What a person reads during and after a run: rank 0's progress (ProgressLog: metrics.jsonl, a bar or
+plain lines), the per-rank numbers of the summary (per_rank), and at the end a short table of the loss
+curve and OUT/loss.png, made from OUT/metrics.jsonl (one JSON line per step, the summary last), so they
+can be redrawn for any finished or interrupted run.
 """
 
 import json
@@ -57,3 +57,63 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
+
+
+def per_rank(engine) -> dict:
+    """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
+    own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
+    engine holds at the end (toolkit.train.held: weights, gradients, masters, optimizer states); and
+    the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
+    torch.cuda.max_memory_allocated (None without CUDA)."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.train.held import held_bytes
+
+    params = [p for p in engine.module.parameters()]
+    mine = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
+            round(held_bytes(engine) / 2**20, 2), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    keys = ("params_per_rank", "trainable_params_per_rank", "model_state_mib_per_rank", "peak_rss_mib_per_rank",
+            "peak_gpu_mib_per_rank")
+    return {key: [r[i] for r in out] for i, key in enumerate(keys)}
+
+
+class ProgressLog:
+    """Rank 0's output: one JSON line per step in metrics.jsonl, and progress for a person: a tqdm bar
+    (loss, lr, tokens/s) on a terminal, else (a log file, a batch job) a plain line every N steps."""
+
+    def __init__(self, path: Path, job, args):
+        import sys
+
+        from tqdm import tqdm
+
+        from toolkit.train import data
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a")
+        self.every = args.log_every or max(1, (job.steps - job.start_step) // 20)
+        self.last = job.steps
+        tty = args.progress and sys.stderr.isatty()
+        self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
+        self.plain = args.progress and not tty
+        if job.data_info:  # what was read and inferred, truncated and dropped: never silently
+            self.bar.write(data.Prepared(None, None, job.data_info).message())
+
+    def write(self, record: dict):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        shown = {k: f"{v:.4g}" for k, v in record.items() if k != "step"}
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(1)
+        if self.plain and (record["step"] % self.every == 0 or record["step"] == self.last):
+            self.bar.write(f"step {record['step']}/{self.last} " + " ".join(f"{k} {v}" for k, v in shown.items()))
+
+    def close(self, summary: dict):
+        self.file.write(json.dumps({"summary": summary}) + "\n")
+        self.file.close()
+        self.bar.close()
