@@ -100,3 +100,14 @@ def test_deepspeeds_universal_converter_reads_a_dstk_checkpoint(ds_world1, tmp_p
     name = "transformer.h.0.attn.c_attn.weight"
     theirs = torch.load(tmp_path / "universal" / "zero" / name / "exp_avg.pt", weights_only=False)["param"]
     assert torch.equal(theirs.reshape(-1), ours.moments["exp_avg"][name].reshape(-1))
+
+
+def test_resuming_with_other_data_is_refused_before_anything_is_built(ds_world1, tmp_path):
+    from toolkit.train.runner import run
+
+    run(_args(tmp_path, 0, steps=2, export=False, eval_fraction=0))
+    other = tmp_path / "other.txt"
+    other.write_text("another corpus\n\nwith two documents\n")
+    with pytest.raises(ConfigError, match=r"another run \(data\.path: checkpoint '[^']*corpus.txt', now '[^']*other"
+                                          r"\.txt'; data\.seed: checkpoint 1234, now 7\)"):
+        run(_args(tmp_path, 0, steps=4, export=False, eval_fraction=0, resume=True, data=str(other), seed=7))

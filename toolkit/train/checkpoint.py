@@ -116,7 +116,7 @@ def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
     (meta / "layout.json").write_text(json.dumps(layout, indent=1))
 
 
-RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora")  # what a resume must match
+RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora", "data")  # what a resume must match
 LAYOUT_KEYS = ("pp", "dp", "zero_stage")  # what may change on resume (toolkit.train.portable)
 
 
@@ -125,10 +125,11 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
     and a move to another layout that cannot be honoured; returns the layout keys that change (pp, dp,
     zero_stage: the run continues there through toolkit.train.portable)."""
     saved = tag_layout(ckpt_dir, tag) if tag else json.loads((Path(ckpt_dir) / META / "layout.json").read_text())
-    diffs = [f"{k}: checkpoint {saved[k]!r}, now {now.get(k)!r}" for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
+    diffs = [_diff(k, saved[k], now.get(k)) for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
     if diffs:
         raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(diffs)}); resume with the same "
-                          "--model, --tokenizer, --task, --seq-len and LoRA options, or start a fresh --out")
+                          "--model, --tokenizer, --task, --seq-len, LoRA options and data (--data, --format, --packing, "
+                          "--eval-fraction, --eval-data, --seed), or start a fresh --out")
     moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
     was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
     why = None
@@ -143,6 +144,14 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
                           f"{', '.join(f'{k} {now.get(k)}' for k in LAYOUT_KEYS)}: {why}; resume with the "
                           "checkpoint's layout (its config), or start a fresh --out")
     return moved
+
+
+def _diff(key: str, saved, now) -> str:
+    """`key: checkpoint A, now B`; for a group of settings (data), only the ones that differ."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return "; ".join(f"{key}.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+                         for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
+    return f"{key}: checkpoint {saved!r}, now {now!r}"
 
 
 def _shape_keys(config) -> dict:

@@ -140,7 +140,10 @@ def run_identity(args, topo, cfg: dict) -> dict:
     settings = settings_of(args)
     return {"model": where(args.model), "tokenizer": where(args.tokenizer), "task": args.task,
             "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero.get("stage", 0),
-            "lora": settings.to_dict() if settings else None}
+            "lora": settings.to_dict() if settings else None,
+            # the rows and their order: another file, format or seed would resume mid-epoch in other data
+            "data": {"path": where(args.data), "format": args.format, "packing": args.packing,
+                     "eval_fraction": args.eval_fraction, "eval_data": where(args.eval_data), "seed": args.seed}}
 
 
 def _model(args, config, topo, cfg: dict):
