@@ -30,6 +30,8 @@ SCRIPTS = {
     "plan": ("plan_accuracy.py", [], []),
     "lora": ("lora_vs_full.py", ["--repeats", "1", "--steps", "4", "--warmup", "1"],  # ~2 min on 2 cores
              ["--repeats", "5", "--steps", "20", "--warmup", "4"]),
+    "data_pipeline": ("data_pipeline.py", ["--quick", "--repeats", "1"],  # 20 MB: ~4 min on 2 cores
+                      ["--mb", "200", "--repeats", "1"]),  # the size: ~25 min, ~20 GB RAM
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
     "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only
 }
