@@ -128,6 +128,8 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     layout_file = out / "checkpoints" / "dstk" / "layout.json"
     layout = json.loads(layout_file.read_text())
     assert layout["model"] == str(base_dir.resolve())
+    for own in (out / "checkpoints").glob("*/dstk-layout.json"):
+        own.unlink()  # each tag's copy of the layout: the edits below go to the run's only
     layout["lora"]["qlora"] = True
     layout_file.write_text(json.dumps(layout))
     export(out, tmp_path / "hf", adapter_dir=tmp_path / "adapter")
