@@ -4,8 +4,10 @@ weights (1e-5): Adam's moments, the optimizer step, the LR schedule (warmup + de
 position all carry over by HF name (toolkit/train/portable.py). fp32, dropout off, clipping off.
 
 One reference run (pp2/dp1, ZeRO-0, 20 steps, a checkpoint every 5) is the source of most moves; the
-moves chain so that each launch tests one: pp2/dp1 -> pp1/dp2 (and ZeRO-0 -> ZeRO-1), then pp1/dp2 ->
-pp2/dp1 (and ZeRO-1 -> ZeRO-0), pp2 -> pp4, pp2 -> pp2/dp2 -> pp1/dp1.
+moves chain so that each launch tests one: pp2/dp1 ZeRO-0 -> pp1/dp2 ZeRO-3 (written into ZeRO-3's
+partitions) -> pp1/dp2 ZeRO-1 (read from ZeRO-3's) -> pp2/dp1 ZeRO-0 (read from ZeRO-1's), pp2 -> pp4,
+pp2 -> pp2/dp2 -> pp1/dp1 ZeRO-2. A LoRA run (adapters on a base read from a HF directory) moves too:
+pp2/dp1 ZeRO-0 -> pp1/dp2 ZeRO-3, its adapters' state by peft's names, the base re-read from --model.
 """
 
 import json
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import OPTIMIZER, launch, losses
+from tests.distributed.test_train import COMMON, OPTIMIZER, launch, losses
 from toolkit.train import checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -46,13 +48,14 @@ def resumed_from(source: Path, step: int, out: Path) -> Path:
     return out
 
 
-def run(tmp: Path, name: str, pp: int, dp: int, zero: int, steps: int, resume_from=None):
+def run(tmp: Path, name: str, pp: int, dp: int, zero: int, steps: int, resume_from=None, every: int = 5,
+        model_args=COMMON):
     out = tmp / name
     if resume_from is not None:
         resumed_from(*resume_from, out)
-    args = ["--steps", steps, "--save-every", 5, "--no-export", "--eval-fraction", 0]
+    args = ["--steps", steps, "--save-every", every, "--no-export", "--eval-fraction", 0]
     rc, log = launch(config(tmp / f"{name}.json", pp, dp, zero), out, pp * dp, *args,
-                     *(["--resume"] if resume_from is not None else []))
+                     *(["--resume"] if resume_from is not None else []), model_args=model_args)
     assert rc == 0, log[-3000:]
     return out
 
@@ -61,12 +64,26 @@ def run(tmp: Path, name: str, pp: int, dp: int, zero: int, steps: int, resume_fr
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moves")
     out = {"A": run(tmp, "A", 2, 1, 0, 20)}
-    out["pp1dp2z1"] = run(tmp, "pp1dp2z1", 1, 2, 1, 20, resume_from=(out["A"], 10))
-    out["pp2dp1z0"] = run(tmp, "pp2dp1z0", 2, 1, 0, 20, resume_from=(out["pp1dp2z1"], 15))
+    out["pp1dp2z3"] = run(tmp, "pp1dp2z3", 1, 2, 3, 20, resume_from=(out["A"], 10))
+    out["pp1dp2z1"] = run(tmp, "pp1dp2z1", 1, 2, 1, 20, resume_from=(out["pp1dp2z3"], 15), every=1)
+    out["pp2dp1z0"] = run(tmp, "pp2dp1z0", 2, 1, 0, 20, resume_from=(out["pp1dp2z1"], 17))
     out["pp4"] = run(tmp, "pp4", 4, 1, 0, 20, resume_from=(out["A"], 10))
     out["pp2dp2"] = run(tmp, "pp2dp2", 2, 2, 0, 15, resume_from=(out["A"], 10))
-    out["pp1dp1"] = run(tmp, "pp1dp1", 1, 1, 0, 20, resume_from=(out["pp2dp2"], 15))
+    out["pp1dp1z2"] = run(tmp, "pp1dp1z2", 1, 1, 2, 20, resume_from=(out["pp2dp2"], 15))
+    lora = lora_args(tmp / "base")
+    out["lora"] = run(tmp, "lora", 2, 1, 0, 20, model_args=lora)
+    out["lora_pp1dp2z3"] = run(tmp, "lora_pp1dp2z3", 1, 2, 3, 20, resume_from=(out["lora"], 10), model_args=lora)
     return out
+
+
+def lora_args(base: Path) -> list:
+    """A LoRA run on tiny GPT-2 saved as a HF directory (what a user fine-tunes)."""
+    from toolkit.train import hf
+
+    tok = hf.byte_tokenizer()
+    hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", 1234).save_pretrained(base)
+    tok.save_pretrained(base)
+    return [str(base) if a == "tiny-gpt2" else a for a in COMMON] + ["--lora", "--lora-r", "4"]
 
 
 def final_weights(out: Path) -> dict:
@@ -75,17 +92,19 @@ def final_weights(out: Path) -> dict:
     return load_state_dict(out / "checkpoints", "global_step20")[0]
 
 
-@pytest.mark.parametrize("name, first", [("pp1dp2z1", 11), ("pp2dp1z0", 16), ("pp4", 11), ("pp2dp2", 11),
-                                         ("pp1dp1", 16)])
+@pytest.mark.parametrize("name, first", [("pp1dp2z3", 11), ("pp1dp2z1", 16), ("pp2dp1z0", 18), ("pp4", 11),
+                                         ("pp2dp2", 11), ("pp1dp1z2", 16), ("lora_pp1dp2z3", 11)])
 def test_a_run_moved_to_another_layout_continues_as_if_uninterrupted(runs, name, first):
-    reference, moved = losses(runs["A"]), losses(runs[name])
+    source = runs["lora" if name.startswith("lora") else "A"]
+    reference, moved = losses(source), losses(runs[name])
     last = max(moved)
     assert sorted(moved) == list(range(1, last + 1))  # the steps before the move kept, each step once
     for step in range(first, last + 1):
         assert abs(moved[step] - reference[step]) <= 1e-4 * abs(reference[step]), (name, step, moved, reference)
     if last == 20:
-        want, got = final_weights(runs["A"]), final_weights(runs[name])
+        want, got = final_weights(source), final_weights(runs[name])
         assert set(got) ^ set(want) <= {"lm_head.weight"}  # pp = 1 also names the tied head
+        assert not name.startswith("lora") or sum("lora_" in k for k in want) == 32  # 4 blocks x 4 modules x A, B
         assert max((got[k] - want[k]).abs().max().item() for k in set(want) & set(got)) <= 1e-5
 
 
@@ -96,6 +115,9 @@ def test_a_moved_checkpoint_keeps_each_tags_own_layout(runs):
 
     ckpt = runs["pp1dp2z1"] / "checkpoints"
     before, layout_before = load_state_dict(ckpt, "global_step10")  # written by A at pp 2
-    after, layout_after = load_state_dict(ckpt, "global_step15")  # written after the move, pp 1
-    assert (layout_before["pp"], layout_after["pp"]) == (2, 1)
+    after, layout_after = load_state_dict(ckpt, "global_step15")  # written after the move, pp 1 ZeRO-3
+    assert (layout_before["pp"], layout_after["pp"], layout_after["zero_stage"]) == (2, 1, 3)
     assert set(before) ^ set(after) <= {"lm_head.weight"}  # pp = 1 also names the tied head
+    # the move staged the source tag's state by HF name (rank 0, once) and removed it when every rank had read it
+    assert sorted(p.name for p in (runs["pp1dp2z3"] / "checkpoints" / "global_step10").iterdir()) == sorted(
+        p.name for p in (runs["A"] / "checkpoints" / "global_step10").iterdir())

@@ -133,11 +133,7 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
     moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
     was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
     why = None
-    if moved and 3 in (saved.get("zero_stage"), now.get("zero_stage")):
-        why = "ZeRO-3 partitions carry no parameter names dstk can move"
-    elif moved and saved.get("lora"):
-        why = "moving a LoRA run between layouts is not supported yet"
-    elif moved and not saved.get("portable"):
+    if moved and not saved.get("portable"):
         why = "the checkpoint was written by an older dstk that did not name its optimizer states"
     if why:
         raise ConfigError(f"--resume: {ckpt_dir} was written with {was} and this run has "

@@ -172,28 +172,39 @@ def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True) -> d
 
 
 def _pipeline_masters(tag_dir: Path, layout: dict) -> dict:
-    """A pipeline trained in bf16/fp16: the fp32 masters of DeepSpeed's BF16_Optimizer, by HF name.
-
-    Each stage s and data-parallel rank r wrote bf16_zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt:
-    per parameter group a flat fp32 partition (r's share of the group), and param_slice_mappings:
-    stage-module name ("3.layer.mlp.down_proj.weight", "tied_modules.embed.parts.0.weight") -> where
-    its fragment starts in that partition. Fragments are put together across r in order, shaped
-    like the module's weights. {} when there are no such files (fp32: the weights are the masters)."""
+    """A pipeline trained in bf16/fp16: the fp32 masters of DeepSpeed's BF16_Optimizer, by HF name
+    ({} when there are no such files: in fp32 the weights are the masters)."""
     files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_*_optim_states.pt"))
     if not files:
         return {}
-    by_stage = {}
-    for path in files:
-        dp_rank, stage = map(int, re.match(r"bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_", path.name).groups())
-        by_stage.setdefault(stage, {})[dp_rank] = path
-    pieces = {}  # stage-module name -> [fp32 fragments in order]
-    for stage, ranks in sorted(by_stage.items()):
-        for dp_rank in sorted(ranks):
-            saved = _torch_load(ranks[dp_rank])["optimizer_state_dict"]
-            for flat, mapping in zip(saved["single_partition_of_fp32_groups"], saved["param_slice_mappings"]):
+    pieces = partition_fragments(files, lambda saved: [{"weights": flat}
+                                                       for flat in saved["single_partition_of_fp32_groups"]])
+    return _masters_by_hf_name(pieces["weights"], layout)
+
+
+PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+
+
+def partition_fragments(files: list, flats) -> dict:
+    """ZeRO-1/2 and bf16 optimizer files: dp rank r of stage s wrote ...zero_pp_rank_{r}_mp_rank_{s:02d}_
+    optim_states.pt, holding per parameter group a flat fp32 partition (r's share of the group) and
+    param_slice_mappings: stage-module name ("3.layer.mlp.down_proj.weight", "tied_modules.embed.parts.
+    0.weight", or the HF name at pp = 1) -> where its fragment starts in that partition.
+    flats(the file's optimizer_state_dict) gives per group {kind: flat tensor} (the masters, a moment);
+    returns {kind: {(stage, name): [fragments in dp-rank order]}} (a parameter's fragments, joined, are
+    its flat tensor)."""
+    pieces = {}
+    for path in sorted(files, key=lambda p: tuple(map(int, PARTITION_FILE.fullmatch(p.name).groups()))[::-1]):
+        stage = int(PARTITION_FILE.fullmatch(path.name).group(2))
+        saved = _torch_load(path).get("optimizer_state_dict") or {}
+        if "param_slice_mappings" not in saved:
+            raise UnusableInput(f"{path} holds no param_slice_mappings: not a ZeRO-1/2 or bf16 optimizer partition")
+        for by_kind, mapping in zip(flats(saved), saved["param_slice_mappings"]):
+            for kind, flat in by_kind.items():
                 for name, where in mapping.items():
-                    pieces.setdefault((stage, name), []).append(flat.narrow(0, where.start, where.numel))
-    return _masters_by_hf_name(pieces, layout)
+                    pieces.setdefault(kind, {}).setdefault((stage, name), []).append(
+                        flat.narrow(0, where.start, where.numel))
+    return pieces
 
 
 def _masters_by_hf_name(pieces: dict, layout: dict) -> dict:

@@ -6,6 +6,7 @@ gbs rows: train_batch() for a pipeline, gas forward/backward/step calls for pp =
 
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -91,10 +92,14 @@ def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool) -
 
     saved = checkpoint.tag_layout(ckpt_dir, tag)
     if portable.moved(saved, layout) or portable.is_portable(ckpt_dir / tag):
+        made = portable.stage(ckpt_dir, tag)
         names = portable.hf_names_of(engine.module, layout)
         portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
+        dist.barrier()
         if dist.get_rank() == 0:
             checkpoint.move_meta(ckpt_dir, layout)
+            if made:  # the tag is as it was written
+                shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
         dist.barrier()
         return
     # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was

@@ -1,4 +1,4 @@
-"""Moving a run to another layout (pp, dp, ZeRO 0-2): a checkpoint's training state by HF name, and
+"""Moving a run to another layout (pp, dp, ZeRO 0-3): a checkpoint's training state by HF name, and
 putting it into an engine built for the new layout.
 
 A dstk checkpoint knows which HF tensor every pipeline layer holds (layout.json's hf_names), so a
@@ -8,25 +8,27 @@ parameter's state can be named independently of where it lived:
                ZeRO-0 (torch's optimizer state, indexed in the order the run gave its parameters to the
                optimizer: the `param_names` each rank saves with its checkpoint), or ZeRO-1/2 and the
                bf16 optimizer (flat fp32 partitions per data-parallel rank and stage, with
-               param_slice_mappings: name -> where its fragment starts)
+               param_slice_mappings: name -> where its fragment starts), or ZeRO-3 (pp = 1: per dp rank a
+               flat partition; a parameter of n elements takes ceil(n / dp) of them on every rank, in the
+               order of the model states' param_shapes, as zero_to_fp32 reads the weights)
   the optimizer step, the LR scheduler, DeepSpeed's global step / sample counters.
 `restore` then writes each parameter's state into the new engine: the module weight itself and, where
-DeepSpeed keeps fp32 partitions (ZeRO-1/2, bf16), its high-precision copy and moments through
-deepspeed.utils' safe_set_full_* API; a plain torch optimizer (ZeRO-0 fp32) gets its state directly.
-The data position is the global step (the order of rows is the same on every layout) and dropout
-RNG streams restart from the seed. ZeRO-3 checkpoints are refused (their fragments carry no names).
+DeepSpeed keeps fp32 partitions, this rank's share of its high-precision copy and moments (ZeRO-1/2,
+bf16: through the parameter's fragment mapping, then DeepSpeed's own map_to_flat_opt_states; ZeRO-3:
+the parameter's slice of the sub-group's flat partition); a plain torch optimizer (ZeRO-0 fp32) gets
+its state directly. The data position is the global step (the order of rows is the same on every
+layout) and dropout RNG streams restart from the seed.
 """
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UnusableInput
-from toolkit.train.checkpoint_state import _masters_by_hf_name, _torch_load, load_state_dict, resolve_tag
+from toolkit.train.checkpoint_state import (PARTITION_FILE, _masters_by_hf_name, _torch_load, load_state_dict,
+                                            partition_fragments, resolve_tag)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 LAYOUT_KEYS = ("pp", "dp", "zero_stage")  # what may differ between the checkpoint and the resumed run
-_PARTITION = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 @dataclass
@@ -61,12 +63,14 @@ def read(ckpt_dir, tag=None, wanted=None) -> PortableState:
     if is_portable(tag_dir):
         return _read_portable(tag_dir / PORTABLE, wanted)
     weights, layout = load_state_dict(ckpt_dir, tag)
-    partitions = sorted(p for p in tag_dir.iterdir() if _PARTITION.fullmatch(p.name))
-    if partitions:
+    partitions = sorted(p for p in tag_dir.iterdir() if PARTITION_FILE.fullmatch(p.name))
+    if layout.get("zero_stage") == 3:
+        moments, step = _from_zero3(partitions, tag_dir)
+    elif partitions:
         moments, step = _from_partitions(partitions, layout)
     else:
         moments, step = _from_torch_states(tag_dir, layout)
-    first = _torch_load(tag_dir / "mp_rank_00_model_states.pt")
+    first = _torch_load(_model_states(tag_dir))
     engine = {k: first.get(k) for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
     return PortableState(weights, moments, step, engine)
 
@@ -86,6 +90,35 @@ def write(state: PortableState, folder: Path) -> int:
     return total
 
 
+def stage(ckpt_dir: Path, tag: str) -> bool:
+    """Before a move, on every rank: rank 0 writes the tag's state by HF name into TAG/portable (atomically),
+    so that every rank then reads only the tensors it holds instead of each one reading the whole
+    checkpoint. True when this call made the folder (the caller removes it once every rank has read it);
+    a failure on rank 0 is raised on every rank."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    tag_dir = Path(ckpt_dir) / tag
+    made, failure = not is_portable(tag_dir), None
+    if made and dist.get_rank() == 0:
+        tmp = tag_dir / f".{PORTABLE}.{os.getpid()}"
+        try:
+            write(read(ckpt_dir, tag), tmp)
+            tmp.rename(tag_dir / PORTABLE)
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = exc
+    box = [None if failure is None else str(failure)]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        raise UnusableInput(box[0])
+    return made
+
+
 def _read_portable(folder: Path, wanted=None) -> PortableState:
     from safetensors import safe_open
 
@@ -99,24 +132,47 @@ def _read_portable(folder: Path, wanted=None) -> PortableState:
 
 
 def _from_partitions(paths: list, layout: dict) -> tuple:
-    """ZeRO-1/2 and bf16 optimizer files: each holds, per parameter group, this (dp rank, stage)'s flat
-    partition of the moments and param_slice_mappings; fragments are joined across dp ranks in order."""
-    pieces = {key: {} for key in MOMENTS}
-    step = 0
-    for path in sorted(paths, key=lambda p: tuple(map(int, _PARTITION.fullmatch(p.name).groups()))[::-1]):
-        stage = int(_PARTITION.fullmatch(path.name).group(2))
-        saved = _torch_load(path).get("optimizer_state_dict") or {}
-        if "param_slice_mappings" not in saved:
-            raise UnusableInput(f"{path}: a ZeRO-3 (or unnamed) optimizer partition; moving a ZeRO-3 checkpoint to "
-                                "another layout is not supported: resume it with its own layout")
+    """ZeRO-1/2 and bf16 optimizer files: the moments' fragments by name, joined across dp ranks."""
+    steps = []
+
+    def moments(saved):
         states = saved["base_optimizer_state"]["state"]
-        for group, mapping in enumerate(saved["param_slice_mappings"]):
-            state = states[group] if group in states else states[list(states)[group]]
-            step = int(state["step"])
-            for name, where in mapping.items():
-                for key in MOMENTS:
-                    pieces[key].setdefault((stage, name), []).append(state[key].narrow(0, where.start, where.numel))
-    return {key: _by_hf_name(found, layout) for key, found in pieces.items()}, step
+        groups = [states[g] if g in states else states[list(states)[g]] for g in range(len(states))]
+        steps.extend(int(state["step"]) for state in groups)
+        return [{key: state[key] for key in MOMENTS} for state in groups]
+
+    pieces = partition_fragments(paths, moments)
+    return {key: _by_hf_name(pieces[key], layout) for key in MOMENTS}, max(steps)
+
+
+def _from_zero3(paths: list, tag_dir: Path) -> tuple:
+    """ZeRO-3 (pp = 1): dp rank r's file holds per sub-group the flat partition of each moment; joined over
+    the sub-groups it is r's share of every parameter in param_shapes order, ceil(n / dp) elements each
+    (the last rank's share padded)."""
+    import torch
+
+    shapes = {name: shape for group in _torch_load(_model_states(tag_dir))["param_shapes"]
+              for name, shape in group.items()}
+    flats, step = {key: [] for key in MOMENTS}, 0
+    for path in sorted(paths, key=lambda p: int(PARTITION_FILE.fullmatch(p.name).group(1))):
+        states = _torch_load(path)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+        for key in MOMENTS:
+            flats[key].append(torch.cat([states[i][key] for i in sorted(states)]))
+        step = int(states[min(states)]["step"])
+    out, offset = {key: {} for key in MOMENTS}, 0
+    for name, shape in shapes.items():
+        numel = shape.numel()
+        share = -(-numel // len(paths))
+        for key in MOMENTS:
+            out[key][name] = torch.cat([flat.narrow(0, offset, share) for flat in flats[key]])[:numel]
+        offset += share
+    return out, step
+
+
+def _model_states(tag_dir: Path) -> Path:
+    """The file holding the engine's counters and LR scheduler (rank 0's own under ZeRO-3)."""
+    zero3 = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    return zero3 if zero3.is_file() else tag_dir / "mp_rank_00_model_states.pt"
 
 
 def _from_torch_states(tag_dir: Path, layout: dict) -> tuple:
@@ -180,33 +236,69 @@ def restore(engine, state: PortableState, names: dict) -> None:
     missing = [hf for p, hf in names.items() if p.requires_grad and hf not in state.weights]
     if missing:
         raise UnusableInput(f"the checkpoint holds no state for {missing[:3]}: it was written by another model")
-    partitioned = False
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: Adam's state, made lazily, made now
+        base = engine.optimizer.optimizer
+        for flat in engine.optimizer.fp32_partitioned_groups_flat:
+            base.state[flat] = {"step": _step(base, state.optimizer_step), **{k: torch.zeros_like(flat) for k in MOMENTS}}
+    flat_groups = False
     for p, hf in names.items():
         if not p.requires_grad:
             continue  # frozen (LoRA's base): read from --model, never trained
         shape = getattr(p, "ds_shape", p.shape)
         weight = state.weights[hf].reshape(shape)
         moments = {key: state.moments[key][hf].reshape(shape).float() for key in MOMENTS}
+        if hasattr(p, "ds_id"):  # ZeRO-3: the module holds this rank's partition only
+            _set_zero3(engine.optimizer, p, weight, moments)
+            continue
         with torch.no_grad():
             p.data.copy_(weight.to(p.dtype))
         if getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fp32 fragment and moments
-            partitioned = True
+            flat_groups = True
             safe_set_full_fp32_param(p, weight.to(p.device))
             at = p._hp_mapping.lp_fragment_address  # this partition's slice of the flattened parameter
             p._hp_mapping.optim_fragment = {k: v.flatten().narrow(0, at.start, at.numel).to(p.device).clone()
                                             for k, v in moments.items()}
         elif not hasattr(p, "_hp_mapping"):  # torch's optimizer on the module's own parameters (ZeRO-0 fp32)
-            engine.optimizer.state[p] = {"step": torch.tensor(float(state.optimizer_step)),
+            engine.optimizer.state[p] = {"step": _step(engine.optimizer, state.optimizer_step),
                                          **{k: v.to(p.device) for k, v in moments.items()}}
-    if partitioned:
+    if flat_groups:
         _flat_states(engine.optimizer, state.optimizer_step)
     _restore_counters(engine, state.engine)
+
+
+def _set_zero3(optimizer, p, weight, moments: dict) -> None:
+    """A ZeRO-3 parameter's share on this rank: elements [r x share, (r + 1) x share) of the flattened
+    tensor, zero-padded on the last rank, written into the module's partition (p.ds_tensor), the fp32
+    partition and each moment's. (deepspeed.utils.safe_set_full_fp32_param cuts the last rank's share
+    with narrow() and fails when the parameter does not divide by dp, hence the slicing here.)"""
+    import torch
+
+    rank = optimizer._get_param_partition_rank(p)
+
+    def share(full, like):
+        mine = full.reshape(-1)[rank * like.numel():(rank + 1) * like.numel()]
+        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        out[:mine.numel()] = mine.to(like.dtype)
+        return out.view_as(like)
+
+    with torch.no_grad():
+        p.ds_tensor.data.copy_(share(weight, p.ds_tensor))
+        for key, full in ((None, weight), *moments.items()):
+            part, _ = optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=True, optim_state_key=key)
+            part.data.copy_(share(full, part))
+
+
+def _step(optimizer, step: int):
+    """Adam's step count as `optimizer` keeps it: torch's optimizers a float tensor, DeepSpeed's FusedAdam
+    (CUDA) an int."""
+    import torch
+
+    return torch.tensor(float(step)) if type(optimizer).__module__.startswith("torch.") else int(step)
 
 
 def _flat_states(optimizer, step: int) -> None:
     """Build the base optimizer's state of each flat fp32 partition from its parameters' fragments (what
     DeepSpeed's universal-checkpoint loader does: deepspeed.utils.tensor_fragment.map_to_flat_opt_states)."""
-    import torch
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
 
     lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups")  # ZeRO-1/2, bf16
@@ -214,7 +306,7 @@ def _flat_states(optimizer, step: int) -> None:
     for group, lps in zip(base.param_groups, lp_groups):
         flat = group["params"][0]
         map_to_flat_opt_states(flat, lps, base.state, MOMENTS)
-        base.state[flat]["step"] = torch.tensor(float(step))
+        base.state[flat]["step"] = _step(base, step)
 
 
 def _restore_counters(engine, saved: dict) -> None:

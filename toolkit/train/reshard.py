@@ -31,7 +31,7 @@ def reshard(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict:
     source = {k: layout.get(k) for k in LAYOUT_KEYS}
     target = {k: v if v is not None else source[k] for k, v in zip(LAYOUT_KEYS, (pp, dp, zero))}
     _check_target(layout, target)
-    check_resumable(ckpt_dir, {**layout, **target})  # ZeRO-3, LoRA, older checkpoints: refused here too
+    check_resumable(ckpt_dir, {**layout, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
     parent = out.absolute().parent
     if not parent.is_dir():
