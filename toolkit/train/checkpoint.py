@@ -28,7 +28,9 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
     import torch.distributed as dist
 
     tag = f"global_step{step}"
-    client = {"step": step, "param_names": param_names, **universal_info()}
+    client = {"step": step, "param_names": param_names}
+    if (layout or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
+        client.update(universal_info())
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                            exclude_frozen_parameters=not frozen)
     dist.barrier()  # every rank's files are on disk before `latest` names the tag
@@ -117,7 +119,7 @@ def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
 
 
 RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora", "data")  # what a resume must match
-LAYOUT_KEYS = ("pp", "dp", "zero_stage")  # what may change on resume (toolkit.train.portable)
+LAYOUT_KEYS = ("pp", "dp", "tp", "zero_stage")  # what may change on resume (toolkit.train.portable)
 
 
 def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
@@ -133,7 +135,10 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
     moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
     was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
     why = None
-    if moved and not saved.get("portable"):
+    if moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
+        why = ("a tensor-parallel checkpoint holds each tensor in tp shards, which only `dstk export` merges "
+               "today; export it and start a new run from the HF directory")
+    elif moved and not saved.get("portable"):
         why = "the checkpoint was written by an older dstk that did not name its optimizer states"
     if why:
         raise ConfigError(f"--resume: {ckpt_dir} was written with {was} and this run has "

@@ -58,6 +58,8 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     if layout.get("pp", 1) > 1:
         state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
                  **_pipeline_masters(ckpt_dir / tag, layout)}
+    elif layout.get("tp", 1) > 1:
+        state = _tensor_parallel_state(ckpt_dir / tag, layout["tp"])
     elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -75,6 +77,67 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
                                 "not a DeepSpeed model checkpoint")
         state = {**saved["module"], **_zero0_masters(saved, layout)}
     return {k: v.float() for k, v in state.items()}, layout
+
+
+def _tensor_parallel_state(tag_dir: Path, tp: int) -> dict:
+    """An AutoTP run (pp = 1, ZeRO 0-2): tp rank t wrote mp_rank_{t:02d}_model_states.pt, its shard of every
+    sharded tensor; where DeepSpeed keeps fp32 masters (bf16/fp16, ZeRO-1/2) they are in the
+    (bf16_)zero_pp_rank_{dp}_mp_rank_{t:02d} partition files and replace the module's. The shards are put
+    together by the map AutoTP saved with them (universal_checkpoint_info: per tensor and rank, which
+    strided pieces of the full tensor a shard holds; fused projections included); replicated tensors
+    are taken from rank 0 and a padded vocabulary is cut to the model's."""
+    import torch
+
+    shards = []
+    for t in range(tp):
+        path = tag_dir / f"mp_rank_{t:02d}_model_states.pt"
+        saved = _torch_load(path)
+        if not isinstance(saved, dict) or "module" not in saved:
+            raise UnusableInput(f"{path} holds no 'module' state dict: not a DeepSpeed model checkpoint")
+        shards.append(dict(saved["module"]))
+        if t == 0:
+            info = saved.get("universal_checkpoint_info") or {}
+    files = [p for p in tag_dir.iterdir() if PARTITION_FILE.fullmatch(p.name)]
+    if files and next(iter(shards[0].values())).dtype != torch.float32:  # bf16/fp16: the fp32 masters
+        masters = partition_fragments(files, lambda saved: [{"weights": flat}
+                                                            for flat in saved["single_partition_of_fp32_groups"]])
+        for (t, name), fragments in masters.get("weights", {}).items():
+            if name in shards[t]:
+                shards[t][name] = _cat(fragments).reshape(shards[t][name].shape)
+    return merge_tp_shards(shards, info)
+
+
+def merge_tp_shards(shards: list, info: dict) -> dict:
+    """Full tensors from AutoTP's shards (one state dict per tp rank) through its universal_checkpoint_info.
+    A name AutoTP neither mapped nor replicated is a tied copy (lm_head.weight of a tied model, one
+    tensor with the embedding in training): left out, HF ties it again on load."""
+    import torch
+
+    mapped = (info.get("affine_map") or {}).get("params") or {}
+    if not mapped:
+        raise UnusableInput("the tensor-parallel checkpoint carries no AutoTP map of its shards "
+                            "(universal_checkpoint_info.affine_map); it was not written by DeepSpeed >= 0.19's AutoTP")
+    replicated = [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []]
+    vocabulary = [re.compile(p) for p in info.get("vocabulary_parameter_patterns") or []]
+    out = {}
+    for name, first in shards[0].items():
+        spec = next((v for p, v in mapped.items() if re.match(p, name)), None)
+        if spec is None:
+            if any(p.match(name) for p in replicated):
+                out[name] = first
+            continue  # export's check names anything missing
+        full = torch.empty(spec["logical_shape"], dtype=first.dtype)
+        for rank, where in spec["ranks"].items():
+            shard = shards[int(rank)][name].contiguous()
+            at = shard.storage_offset()  # saved tensors may be views into one flat buffer (ZeRO-1/2)
+            for piece in where["pieces"]:
+                (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
+                full.as_strided(piece["shape"], src_strides, src).copy_(
+                    shard.as_strided(piece["shape"], dst_strides, at + dst))
+        if info.get("original_vocab_size") and any(p.match(name) for p in vocabulary):
+            full = full[: info["original_vocab_size"]]
+        out[name] = full
+    return out
 
 
 def _frozen(tag_dir: Path) -> dict:

@@ -138,6 +138,28 @@ def no_dropout(config):
     return config
 
 
+AUTOTP_PRESETS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")  # deepspeed/module_inject
+
+
+def check_tensor_parallel(config, tp: int) -> None:
+    """What DeepSpeed's AutoTP needs to shard this model over `tp` ranks: a sharding plan (the HF config's
+    base_model_tp_plan, else one of DeepSpeed's presets; its heuristic refuses the rest, gpt2 and bert
+    among them: auto_tp.py "AutoTP not supported for model"), and heads, key/value heads and the MLP's
+    width that divide by tp."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "base_model_tp_plan", None) and config.model_type not in AUTOTP_PRESETS:
+        raise ConfigError(f"tensor_parallel.autotp_size {tp}: {config.model_type} has no tensor-parallel plan (no "
+                          "base_model_tp_plan in its HF config, not one of DeepSpeed's AutoTP presets "
+                          f"{', '.join(AUTOTP_PRESETS)}); train it with dp and pp, without tensor_parallel")
+    sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
+             "num_key_value_heads": getattr(text, "num_key_value_heads", None),
+             "intermediate_size": getattr(text, "intermediate_size", None)}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % tp}
+    if bad:
+        raise ConfigError(f"tensor_parallel.autotp_size {tp} does not divide the model's "
+                          f"{', '.join(f'{k} {v}' for k, v in bad.items())}; use a tp that divides them")
+
+
 def build_model(model: str, config, task: str, seed: int, ds_config: dict | None = None):
     """Pretrained weights from a directory, or random ones from `seed` (the same on every rank).
 

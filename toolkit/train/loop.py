@@ -45,6 +45,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
 
     tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
     config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
+    if topo.tp > 1:
+        hf.check_tensor_parallel(config, topo.tp)
     prepared = data.prepare_once_per_node(data_options(args, hf.max_positions(config)), tokenizer)
     if args.task == "classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
@@ -70,7 +72,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     param_names = [[names[id(p)] for p in g["params"]] for g in groups]
     if topo.pp == 1:
         layout["param_groups"] = param_names
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=deepspeed_config(cfg, topo))
     # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
     # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
     layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
@@ -119,6 +121,15 @@ def data_options(args, max_positions=None) -> data.DataOptions:
                             workers=args.data_workers, max_positions=max_positions)
 
 
+def deepspeed_config(cfg: dict, topo) -> dict:
+    """The dict deepspeed.initialize gets. Under AutoTP (tp > 1) without train_batch_size: DeepSpeed 0.19
+    checks it against mbs x gas x the WORLD size (runtime/config.py:471) before its tp groups exist, so
+    the right value (mbs x gas x dp, checked by dstk) would stop it; it derives one from the other two."""
+    if topo.tp == 1:
+        return cfg
+    return {k: v for k, v in cfg.items() if k != "train_batch_size"}
+
+
 def param_groups(model, cfg: dict) -> list:
     """The trainable parameters in two groups, as the HF Trainer makes them: weight decay on the
     matrices of linear layers, none on biases, norms and embeddings (decaying a norm's gain or an
@@ -144,7 +155,7 @@ def run_identity(args, topo, cfg: dict) -> dict:
     zero = cfg.get("zero_optimization") or {}
     settings = settings_of(args)
     return {"model": where(args.model), "tokenizer": where(args.tokenizer), "task": args.task,
-            "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "zero_stage": zero.get("stage", 0),
+            "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "zero_stage": zero.get("stage", 0),
             "lora": settings.to_dict() if settings else None,
             # the rows and their order: another file, format or seed would resume mid-epoch in other data
             "data": {"path": where(args.data), "format": args.format, "packing": args.packing,

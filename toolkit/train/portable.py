@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UnusableInput
+from toolkit.train.checkpoint import LAYOUT_KEYS
 from toolkit.train.checkpoint_state import (PARTITION_FILE, _masters_by_hf_name, _torch_load, load_state_dict,
                                             partition_fragments, resolve_tag)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-LAYOUT_KEYS = ("pp", "dp", "zero_stage")  # what may differ between the checkpoint and the resumed run
 
 
 @dataclass
