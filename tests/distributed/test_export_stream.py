@@ -1,11 +1,10 @@
 """The streaming export on a real pipeline checkpoint: `dstk train` at pp = 2 under bf16 (2 CPU
-processes, torchrun), then `dstk export` streams the layer files and BF16_Optimizer's fp32 masters
-stage by stage into exactly the tensors the whole-model export writes; and the layer files DeepSpeed
-wrote are the ones tests/unit/test_export_stream.py fabricates for its 200M-parameter RSS test."""
+processes, torchrun; tiny-gpt2, 2 steps: the session's `bf16_runs`, tests/distributed/conftest.py),
+then `dstk export` streams the layer files and BF16_Optimizer's fp32 masters stage by stage into
+exactly the tensors the whole-model export writes; and the layer files DeepSpeed wrote are the ones
+tests/unit/test_export_stream.py fabricates for its 200M-parameter RSS test."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,39 +13,17 @@ from tests.unit.test_export_stream import fabricate_pipeline_checkpoint, read_we
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
-
-
-def train(tmp: Path, pp: int, zero: int) -> Path:
-    """tiny-gpt2 (tied embedding) on 2 processes (pp x dp = 2), bf16, 2 steps, no export."""
-    from tests.conftest import child_env, free_port
-
-    cfg = tmp / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                               "gradient_clipping": 0.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero},
-                               "pipeline": {"stages": pp}, "steps_per_print": 10**6,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "toolkit.train", "--config", str(cfg), "--model", "tiny-gpt2", "--data", str(CORPUS),
-           "--seq-len", "32", "--steps", "2", "--no-progress", "--eval-batches", "1", "--no-export",
-           "--out", str(tmp / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
-                            env=child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    return tmp / "run"
-
-
 @pytest.fixture(scope="module")
-def bf16_pipeline_run(tmp_path_factory):
-    """pp 2 x dp 1, ZeRO-1: layer files in bf16, BF16_Optimizer's fp32 masters per stage."""
-    return train(tmp_path_factory.mktemp("pp2_bf16"), pp=2, zero=1)
+def bf16_pipeline_run(bf16_runs):
+    """pp 2 x dp 1, ZeRO-1: layer files in bf16, BF16_Optimizer's fp32 masters per stage (the run
+    test_pipeline_training's bf16 export test reads too)."""
+    return bf16_runs.get("tiny-gpt2", pp=2, zero=1)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def bf16_zero_run(tmp_path_factory, request):
+def bf16_zero_run(bf16_runs, request):
     """pp 1 x dp 2 at ZeRO 2 / 3: each rank's optimizer file holds its partition of the masters."""
-    return train(tmp_path_factory.mktemp(f"dp2_zero{request.param}"), pp=1, zero=request.param)
+    return bf16_runs.get("tiny-gpt2", pp=1, zero=request.param, export=False)
 
 
 def test_the_streamed_pipeline_export_is_the_whole_exports(bf16_pipeline_run, tmp_path):
@@ -59,16 +36,18 @@ def test_the_streamed_dp2_zero_export_is_the_whole_exports(bf16_zero_run, tmp_pa
 
 
 def same_tensors_streamed_and_whole(run: Path, tmp_path: Path) -> None:
+    """`dstk export` (its console entry point, in this process: no interpreter start-up per call)."""
     import torch
 
+    from toolkit.cli import main
     from toolkit.train.export import export
 
     for dtype in ("fp32", "bf16"):
         whole = read_weights(export(run, tmp_path / f"whole_{dtype}", dtype=dtype, stream=False))
-        cli = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", str(run),
-                              str(tmp_path / f"streamed_{dtype}"), "--dtype", dtype, "--max-shard-size", "150KB"],
-                             capture_output=True, text=True, cwd=REPO, timeout=300)
-        assert cli.returncode == 0, cli.stderr[-3000:]
+        with pytest.raises(SystemExit) as cli:
+            main(["export", str(run), str(tmp_path / f"streamed_{dtype}"), "--dtype", dtype,
+                  "--max-shard-size", "150KB"])
+        assert cli.value.code == 0  # its error, if any, is in the captured stderr
         streamed = read_weights(tmp_path / f"streamed_{dtype}")
         assert whole.keys() == streamed.keys()
         assert all(torch.equal(whole[k], streamed[k]) and whole[k].dtype == streamed[k].dtype for k in whole)

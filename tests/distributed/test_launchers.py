@@ -1,7 +1,8 @@
 """The cluster launchers whose runners set no RANK/WORLD_SIZE, for real on CPU processes (gloo):
 `launch.sh --launcher openmpi` (mpirun; DeepSpeed finds the ranks through mpi4py) and slurm tasks
 (srun's variables set by hand: no slurm here), each against a `deepspeed`-launcher run of the same
-config. `make test` installs OpenMPI and mpi4py. The dry-run checks at the end start no process.
+config (the session's pp1dp2 layout, tests/distributed/conftest.py). `make test` installs OpenMPI and
+mpi4py. The dry-run checks at the end start no process.
 """
 
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env, free_port
-from tests.distributed.test_train import COMMON, close, ds_config, losses, summary
+from tests.distributed.test_train import COMMON, close, losses, summary
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -49,14 +50,12 @@ def run_tasks(cmd: list, envs: list, timeout=300) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """dp = 2 (mbs 2, gas 2) under the deepspeed launcher: the losses every launcher must give."""
-    tmp = tmp_path_factory.mktemp("launchers")
-    cfg = ds_config(tmp / "dp2.json", 2, 2, 1)
-    rc, log = launch_sh("--num-gpus", 2, "--master-port", free_port(), "--config", cfg, "--",
-                        *train_args(tmp / "deepspeed"))
-    assert rc == 0, log[-3000:]
-    return cfg, tmp / "deepspeed"
+def reference(train_runs):
+    """dp = 2 (mbs 2, gas 2) through launch.sh under the deepspeed launcher: the session's pp1dp2 run
+    (tests/distributed/conftest.py; the same COMMON flags, 20 steps of a constant learning rate, so its
+    first STEPS losses are a STEPS-step run's): the losses every launcher must give, and its config."""
+    ref = train_runs.get("pp1dp2")
+    return ref.with_suffix(".json"), ref
 
 
 @pytest.mark.distributed

@@ -1,10 +1,11 @@
 """toolkit.plan.memory's model-state bytes vs what real DeepSpeed engines hold, per rank (issue 5: within 5%).
 
-One launch of the deepspeed launcher (2 CPU processes, gloo) builds ten engines in turn:
-ZeRO 0/1/2/3 with pp 1 (dp 2) and ZeRO 0/1 with pp 2 (dp 1), then the LoRA cases (issue 12): the same
-Linear layers with peft LoRA adapters of rank LORA_R injected, the base frozen and only the adapters given
-to the optimizer, at ZeRO 1/3 with pp 1 (dp 2) and ZeRO 0/1 with pp 2 (dp 1), predicted by
-model_state_bytes(..., trainable=adapters). This file is also the script each rank runs:
+One launch of the deepspeed launcher (2 CPU processes, gloo; in the session's launch of
+tests/distributed/scripts/engines.py, which runs this file's `main` among other scripts) builds ten
+engines in turn: ZeRO 0/1/2/3 with pp 1 (dp 2) and ZeRO 0/1 with pp 2 (dp 1), then the LoRA cases
+(issue 12): the same Linear layers with peft LoRA adapters of rank LORA_R injected, the base frozen and
+only the adapters given to the optimizer, at ZeRO 1/3 with pp 1 (dp 2) and ZeRO 0/1 with pp 2 (dp 1),
+predicted by model_state_bytes(..., trainable=adapters). Alone, this file is the script each rank runs:
     deepspeed --num_gpus 2 tests/distributed/test_memory_accuracy.py OUT_DIR
 
 What is counted on a rank: every distinct tensor storage (by data pointer, so views into DeepSpeed's
@@ -29,7 +30,6 @@ model_state_bytes predicts: gradients of several layers wait there at once; a ga
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,20 +41,6 @@ HIDDEN, LAYERS, BUCKET = 512, 8, 100_000  # 8 x Linear(512, 512): 2.1M parameter
 CASES = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2)]  # (zero, pp)
 LORA_R = 8  # adapters: 8 x r * (512 + 512) = 65,536 trainable parameters, 3% of the model
 LORA_CASES = [(1, 1), (3, 1), (0, 2), (1, 2)]  # (zero, pp) with a frozen base
-
-
-def _launch(out_dir: Path) -> dict:
-    from tests.conftest import free_port
-
-    launcher = Path(sys.executable).with_name("deepspeed")
-    from tests.conftest import child_env
-
-    env = child_env(DS_ACCELERATOR="cpu", PYTHONPATH=str(Path(__file__).parents[2]))
-    cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), __file__, str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise AssertionError(f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
 def stage_counts(pp: int, lora: int | None = None) -> tuple[int, int]:
@@ -69,8 +55,9 @@ def stage_counts(pp: int, lora: int | None = None) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("memory"))
+def measured(engine_runs):
+    """rank -> case -> what the engine held, from this file's `main` in the session's engine launch."""
+    return {rank: json.loads((engine_runs / "memory_accuracy" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
 @pytest.mark.distributed

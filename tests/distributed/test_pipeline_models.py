@@ -2,28 +2,20 @@
 and gradients for llama, qwen2 (tied), gemma2, gpt2 (tied), BERT MLM (tied) and classification, mixtral
 with its router aux loss in the loss (the sums cross the stage boundary),
 with and without padding; packed rows of several documents give each document's own logits and loss;
-a sharded saved model loads per stage. One launch (~45 s on 2 cores)."""
+a sharded saved model loads per stage. Part of the session's one launch of scripts/engines.py
+(tests/distributed/conftest.py; this part ~30 s on 2 cores)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import run_deepspeed
 from toolkit.train.parity import TOLERANCE
-
-SCRIPT = Path(__file__).parent / "scripts" / "pipeline_models_parity.py"
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """rank -> case -> differences, from one 2-process launch."""
-    from toolkit.train.parity import small_model
-
-    out = tmp_path_factory.mktemp("pp_parity")
-    small_model("llama").save_pretrained(out / "llama_dir", max_shard_size="100KB")
-    run_deepspeed(SCRIPT, out, out / "llama_dir", num_procs=2)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+def results(engine_runs):
+    """rank -> case -> differences, from scripts/pipeline_models_parity.py's part of the launch."""
+    return [json.loads((engine_runs / "parity" / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.distributed

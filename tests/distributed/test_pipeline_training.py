@@ -1,11 +1,13 @@
 """Pipeline training on the real path: gradient clipping across stages and activation checkpointing.
 
 Two kinds of launch, CPU processes on gloo:
-- `dstk train` through launch.sh with "gradient_clipping": 1.0 at pp 1, pp 2, pp 2 x dp 2 and pp 2
-  with pipeline.activation_checkpoint_interval 1, next to a plain PyTorch loop
+- `dstk train` through launch.sh with "gradient_clipping": 1.0 at pp 1, pp 2 and pp 2 x dp 2 (the
+  session's `train_runs`, which test_train reads too) and at pp 2 with
+  pipeline.activation_checkpoint_interval 1, next to a plain PyTorch loop
   (torch.nn.utils.clip_grad_norm_) that also says how large the unclipped norms were;
-- this file under the deepspeed launcher (~1 min on 2 cores), every rank running `worker`:
-      deepspeed --num_gpus 2 tests/distributed/test_pipeline_training.py OUT_DIR
+- `worker` on every rank under the deepspeed launcher (~1 min on 2 cores; in the session's one launch
+  of tests/distributed/scripts/engines.py, or alone:
+      deepspeed --num_gpus 2 tests/distributed/test_pipeline_training.py OUT_DIR).
   It compares DeepSpeed's pipeline gradient norm with the HF model's (tied GPT-2 and BERT MLM), and
   trains tiny-gpt2 at pp 2 with checkpointing off/on (reentrant and not), with and without a frozen
   embedding, measuring the peak CPU tensor memory of a train_batch (torch profiler's allocation events).
@@ -84,11 +86,18 @@ def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("clip_layouts")
-    runs = {"pp1": (1, ds_config(2, 4, 1)), "pp2": (2, ds_config(2, 4, 2)), "pp2dp2": (4, ds_config(2, 2, 2)),
-            "pp2_ckpt": (2, ds_config(2, 4, 2, activation_checkpoint_interval=1))}
-    return {name: train(tmp, name, procs, cfg) for name, (procs, cfg) in runs.items()}
+def layouts(train_runs, tmp_path_factory):
+    """name -> step -> loss. pp1, pp2 and pp2dp2 are train_runs' pp1dp1, pp2dp1 and pp2dp2: the same
+    configs as ds_config(2, 4, 1), ds_config(2, 4, 2) and ds_config(2, 2, 2) here, the same COMMON flags
+    (pp2dp1 also shows progress and exports, which trains nothing differently)."""
+    from tests.distributed import test_train
+
+    assert test_train.CLIP == CLIP
+    shared = {"pp1": "pp1dp1", "pp2": "pp2dp1", "pp2dp2": "pp2dp2"}
+    got = {name: test_train.losses(train_runs.get(run)) for name, run in shared.items()}
+    got["pp2_ckpt"] = train(tmp_path_factory.mktemp("clip_ckpt"), "pp2_ckpt", 2,
+                            ds_config(2, 4, 2, activation_checkpoint_interval=1))
+    return got
 
 
 def far(got: dict, ref: dict, rel: float) -> dict:
@@ -118,13 +127,9 @@ def test_activation_checkpointing_from_the_config_trains_the_same(layouts):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """rank -> the worker's report, from one 2-process deepspeed launch of this file."""
-    from tests.distributed.launch import run_deepspeed
-
-    out = tmp_path_factory.mktemp("pipe_worker")
-    run_deepspeed(Path(__file__), out, num_procs=2, env={"PYTHONPATH": str(REPO)})
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+def ranks(engine_runs):
+    """rank -> the worker's report, from the session's 2-process deepspeed launch of scripts/engines.py."""
+    return [json.loads((engine_runs / "pipeline_training" / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.distributed
@@ -289,28 +294,14 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("model, zero", [("tiny-llama", 0), ("tiny-gpt2", 1)])
-def test_bf16_pipeline_exports_the_fp32_masters(tmp_path, model, zero):
+def test_bf16_pipeline_exports_the_fp32_masters(bf16_runs, model, zero):
     """pp = 2 under bf16: the layer files hold bf16 weights, BF16_Optimizer's files the fp32 masters;
-    the export carries the masters (most values off the bf16 grid), tied embedding included."""
+    the export carries the masters (most values off the bf16 grid), tied embedding included. (The
+    tiny-gpt2 run is the one test_export_stream streams.)"""
     import torch
     from safetensors.torch import load_file
 
-    from tests.conftest import child_env, free_port
-
-    repo = Path(__file__).resolve().parents[2]
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                               "gradient_clipping": 0.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero},
-                               "pipeline": {"stages": 2}, "steps_per_print": 10**6,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "toolkit.train", "--config", str(cfg), "--model", model, "--data",
-           str(repo / "toolkit" / "corpus" / "corpus.txt"), "--seq-len", "32", "--steps", "2", "--no-progress",
-           "--out", str(tmp_path / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=600,
-                            env=child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    weights = load_file(tmp_path / "run" / "hf" / "model.safetensors")
+    weights = load_file(bf16_runs.get(model, pp=2, zero=zero) / "hf" / "model.safetensors")
     for name, w in weights.items():
         if w.dim() == 2 and w.shape[0] > 16:
             off_grid = (w.bfloat16().float() != w).float().mean().item()

@@ -5,7 +5,8 @@ tp 2 (ZeRO-1) and dp 2 x tp 2 (4 processes, ZeRO-2) give the 10 losses of tp 1 (
 everywhere: every rank of a tp group is fed the same micro-batches); the export merges the shards
 through the map AutoTP saves with them: full HF shapes, from_pretrained loads it, and its loss over the
 eval split equals the eval loss the sharded engine reported (so the merged weights are the trained
-ones), and its weights equal tp 1's.
+ones), and its weights equal tp 1's. A tp 2 run resumed from its step-5 checkpoint (DeepSpeed's own
+load of the tp shards) continues with the uninterrupted run's losses.
 """
 
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.test_resume_layouts import resumed_from
 from tests.distributed.test_train import CORPUS, OPTIMIZER, launch, losses, summary
 from tests.reference import eval_reference
 
@@ -37,8 +39,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     for name, (procs, tp, zero) in LAYOUTS.items():
         rc, log = launch(config(tmp / f"{name}.json", procs, tp, zero), tmp / name, procs, "--steps", 10,
-                         model_args=ARGS)
+                         "--save-every", 5, model_args=ARGS)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
+    resumed_from(tmp / "tp2", 5, tmp / "tp2_resumed")
+    rc, log = launch(tmp / "tp2.json", tmp / "tp2_resumed", 2, "--steps", 10, "--resume", "--no-export", model_args=ARGS)
+    assert rc == 0, f"tp2_resumed:\n{log[-4000:]}"
     return tmp
 
 
@@ -68,3 +73,9 @@ def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     ref = {k: v for f in (runs / "tp1" / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
     assert set(mine) == set(ref)
     assert max((mine[k] - ref[k]).abs().max().item() for k in ref) <= 1e-4
+
+
+def test_a_tensor_parallel_run_resumes_from_its_shards(runs):
+    want, got = losses(runs / "tp2"), losses(runs / "tp2_resumed")
+    assert sorted(got) == list(range(1, 11)) and summary(runs / "tp2_resumed")["start_step"] == 5
+    assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in range(6, 11)), (got, want)

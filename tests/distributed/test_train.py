@@ -1,9 +1,10 @@
 """`dstk train` through the real launchers (launch.sh -> deepspeed, torchrun), CPU processes on gloo.
 
-Every launch costs ~20-60 s on 2 cores, so the runs are made once (module fixtures) and several
-tests read each run's metrics.jsonl. Global batch 8 rows of 32 tokens everywhere; fp32, dropout
-off, gradient_clipping 0 (the plain-DDP reference clips nothing; layouts agreeing with clipping on
-is tests/distributed/test_pipeline_training.py's subject).
+Every launch costs ~20-60 s on 2 cores, so the runs are made once and several tests read each run's
+metrics.jsonl: the layouts are the session's `train_runs` (tests/distributed/conftest.py), which
+test_pipeline_training and test_launchers read too. Global batch 8 rows of 32 tokens everywhere; fp32,
+dropout off, gradient_clipping 1.0 (triggered: test_pipeline_training checks the unclipped norms), and
+the plain-DDP reference clips the same way.
 """
 
 import json
@@ -29,10 +30,10 @@ OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps
                                          "torch_adam": True}}
 
 
-def ds_config(path: Path, mbs: int, gas: int, pp: int, lr: float = 1e-3) -> Path:
+def ds_config(path: Path, mbs: int, gas: int, pp: int, lr: float = 1e-3, clip: float = 0.0) -> Path:
     optimizer = json.loads(json.dumps(OPTIMIZER))
     optimizer["params"]["lr"] = lr
-    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
            "optimizer": optimizer, "pipeline": {"stages": pp}, "steps_per_print": 10**6}
     path.write_text(json.dumps(cfg))
     return path
@@ -67,19 +68,14 @@ def close(a: dict, b: dict, steps, rel=1e-4):
     return all(abs(a[s] - b[s]) <= rel * abs(b[s]) for s in steps)
 
 
+CLIP = 1.0  # gradient_clipping of the layouts (conftest.py's TrainRuns) and of the runs compared to them
+
+
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    """pp x dp in {1,2}^2 with gbs 8; the pp1/dp2 run goes 20 steps (the resume reference)."""
-    tmp = tmp_path_factory.mktemp("layouts")
-    runs = {"pp1dp1": (1, 2, 4, 1), "pp2dp1": (2, 2, 4, 2), "pp1dp2": (2, 2, 2, 1), "pp2dp2": (4, 2, 2, 2)}
-    for name, (procs, mbs, gas, pp) in runs.items():
-        steps = 20 if name == "pp1dp2" else 10
-        shown = [a for a in COMMON if a != "--no-progress"] if name == "pp2dp1" else COMMON  # one run shows progress
-        rc, log = launch(ds_config(tmp / f"{name}.json", mbs, gas, pp), tmp / name, procs, "--steps", steps,
-                         *(["--no-export"] if name not in ("pp2dp1",) else []), model_args=shown)
-        assert rc == 0, log[-3000:]
-        (tmp / f"{name}.log").write_text(log)
-    return tmp
+def layouts(train_runs):
+    """pp x dp in {1,2}^2 with gbs 8; the pp1/dp2 run goes 20 steps (the resume reference), pp2/dp1
+    shows its progress and exports. The folder holding NAME/ and NAME.log per layout."""
+    return train_runs.all()
 
 
 def test_a_run_prints_progress_and_the_loss_table_and_nothing_else(layouts):
@@ -115,7 +111,8 @@ def test_pipeline_export_reloads_in_hf_with_the_engines_eval_loss(layouts):
 
 
 DDP_REFERENCE = textwrap.dedent('''
-    """Plain PyTorch: DDP + torch's samplers, gas 2, mbs 2, 10 steps; prints one loss per step. The rows in
+    """Plain PyTorch: DDP + torch's samplers, gas 2, mbs 2, 10 steps, the averaged gradients clipped to
+    norm 1.0 as DeepSpeed clips them; prints one loss per step. The rows in
     DistributedSampler's seeded order, cut into micro-batches by a BatchSampler, the micro-batches dealt to the
     replicas by a DistributedSampler (so each micro-batch is the same in every layout)."""
     import sys, torch, torch.distributed as dist
@@ -147,6 +144,7 @@ DDP_REFERENCE = textwrap.dedent('''
                              labels=labels).loss
                 (loss / 2).backward()
             total += float(loss) / 2
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step(); opt.zero_grad()
         t = torch.tensor(total); dist.all_reduce(t)
         if dist.get_rank() == 0:
@@ -167,7 +165,7 @@ def test_dp2_equals_plain_ddp_with_distributed_sampler_under_torchrun(layouts, t
 
 
 def test_two_simulated_nodes_train_like_one_node(layouts, tmp_path):
-    cfg = ds_config(tmp_path / "pp2.json", 2, 4, 2)
+    cfg = ds_config(tmp_path / "pp2.json", 2, 4, 2, clip=CLIP)
     port = str(free_port())
     procs = [launch(cfg, tmp_path / "two_nodes", 1, "--steps", 10, "--no-export", wait=False,
                     launcher=["--num-nodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
@@ -178,7 +176,7 @@ def test_two_simulated_nodes_train_like_one_node(layouts, tmp_path):
 
 
 def test_killed_rank_fails_the_launch_fast_and_resume_under_torchrun_continues_exactly(layouts, tmp_path):
-    cfg = ds_config(tmp_path / "dp2.json", 2, 2, 1)
+    cfg = ds_config(tmp_path / "dp2.json", 2, 2, 1, clip=CLIP)
     out = tmp_path / "crash"
     rc, log = launch(cfg, out, 2, "--steps", 20, "--save-every", 10, "--crash-at-step", 12, "--no-export")
     # rank 1 SIGKILLs itself right after step 12 (rank 0 logs it); the launch must notice, not hang

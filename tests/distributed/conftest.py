@@ -1,0 +1,115 @@
+"""Launches that several test files read, each made once per session (every launch costs ~20-40 s of
+start-up on 2 cores, whatever it then trains)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory) -> Path:
+    """One 2-process deepspeed launch of scripts/engines.py, pp 1 engines first: the CPU dp 2 preset,
+    test_memory_accuracy's engines (pp 1, then pp 2), the pp 2 preset (both: test_presets_engine), the
+    pipeline parity cases (test_pipeline_models) and test_pipeline_training's worker. Returns the folder
+    holding preset_<preset name> and memory_accuracy/, parity/, pipeline_training/ with rank<R>.json."""
+    from tests.distributed.launch import run_deepspeed
+    from toolkit.config.presets import PRESET_DIR
+    from toolkit.train.parity import small_model
+
+    out = tmp_path_factory.mktemp("engines")
+    for part in ("memory_accuracy", "parity", "pipeline_training"):
+        (out / part).mkdir()
+    small_model("llama").save_pretrained(out / "llama_dir", max_shard_size="100KB")  # a sharded saved model
+    jobs = ["preset", PRESET_DIR / "cpu_dp2.json", out / "preset_cpu_dp2.json", "+",
+            "memory-accuracy", out / "memory_accuracy", "+",
+            "preset", PRESET_DIR / "cpu_pp2.json", out / "preset_cpu_pp2.json", "+",
+            "parity", out / "parity", out / "llama_dir", "+", "pipeline-training", out / "pipeline_training"]
+    run_deepspeed(Path(__file__).parent / "scripts" / "engines.py", *jobs, num_procs=2, env={"PYTHONPATH": str(REPO)})
+    return out
+
+
+class TrainRuns:
+    """`dstk train` of tiny-gpt2 on the corpus through launch.sh, by layout: gbs 8 rows of 32 tokens,
+    fp32, dropout off, gradient_clipping test_train.CLIP (1.0, which these runs trigger:
+    test_pipeline_training checks the unclipped norms), each launched the first time a test asks for it."""
+
+    LAYOUTS = {  # name: (processes, mbs, gas, pp, steps)
+        "pp1dp1": (1, 2, 4, 1, 10),
+        "pp2dp1": (2, 2, 4, 2, 10),  # shows its progress lines and exports
+        "pp1dp2": (2, 2, 2, 1, 20),  # 20 steps: the resume reference
+        "pp2dp2": (4, 2, 2, 2, 10),
+    }
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.done = set()
+
+    def get(self, name: str) -> Path:
+        """The run folder of layout `name` (its config: FOLDER/NAME.json, its output: FOLDER/NAME.log)."""
+        from tests.distributed.test_train import CLIP, COMMON, ds_config, launch
+
+        out = self.folder / name
+        if name not in self.done:
+            procs, mbs, gas, pp, steps = self.LAYOUTS[name]
+            shown = [a for a in COMMON if a != "--no-progress"] if name == "pp2dp1" else COMMON
+            cfg = ds_config(self.folder / f"{name}.json", mbs, gas, pp, clip=CLIP)
+            rc, log = launch(cfg, out, procs, "--steps", steps, *([] if name == "pp2dp1" else ["--no-export"]),
+                             model_args=shown)
+            assert rc == 0, log[-3000:]
+            (self.folder / f"{name}.log").write_text(log)
+            self.done.add(name)
+        return out
+
+    def all(self) -> Path:
+        for name in self.LAYOUTS:
+            self.get(name)
+        return self.folder
+
+
+@pytest.fixture(scope="session")
+def train_runs(tmp_path_factory) -> TrainRuns:
+    """The layouts test_train, test_pipeline_training (clipping) and test_launchers compare against."""
+    return TrainRuns(tmp_path_factory.mktemp("layouts"))
+
+
+class Bf16Runs:
+    """`dstk train` of a built-in model under torchrun, 2 processes, bf16 (BF16_Optimizer's fp32
+    masters), 2 steps, one eval batch; by (model, pp, zero, export), each launched on first request."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.done = set()
+
+    def get(self, model: str, pp: int, zero: int, export: bool = True) -> Path:
+        from tests.conftest import child_env, free_port
+
+        tmp = self.folder / f"{model}_pp{pp}_zero{zero}{'' if export else '_no_export'}"
+        if tmp not in self.done:
+            tmp.mkdir(exist_ok=True)
+            cfg = tmp / "ds.json"
+            cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                       "gradient_clipping": 0.0, "bf16": {"enabled": True},
+                                       "zero_optimization": {"stage": zero}, "pipeline": {"stages": pp},
+                                       "steps_per_print": 10**6,
+                                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(free_port()), "-m", "toolkit.train", "--config", str(cfg), "--model", model, "--data",
+                   str(REPO / "toolkit" / "corpus" / "corpus.txt"), "--seq-len", "32", "--steps", "2",
+                   "--no-progress", "--eval-batches", "1", *([] if export else ["--no-export"]),
+                   "--out", str(tmp / "run")]
+            result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
+                                    env=child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+            assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+            self.done.add(tmp)
+        return tmp / "run"
+
+
+@pytest.fixture(scope="session")
+def bf16_runs(tmp_path_factory) -> Bf16Runs:
+    """bf16 runs test_export_stream and test_pipeline_training share (tiny-gpt2 at pp 2, ZeRO-1: both)."""
+    return Bf16Runs(tmp_path_factory.mktemp("bf16"))
