@@ -143,7 +143,9 @@ all_local() {
   awk -v a="$here" -v b="$short" '$1 !~ /^#/ && NF && $1 != "localhost" && $1 != "127.0.0.1" && $1 != a && $1 != b \
     { remote = 1 } END { exit remote }' "$hostfile"
 }
-if all_local && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+# (DS_ACCELERATOR=cpu already set: no torch import to ask, ~1.5 s a launch)
+if all_local && { [[ "${DS_ACCELERATOR:-}" == cpu ]] ||
+    ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }; then
   export DS_ACCELERATOR=cpu
   procs=${num_gpus:-1}
   if [[ -z "$num_gpus" && -n "$hostfile" ]]; then  # the first host's slots=N
