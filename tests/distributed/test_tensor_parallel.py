@@ -5,7 +5,8 @@ tp 2 (ZeRO-1) and dp 2 x tp 2 (4 processes, ZeRO-2) give the 10 losses of tp 1 (
 everywhere: every rank of a tp group is fed the same micro-batches); the export merges the shards
 through the map AutoTP saves with them: full HF shapes, from_pretrained loads it, and its loss over the
 eval split equals the eval loss the sharded engine reported (so the merged weights are the trained
-ones), and its weights equal tp 1's. A tp 2 run resumed from its step-5 checkpoint (DeepSpeed's own
+ones), and its weights equal tp 1's. Under bf16 the export holds the fp32 masters (not the bf16 weights
+the shards hold) and gives the bf16 engine's eval loss to bf16's precision. A tp 2 run resumed from its step-5 checkpoint (DeepSpeed's own
 load of the tp shards) continues with the uninterrupted run's losses.
 """
 
@@ -21,13 +22,14 @@ from tests.reference import eval_reference
 pytestmark = pytest.mark.distributed
 
 ARGS = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-fraction", "0.05"]
-LAYOUTS = {"tp1": (1, 1, 0), "tp2": (2, 2, 1), "dp2tp2": (4, 2, 2)}  # procs, tp, ZeRO stage
+LAYOUTS = {"tp1": (1, 1, 0), "tp2": (2, 2, 1), "dp2tp2": (4, 2, 2), "tp2bf16": (2, 2, 0)}  # procs, tp, ZeRO stage
 
 
-def config(path: Path, procs: int, tp: int, zero: int) -> Path:
+def config(path: Path, procs: int, tp: int, zero: int, bf16: bool = False) -> Path:
     dp = procs // tp
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp, "gradient_clipping": 0.0,
-           "optimizer": OPTIMIZER, "zero_optimization": {"stage": zero}, "steps_per_print": 10**6}
+           "optimizer": OPTIMIZER, "zero_optimization": {"stage": zero}, "steps_per_print": 10**6,
+           "bf16": {"enabled": bf16}}
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     path.write_text(json.dumps(cfg))
@@ -38,7 +40,7 @@ def config(path: Path, procs: int, tp: int, zero: int) -> Path:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     for name, (procs, tp, zero) in LAYOUTS.items():
-        rc, log = launch(config(tmp / f"{name}.json", procs, tp, zero), tmp / name, procs, "--steps", 10,
+        rc, log = launch(config(tmp / f"{name}.json", procs, tp, zero, "bf16" in name), tmp / name, procs, "--steps", 10,
                          "--save-every", 5, model_args=ARGS)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
     resumed_from(tmp / "tp2", 5, tmp / "tp2_resumed")
@@ -79,3 +81,24 @@ def test_a_tensor_parallel_run_resumes_from_its_shards(runs):
     want, got = losses(runs / "tp2"), losses(runs / "tp2_resumed")
     assert sorted(got) == list(range(1, 11)) and summary(runs / "tp2_resumed")["start_step"] == 5
     assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in range(6, 11)), (got, want)
+
+
+def test_a_bf16_tensor_parallel_export_holds_the_fp32_masters(runs):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.train import data
+
+    exported = load_file(runs / "tp2bf16" / "hf" / "model.safetensors")
+    shard = torch.load(runs / "tp2bf16" / "checkpoints" / "global_step10" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["module"]
+    name = "model.layers.0.self_attn.q_proj.weight"  # column-parallel: rank 0 holds the first rows
+    mine = exported[name][: shard[name].shape[0]]
+    assert exported[name].dtype == torch.float32 and shard[name].dtype == torch.bfloat16
+    assert torch.equal(mine.bfloat16(), shard[name]) and not torch.equal(mine, mine.bfloat16().float())
+    model = AutoModelForCausalLM.from_pretrained(runs / "tp2bf16" / "hf").eval()
+    held = data.prepare(data.DataOptions(str(CORPUS), 32, eval_fraction=0.05),
+                        AutoTokenizer.from_pretrained(runs / "tp2bf16" / "hf")).eval
+    reported = summary(runs / "tp2bf16")["eval_loss"]
+    assert abs(eval_reference(model, held) - reported) <= 1e-2 * reported

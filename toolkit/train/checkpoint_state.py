@@ -59,7 +59,7 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
         state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
                  **_pipeline_masters(ckpt_dir / tag, layout)}
     elif layout.get("tp", 1) > 1:
-        state = _tensor_parallel_state(ckpt_dir / tag, layout["tp"])
+        state = _tensor_parallel_state(ckpt_dir / tag, layout)
     elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -79,22 +79,22 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     return {k: v.float() for k, v in state.items()}, layout
 
 
-def _tensor_parallel_state(tag_dir: Path, tp: int) -> dict:
+def _tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:
     """An AutoTP run (pp = 1, ZeRO 0-2): tp rank t wrote mp_rank_{t:02d}_model_states.pt, its shard of every
-    sharded tensor; where DeepSpeed keeps fp32 masters (bf16/fp16, ZeRO-1/2) they are in the
-    (bf16_)zero_pp_rank_{dp}_mp_rank_{t:02d} partition files and replace the module's. The shards are put
+    sharded tensor; where DeepSpeed keeps fp32 masters (bf16/fp16) they replace the module's: at ZeRO-0 in
+    that file's optimizer state (as at tp 1), at ZeRO-1/2 in the zero_pp_rank_{dp}_mp_rank_{t:02d} files. The shards are put
     together by the map AutoTP saved with them (universal_checkpoint_info: per tensor and rank, which
     strided pieces of the full tensor a shard holds; fused projections included); replicated tensors
     are taken from rank 0 and a padded vocabulary is cut to the model's."""
     import torch
 
     shards = []
-    for t in range(tp):
+    for t in range(layout["tp"]):
         path = tag_dir / f"mp_rank_{t:02d}_model_states.pt"
         saved = _torch_load(path)
         if not isinstance(saved, dict) or "module" not in saved:
             raise UnusableInput(f"{path} holds no 'module' state dict: not a DeepSpeed model checkpoint")
-        shards.append(dict(saved["module"]))
+        shards.append({**saved["module"], **_zero0_masters(saved, layout)})
         if t == 0:
             info = saved.get("universal_checkpoint_info") or {}
     files = [p for p in tag_dir.iterdir() if PARTITION_FILE.fullmatch(p.name)]
