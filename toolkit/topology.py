@@ -1,8 +1,11 @@
-"""World = pp * dp (* tp), rank <-> coordinates, and batch arithmetic: computed here, once.
+"""World = pp * dp * tp, rank <-> coordinates, and batch arithmetic: computed here, once.
 
 Vocabulary: pp pipeline stages, dp data-parallel replicas, tp tensor parallel, mbs micro-batch per
 GPU, gas gradient accumulation steps (= micro-batches per step in a pipeline), gbs global batch.
 DeepSpeed's invariant: train_batch_size (gbs) == mbs * gas * dp, with dp = world / (pp * tp).
+With AutoTP (tp > 1) DeepSpeed 0.19 checks train_batch_size against mbs * gas * WORLD instead
+(runtime/config.py:471, asserted at :602; parsed before the tp groups exist), so such configs leave
+train_batch_size out and dstk computes gbs = mbs * gas * dp itself. `tp_of(cfg)` reads tp from a config.
 """
 
 from dataclasses import dataclass
@@ -13,7 +16,9 @@ from toolkit.errors import ConfigError
 @dataclass(frozen=True)
 class Topology:
     """How the world's ranks are laid out. Ranks are ordered like DeepSpeed's
-    PipeDataParallelTopology: axes (pipe, data), the data axis varying fastest."""
+    PipeDataParallelTopology: axes (pipe, data), the data axis varying fastest; with AutoTP (tp > 1,
+    pp = 1) a tensor axis inside that, as DeepSpeed's (data_parallel, tensor_parallel) mesh
+    (utils/groups.py _init_tp_mesh_device): tp groups are runs of tp consecutive ranks."""
 
     world_size: int
     pp: int = 1
@@ -28,7 +33,8 @@ class Topology:
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by pp({self.pp}) * tp({self.tp}) = "
                 f"{self.pp * self.tp}; use a world size that is a multiple of {self.pp * self.tp} "
-                f"or a pp that divides {self.world_size} ({', '.join(map(str, divisors(self.world_size)))})"
+                f"or a {'pp * tp' if self.tp > 1 else 'pp'} that divides {self.world_size} "
+                f"({', '.join(map(str, divisors(self.world_size)))})"
             )
 
     @property
@@ -108,6 +114,23 @@ def resolve_batch(dp: int, mbs: int | None = None, gas: int | None = None, gbs: 
         raise ConfigError(f"{names.gbs} {gbs} is not divisible by {name}({known}) * dp({dp}) = {per_step}; use "
                           f"{names.set_gbs} {closest}, or a {name} that divides {gbs // dp if gbs % dp == 0 else gbs}")
     return Batch(mbs, gbs // per_step, dp) if mbs is not None else Batch(gbs // per_step, known, dp)
+
+
+def tp_of(cfg: dict) -> int:
+    """Tensor-parallel size of a DeepSpeed config: "tensor_parallel": {"autotp_size": N}, else 1.
+    DeepSpeed reads 0 (its default) as off, like 1 (runtime/tensor_parallel/config.py TPTrainingConfig).
+    Raises ConfigError for a value DeepSpeed could not use (not an integer, negative)."""
+    section = cfg.get("tensor_parallel")
+    if section is None:
+        return 1
+    if not isinstance(section, dict):
+        raise ConfigError(f'"tensor_parallel" must be an object like {{"autotp_size": 2}}, got {section!r}')
+    size = section.get("autotp_size", 0)
+    if size is None:
+        return 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(f'"tensor_parallel.autotp_size" must be an integer >= 0 (0 or 1: off), got {size!r}')
+    return max(size, 1)
 
 
 def config_batch(cfg: dict, dp: int) -> Batch:

@@ -13,17 +13,36 @@ VALID, INVALID, UNUSABLE = 0, 1, 2
 STATUS = {VALID: "valid", INVALID: "invalid", UNUSABLE: "unusable"}
 
 
-def check_file(path: str, world_size=None, pp=None, strict=False) -> dict:
-    """One file -> a report dict: status code, problems (schema first, then rules)."""
+def check_file(path: str, world_size=None, pp=None, strict=False, arch=None) -> dict:
+    """One file -> a report dict: status code, problems (schema first, then rules, then the model's:
+    `arch`, a toolkit.plan.arch.Arch, against the file's tensor_parallel size)."""
     from toolkit.config.loader import load_config
-    from toolkit.errors import UnusableInput
+    from toolkit.errors import ConfigError, UnusableInput
 
     try:
-        _, problems = load_config(path, world_size=world_size, pp=pp, strict=strict)
+        cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=strict)
     except UnusableInput as exc:
         return {"path": path, "code": UNUSABLE, "problems": [{"path": "$", "message": str(exc), "severity": ERROR}]}
+    if arch is not None:
+        from toolkit.config.tp_rules import model_problems
+        from toolkit.topology import tp_of
+
+        try:
+            problems += model_problems(cfg, arch, tp_of(cfg))
+        except ConfigError:
+            pass  # a bad autotp_size is already reported by the rules
     code = INVALID if has_errors(problems) else VALID
     return {"path": path, "code": code, "problems": [p.to_dict() for p in problems]}
+
+
+def _arch(model: str):
+    from toolkit.errors import ConfigError
+    from toolkit.plan.arch import load_arch
+
+    try:
+        return load_arch(model)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
 
 
 def _print_human(report: dict) -> None:
@@ -43,13 +62,17 @@ def _print_human(report: dict) -> None:
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Check batch arithmetic for N processes.")
 @click.option("--pp", type=click.IntRange(min=1), metavar="N", help="Pipeline stages (default: pipeline.stages in the file, else 1).")
 @click.option("--strict", is_flag=True, help='Refuse "auto" values (only the HF Trainer/Accelerate fills them).')
+@click.option("--model", metavar="NAME|DIR", help="Check the model against the file's tensor_parallel.autotp_size: an "
+              "AutoTP plan, and tp dividing its heads, key/value heads and intermediate size. A built-in "
+              "architecture (see `dstk plan --help`) or a local HF directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
-def validate(files, world_size, pp, strict, as_json):
+def validate(files, world_size, pp, strict, model, as_json):
     """Validate DeepSpeed config FILES: all problems, each with its JSON path.
 
     Exit 0 if valid (warnings allowed), 1 if invalid, 2 if a file cannot be read as a config.
     """
-    reports = [check_file(f, world_size=world_size, pp=pp, strict=strict) for f in files]
+    arch = _arch(model) if model else None
+    reports = [check_file(f, world_size=world_size, pp=pp, strict=strict, arch=arch) for f in files]
     if as_json:
         out = {"valid": all(r["code"] == VALID for r in reports),
                "files": [dict(r, status=STATUS[r["code"]]) for r in reports]}

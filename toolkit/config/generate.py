@@ -26,10 +26,14 @@ def build_config(o: GenerateOptions) -> dict:
         "steps_per_print": o.steps_per_print,
         "wall_clock_breakdown": False,
     }
+    if topo.tp > 1:  # DeepSpeed 0.19 checks train_batch_size against mbs * gas * WORLD (runtime/config.py:471)
+        del cfg["train_batch_size"]
     if o.gradient_clipping is not None:  # always explicit: DeepSpeed's own default clips at 1.0
         cfg["gradient_clipping"] = auto(o.gradient_clipping)
     cfg.update(_precision(o))
     cfg["zero_optimization"] = _zero(o)
+    if topo.tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": topo.tp}
     if o.optimizer != "none":
         cfg["optimizer"] = _optimizer(o, auto)
     if o.scheduler != "none":

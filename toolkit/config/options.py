@@ -32,6 +32,7 @@ class GenerateOptions:
     nodes: int | None = None
     gpus_per_node: int | None = None
     pp: int = 1  # pipeline stages
+    tp: int = 1  # tensor-parallel size (DeepSpeed AutoTP, pp = 1): tensor_parallel.autotp_size
     partition_method: str = "compute"  # how layers are split into stages (or "type:REGEX")
     # batch: gbs = mbs * gas * dp; one of gbs / gas may be None and is derived
     mbs: int = 1
@@ -72,14 +73,14 @@ class GenerateOptions:
     extra: dict = field(default_factory=dict)
 
     def topology(self) -> Topology:
-        return Topology(self.resolved_world_size(), self.pp)
+        return Topology(self.resolved_world_size(), self.pp, self.tp)
 
     def resolved_world_size(self) -> int:
         if self.world_size is not None:
             return self.world_size
         if self.nodes is not None and self.gpus_per_node is not None:
             return self.nodes * self.gpus_per_node
-        return self.pp  # pure pipeline: one process per stage
+        return self.pp * self.tp  # pure pipeline (or one tp group): one process per stage and shard
 
     def batch(self) -> Batch:
         return resolve_batch(self.topology().dp, mbs=self.mbs, gas=self.gas, gbs=self.gbs)
@@ -130,7 +131,7 @@ def _real(name, value, minimum=0.0, above=False):
 def _check_sizes(o: GenerateOptions) -> list[str]:
     problems = []
     for flag, value in (("--world-size", o.world_size), ("--nodes", o.nodes), ("--gpus-per-node", o.gpus_per_node),
-                        ("--pp", o.pp)):
+                        ("--pp", o.pp), ("--tp", o.tp)):
         problems += _positive(flag, value, maximum=MAX_PROCESSES, why="more processes than any cluster has")
     for flag, value in (("--mbs", o.mbs), ("--gbs", o.gbs), ("--gas", o.gas), ("--steps-per-print", o.steps_per_print)):
         problems += _positive(flag, value)
@@ -166,6 +167,7 @@ def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
     if o.strategy == "hybrid" and (topo.pp == 1 or topo.dp == 1):
         problems.append(f"--strategy hybrid needs pp > 1 and dp > 1, got {topo.describe()}; "
                         f"use --strategy {'dp' if topo.pp == 1 else 'pp'} or change --pp/--world-size")
+    problems += _check_tensor_parallel(o, topo)
     if o.hf and topo.pp > 1:
         problems.append(f"--hf (HF Trainer/Accelerate) cannot drive a pipeline; got pp={topo.pp}. Drop --hf or use --pp 1")
     method = o.partition_method
@@ -175,6 +177,21 @@ def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
         problems.append("--partition-method profile needs measured layer times, which generate-config does not take: "
                         "generate with --partition-method compute, then time the layers and record the split with "
                         f"`dstk partition MODEL --pp {topo.pp} --method profile --config FILE`")
+    return problems
+
+
+def _check_tensor_parallel(o: GenerateOptions, topo: Topology) -> list[str]:
+    """--tp > 1: what DeepSpeed 0.19's AutoTP does not combine with (toolkit.config.tp_rules says why)."""
+    if topo.tp == 1:
+        return []
+    problems = []
+    if topo.pp > 1:
+        problems.append(f"--tp {topo.tp} with --pp {topo.pp}: DeepSpeed's PipelineEngine does not combine with AutoTP "
+                        "in 0.19: its mesh ignores the pipe axis (deepspeed/runtime/engine.py:957-958); use --pp 1 "
+                        "with --tp, or --tp 1 with pipelines")
+    if o.zero == 3:
+        problems.append(f"--zero 3 with --tp {topo.tp}: dstk train cannot yet export or merge ZeRO-3 + tensor-parallel "
+                        "checkpoints; use --zero 0, 1 or 2 with --tp")
     return problems
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from toolkit.config.problems import NOTE, WARNING, Problem
 from toolkit.config.zero_stages import stage_problems
 from toolkit.errors import ConfigError
-from toolkit.topology import DEEPSPEED_KEYS as BATCH_KEYS, JSON_KEYS, divisors, resolve_batch
+from toolkit.topology import DEEPSPEED_KEYS as BATCH_KEYS, JSON_KEYS, divisors, resolve_batch, tp_of
 
 AUTO = "auto"
 
@@ -20,14 +20,31 @@ AUTO = "auto"
 class Context:
     world_size: int | None
     pp: int  # stages: --pp, else pipeline.stages in the file, else 1
+    tp: int = 1  # tensor_parallel.autotp_size (toolkit.topology.tp_of), else 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.pp * self.tp)
+
+    def dp_arithmetic(self) -> str:
+        tp = f" * tp({self.tp})" if self.tp > 1 else ""
+        model = f"(pp({self.pp}){tp})" if tp else f"pp({self.pp})"
+        return f"dp = world({self.world_size}) / {model} = {self.dp}"
 
 
 def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None) -> list[Problem]:
     """All cross-field problems of `cfg` for `world_size` processes and `pp` stages."""
+    from toolkit.config.tp_rules import tensor_parallel_problems
+
     problems, file_pp = _stages(cfg, pp)
-    ctx = Context(world_size, pp or file_pp or 1)
+    try:
+        tp = tp_of(cfg)
+    except ConfigError as exc:
+        problems.append(Problem("$.tensor_parallel.autotp_size", str(exc)))
+        tp = 1
+    ctx = Context(world_size, pp or file_pp or 1, tp)
     for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
-                 _null_types):
+                 _null_types, tensor_parallel_problems):
         problems += rule(cfg, ctx)
     return problems
 
@@ -50,9 +67,13 @@ def _stages(cfg: dict, pp: int | None) -> tuple[list[Problem], int | None]:
 
 
 def _topology(cfg: dict, ctx: Context) -> list[Problem]:
-    if ctx.world_size is None or ctx.world_size % ctx.pp == 0:
+    if ctx.world_size is None or ctx.world_size % (ctx.pp * ctx.tp) == 0:
         return []
     fits = ", ".join(str(d) for d in divisors(ctx.world_size) if d <= 64)
+    if ctx.tp > 1:
+        return [Problem("$.tensor_parallel.autotp_size", f"world size {ctx.world_size} is not divisible by pp({ctx.pp}) "
+                        f"* tp({ctx.tp}) = {ctx.pp * ctx.tp}; pp * tp must divide the world size (one of {fits}): "
+                        f'change "autotp_size" or the world size')]
     return [Problem("$.pipeline.stages", f"world size {ctx.world_size} is not divisible by pp {ctx.pp}; "
                     f"pp must divide the world size (one of {fits})")]
 
@@ -61,17 +82,20 @@ def _batch(cfg: dict, ctx: Context) -> list[Problem]:
     if AUTO in (cfg.get(k) for k in BATCH_KEYS):
         return _batch_with_auto(cfg, ctx)
     gbs, mbs, gas = (_int(cfg.get(k)) for k in BATCH_KEYS)
+    if ctx.tp > 1 and gbs is not None:  # refused by tp_rules, which says what to write instead
+        if mbs is None:
+            return []
+        gbs = None
     if gbs is None and mbs is None:
         return [Problem("$", 'set "train_batch_size" or "train_micro_batch_size_per_gpu": DeepSpeed needs one of them')]
     if ctx.world_size is None:
         return _batch_without_world(gbs, mbs, gas, ctx.pp)
-    if ctx.world_size % ctx.pp:
+    if ctx.world_size % (ctx.pp * ctx.tp):
         return []  # reported by _topology
-    dp = ctx.world_size // ctx.pp
     try:
-        resolve_batch(dp, mbs=mbs, gas=gas, gbs=gbs, names=JSON_KEYS)
+        resolve_batch(ctx.dp, mbs=mbs, gas=gas, gbs=gbs, names=JSON_KEYS)
     except ConfigError as exc:
-        return [Problem("$.train_batch_size", f"{exc} (dp = world({ctx.world_size}) / pp({ctx.pp}) = {dp})")]
+        return [Problem("$.train_batch_size", f"{exc} ({ctx.dp_arithmetic()})")]
     return []
 
 
@@ -85,9 +109,9 @@ def _batch_with_auto(cfg: dict, ctx: Context) -> list[Problem]:
             return []  # one of the two DeepSpeed needs will be filled
         return [Problem("$", 'set "train_batch_size" or "train_micro_batch_size_per_gpu" (a number or "auto"): '
                         'DeepSpeed needs one of them, and "gradient_accumulation_steps": "auto" fills neither')]
-    if ctx.world_size is None or ctx.world_size % ctx.pp:
+    if ctx.world_size is None or ctx.world_size % (ctx.pp * ctx.tp):
         return []
-    dp = ctx.world_size // ctx.pp
+    dp = ctx.dp
     known = [(k, _int(cfg.get(k))) for k in BATCH_KEYS[1:] if _int(cfg.get(k))]
     per_step = dp
     for _, value in known:
@@ -97,12 +121,13 @@ def _batch_with_auto(cfg: dict, ctx: Context) -> list[Problem]:
     autos = " and ".join(f'"{k}"' for k in BATCH_KEYS[1:] if cfg.get(k) == AUTO)
     factors = " * ".join([f'"{k}"({v})' for k, v in known] + [f"dp({dp})"])
     return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} is not divisible by {factors} = {per_step} '
-                    f"(dp = world({ctx.world_size}) / pp({ctx.pp}) = {dp}): no value the HF Trainer fills into {autos} "
+                    f"({ctx.dp_arithmetic()}): no value the HF Trainer fills into {autos} "
                     f'("auto") fits; set "train_batch_size": "auto", or a multiple of {per_step}')]
 
 
 def _batch_without_world(gbs, mbs, gas, pp) -> list[Problem]:
-    """No --world-size: say which world sizes the batch numbers fit."""
+    """No --world-size: say which world sizes the batch numbers fit (tp = 1: with tp > 1 there is no
+    train_batch_size to fit)."""
     if gbs and mbs and gas:
         if gbs % (mbs * gas):
             return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} is not divisible by mbs({mbs}) * '

@@ -1,4 +1,4 @@
-"""Memory and step time of one layout (pp x dp x ZeRO x mbs/gas x offload x checkpointing) of one model.
+"""Memory and step time of one layout (pp x dp x tp x ZeRO x mbs/gas x offload x checkpointing) of one model.
 
 All figures are per GPU, per optimizer step, for the pipeline stage whose memory is largest.
 
@@ -17,6 +17,11 @@ for pp = 1 where ZeRO-2/3 can overlap):
   pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
   offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
               ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
+  tp comm     AutoTP (tp > 1, pp = 1): the Model is one tp rank's (toolkit.plan.tp.shard_layers: its
+              params, FLOPs and activations), and Model.tp_comm bytes per micro-batch go over `nvlink`
+              (a tp group is tp consecutive ranks of one node): two all-reduces of (mbs, seq, h) per block
+              forward and two backward (toolkit.plan.tp.tp_comm_bytes). The dp comm above then carries
+              the rank's params / tp.
 LoRA (a frozen base, Model.trainable = the adapters per layer): the stage's model states hold gradients and
 optimizer states for the adapters only (toolkit.plan.memory), G and the optimizer's traffic shrink to the
 adapters', and compute is costs.py's: a frozen matmul's backward computes the input gradient only, about 1 x
@@ -44,11 +49,13 @@ class Layout:
     gas: int  # = micro-batches per step under a pipeline
     offload: str = "none"  # none | optimizer | all
     checkpointing: bool = False
+    tp: int = 1  # tensor-parallel size (AutoTP); world = pp * dp * tp
 
     def describe(self) -> str:
         extra = ([f"offload {self.offload}"] if self.offload != "none" else []) + \
                 (["act-ckpt"] if self.checkpointing else [])
-        return " ".join([f"pp={self.pp} dp={self.dp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
+        return " ".join([f"pp={self.pp} dp={self.dp}{tp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
 
 
 @dataclass
@@ -64,7 +71,8 @@ class Estimate:
     bubble: float
     dp_comm_bytes: int  # per rank per step
     pp_comm_bytes: int  # per stage boundary per step, both directions
-    times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload
+    times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload, tp_comm
+    tp_comm_bytes: int = 0  # per rank per step, over its tp group
 
     @property
     def memory(self) -> int:
@@ -89,6 +97,7 @@ class Estimate:
                 "model_states": self.states.to_dict(), "activation_bytes": self.activations,
                 "zero3_working_bytes": self.working, "host_bytes": self.states.cpu,
                 "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
+                "tp": self.layout.tp, "tp_comm_bytes": self.tp_comm_bytes,
                 "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts)}
 
 
@@ -105,6 +114,8 @@ class Model:
     tokens: int  # seq_len
     trainable: list | None = None  # parameters per layer with gradients and optimizer states (LoRA's
     # adapters); None: every parameter trains
+    tp_comm: float = 0.0  # bytes a tp rank sends per micro-batch of one sequence (0 without tp)
+    tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
 
 
 @dataclass(frozen=True)
@@ -170,10 +181,13 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
     trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
     est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
-    dp_bw = hw.network if _crosses(lay.dp, lay.pp, hw.gpus_per_node, step=1) else hw.nvlink
+    # a dp group spans dp * tp consecutive ranks (its members stride by tp)
+    dp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node, step=1) else hw.nvlink
+    est.tp_comm_bytes = int((model.tp_comm + lay.checkpointing * model.tp_recompute) * lay.mbs * lay.gas)
     est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
                  "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
-                 "offload": _offload_time(lay, trained, heaviest, w, hw)}
+                 "offload": _offload_time(lay, trained, heaviest, w, hw),
+                 "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9)}
 
 
 def _dp_volume(lay: Layout, grad_bytes: int, param_bytes: int) -> float:

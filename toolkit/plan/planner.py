@@ -5,7 +5,10 @@
     result.closest               # when nothing fits: the layout needing the least memory
 
 Layouts: pp dividing the world and the model's block count; dp = world / pp; ZeRO 0-3 with pp = 1,
-0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses 2/3); mbs * gas * dp = gbs; offload of the
+0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses 2/3); tensor parallelism (DeepSpeed AutoTP) at pp = 1
+with tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
+(toolkit.plan.tp.tp_candidates), dp = world / tp, ZeRO 0-2 (dstk train refuses ZeRO-3 with tp: its export
+does not merge those checkpoints); mbs * gas * dp = gbs; offload of the
 optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation checkpointing on or off. Each stage's
 layers come from toolkit.plan.partition's exact split (least slowest stage); the stage with the most
 memory is reported. Estimates: toolkit.plan.memory (bytes) and toolkit.plan.estimate (seconds).
@@ -66,6 +69,7 @@ class PlanResult:
     params: int = 0  # the model's unique parameters (with LoRA: base + adapters)
     trainable: int = 0  # of which train: all, or LoRA's adapters
     active: int = 0  # of which one token's forward uses: all, or an MoE model's top-k experts per block
+    tp_candidates: tuple = (1,)  # tensor-parallel sizes tried (toolkit.plan.tp.tp_candidates)
 
     @property
     def best(self) -> list:
@@ -73,7 +77,7 @@ class PlanResult:
         seen, out = set(), []
         for e in self.fitting:
             lay = e.layout
-            family = (lay.pp, lay.zero, lay.offload, lay.checkpointing)
+            family = (lay.pp, lay.tp, lay.zero, lay.offload, lay.checkpointing)
             if family not in seen and len(out) < self.request.top:
                 seen.add(family)
                 out.append(e)
@@ -85,21 +89,26 @@ class PlanResult:
                 "gpu_memory_bytes": self.gpu.memory, "seq_len": self.seq_len, "gbs": r.gbs,
                 "precision": r.precision, "lora_r": r.lora, "params": self.params, "trainable_params": self.trainable,
                 "active_params": self.active,
-                "layouts_considered": self.considered, "layouts_fitting": len(self.fitting),
+                "tp_candidates": self.tp_candidates, "layouts_considered": self.considered,
+                "layouts_fitting": len(self.fitting),
                 "best": [dict(e.to_dict(), reason=why) for e, why in zip(self.best, self.reasons)],
                 "closest": self.closest.to_dict() if self.closest else None}
 
 
 def make_plan(req: PlanRequest) -> PlanResult:
     """Estimate every layout, rank those that fit by step time (then memory)."""
+    from toolkit.plan.tp import tp_candidates
+
     gpu, arch, seq, costs = _prepare(req)
-    model, hw = _model(costs, arch, seq, req), _hardware(req, gpu)
-    estimates = [estimate(model, parts, lay, hw, req.precision, req.optimizer)
-                 for parts, lay in _layouts(req, arch, costs)]
+    tps, hw = tp_candidates(arch, req.gpus_per_node, req.lora), _hardware(req, gpu)
+    models = {tp: _model(costs, arch, seq, req, tp) for tp in tps}
+    estimates = [estimate(models[lay.tp], parts, lay, hw, req.precision, req.optimizer)
+                 for parts, lay in _layouts(req, arch, costs, tps)]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
     closest = None if fitting else min(estimates, key=lambda e: e.excess)
     result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [], *param_counts(arch, req.lora))
     result.active = result.params - arch.inactive_params()
+    result.tp_candidates = tuple(tps)
     best = result.best
     result.reasons = [_reason(e, best, i) for i, e in enumerate(best)]
     return result
@@ -109,9 +118,15 @@ def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
     """The estimate of one given layout (benchmarks compare it with a measured run)."""
     from toolkit.plan.partition import partition_layers
 
+    from toolkit.plan.tp import autotp_problems
+
     gpu, arch, seq, costs = _prepare(req)
+    problems = autotp_problems(arch, layout.tp)
+    if problems:
+        raise ConfigError(problems[0])
     parts = partition_layers(costs, layout.pp, "compute")
-    return estimate(_model(costs, arch, seq, req), parts, layout, _hardware(req, gpu), req.precision, req.optimizer)
+    return estimate(_model(costs, arch, seq, req, layout.tp), parts, layout, _hardware(req, gpu), req.precision,
+                    req.optimizer)
 
 
 def _prepare(req: PlanRequest) -> tuple:
@@ -168,36 +183,46 @@ def _gpu(req: PlanRequest) -> Gpu:
     return with_overrides(base, req.gpu_mem, req.tflops, req.intra_bw, req.inter_bw)
 
 
-def _model(costs, arch, seq: int, req: PlanRequest) -> Model:
+def _model(costs, arch, seq: int, req: PlanRequest, tp: int = 1) -> Model:
+    """Per-layer figures of one rank: the whole layer, or with tp > 1 one AutoTP shard of it."""
     from toolkit.plan.costs import boundary_bytes
+    from toolkit.plan.tp import shard_layers, tp_comm_bytes
 
+    boundary = boundary_bytes(arch, seq, 1, req.precision)
+    if tp > 1:
+        per_rank = shard_layers(arch, costs, seq, req.precision, tp)
+        comm = tp_comm_bytes(arch, seq, 1, req.precision, tp)
+        recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True) - comm
+        return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"], per_rank["act"],
+                     boundary, seq, tp_comm=comm, tp_recompute=recompute)
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
-                 [c.fwd_flops for c in costs], [c.act_bytes for c in costs],
-                 boundary_bytes(arch, seq, 1, req.precision), seq,
+                 [c.fwd_flops for c in costs], [c.act_bytes for c in costs], boundary, seq,
                  trainable=[c.trainable for c in costs] if req.lora else None)
 
 
-def _layouts(req: PlanRequest, arch, costs: list):
+def _layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none.
-    Searches are bounded by the model (pp <= its layers) and MAX_MBS, never by --gbs or the world size."""
+    Searches are bounded by the model (pp <= its layers), the node (tp <= its GPUs) and MAX_MBS, never
+    by --gbs or the world size. tp > 1 only at pp = 1 (DeepSpeed's PipelineEngine ignores AutoTP's mesh)."""
     from toolkit.plan.partition import partition_layers
 
     world = req.gpus_per_node * req.nodes
     pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
-    usable = [pp for pp in pps if req.gbs % (world // pp) == 0]
+    combos = [(pp, 1) for pp in pps] + [(1, tp) for tp in tps if tp > 1 and world % tp == 0]
+    usable = [(pp, tp) for pp, tp in combos if req.gbs % (world // (pp * tp)) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
         raise ConfigError(f"--gbs {req.gbs}: no layout can form it; gbs must be a multiple of dp, and with "
                           f"world {world} and {arch.layers} blocks the choices are {dps}: use --gbs "
                           f"{_round_up(req.gbs, world // pps[-1])} or a multiple of {world // pps[-1]}")
-    for pp in usable:
+    for pp, tp in usable:
         parts = partition_layers(costs, pp, "compute")
-        dp = world // pp
+        dp = world // (pp * tp)
         for mbs in _divisors_up_to(req.gbs // dp, MAX_MBS):
-            for zero in (range(4) if pp == 1 else range(2)):
+            for zero in (range(2) if pp > 1 else range(3) if tp > 1 else range(4)):
                 for offload in _offloads(zero, req.offload):
                     for ckpt in ((False, True) if req.checkpointing else (False,)):
-                        yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt)
+                        yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt, tp)
 
 
 def _divisors_up_to(n: int, limit: int) -> list:
@@ -226,7 +251,8 @@ def _reason(e: Estimate, ranked: list, index: int) -> str:
 
 
 _PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "data-parallel communication",
-          "pp_comm": "pipeline send/receive", "offload": "offload traffic and CPU optimizer"}
+          "pp_comm": "pipeline send/receive", "offload": "offload traffic and CPU optimizer",
+          "tp_comm": "tensor-parallel all-reduces"}
 
 
 def _compare(slower: Estimate, faster: Estimate, name: str) -> str:

@@ -46,6 +46,8 @@ def _describe(e: Estimate, label: str) -> list:
         memory += f"; host {fb(s.cpu)} offloaded"
     comm = (f"   bubble {e.bubble:.1%}, dp comm {fb(e.dp_comm_bytes)}/step/GPU, "
             f"pipeline send/recv {fb(e.pp_comm_bytes)}/step/boundary")
+    if e.layout.tp > 1:
+        comm += f", tp comm {fb(e.tp_comm_bytes)}/step/GPU (within a node)"
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if v)
     return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})"]
 
@@ -59,7 +61,7 @@ def layout_config(result: PlanResult, index: int = 0) -> dict:
         raise ConfigError("--emit-config: no layout fits, so there is no config to write")
     r, lay = result.request, result.best[index].layout
     options = GenerateOptions(
-        world_size=r.gpus_per_node * r.nodes, nodes=r.nodes, gpus_per_node=r.gpus_per_node, pp=lay.pp,
+        world_size=r.gpus_per_node * r.nodes, nodes=r.nodes, gpus_per_node=r.gpus_per_node, pp=lay.pp, tp=lay.tp,
         mbs=lay.mbs, gbs=r.gbs, zero=lay.zero, precision=r.precision, optimizer=OPTIMIZER_TYPES[r.optimizer],
         offload_optimizer="cpu" if lay.offload != "none" else "none",
         offload_param="cpu" if lay.offload == "all" else "none", activation_checkpointing=lay.checkpointing)

@@ -12,9 +12,9 @@
     pipe.py        pp > 1: the model as a PipelineModule on dstk's partition; layer -> HF names
     lora.py        LoRA / QLoRA through peft, at pp = 1 and per pipeline stage
     checkpoint.py  DeepSpeed checkpoints: save, the atomic `latest`, the metadata export needs
-    checkpoint_state.py  a checkpoint's tensors by HF name (pipeline layers, ZeRO shards, fp32 masters)
+    checkpoint_state.py  a checkpoint's tensors by HF name (pipeline layers, ZeRO shards, fp32 masters, tp shards)
     checkpoint_stream.py the same, about one layer at a time (for the streaming export)
-    portable.py    a checkpoint's training state by HF name; resuming on another layout (pp, dp, ZeRO)
+    portable.py    a checkpoint's training state by HF name; resuming on another layout (pp, dp, ZeRO 0-3, LoRA)
     reshard.py     `dstk reshard`: a checkpoint made ready for another layout, offline
     export.py      a checkpoint -> a HF directory (export_stream.py: sharded safetensors, streamed)
     held.py        model-state bytes an engine holds (the run summary)

@@ -138,19 +138,20 @@ def no_dropout(config):
     return config
 
 
-AUTOTP_PRESETS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")  # deepspeed/module_inject
+def check_tensor_parallel(config, tp: int, custom_plan: bool = False) -> None:
+    """What DeepSpeed's AutoTP needs to shard this model over `tp` ranks: a sharding plan (the model's own
+    HF config's base_model_tp_plan, or the config's "preset_model" / "partition_config": its heuristic
+    refuses the rest, gpt2 and bert among them), and heads, key/value heads and the MLP's width that
+    divide by tp. (`dstk validate --model` says the same from dstk's architecture table: toolkit.plan.tp.)"""
+    from toolkit.plan.tp import DEEPSPEED_PRESETS
 
-
-def check_tensor_parallel(config, tp: int) -> None:
-    """What DeepSpeed's AutoTP needs to shard this model over `tp` ranks: a sharding plan (the HF config's
-    base_model_tp_plan, else one of DeepSpeed's presets; its heuristic refuses the rest, gpt2 and bert
-    among them: auto_tp.py "AutoTP not supported for model"), and heads, key/value heads and the MLP's
-    width that divide by tp."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not getattr(text, "base_model_tp_plan", None) and config.model_type not in AUTOTP_PRESETS:
+    if not custom_plan and not getattr(text, "base_model_tp_plan", None):
+        hint = (f'DeepSpeed has a preset for it: add "preset_model": "{config.model_type}" to "tensor_parallel"'
+                if config.model_type in DEEPSPEED_PRESETS else "train it with dp and pp, without tensor_parallel")
         raise ConfigError(f"tensor_parallel.autotp_size {tp}: {config.model_type} has no tensor-parallel plan (no "
-                          "base_model_tp_plan in its HF config, not one of DeepSpeed's AutoTP presets "
-                          f"{', '.join(AUTOTP_PRESETS)}); train it with dp and pp, without tensor_parallel")
+                          "base_model_tp_plan in its HF config), and DeepSpeed's AutoTP heuristic refuses such "
+                          f'models ("AutoTP not supported for model", module_inject/auto_tp.py:349); {hint}')
     sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
              "num_key_value_heads": getattr(text, "num_key_value_heads", None),
              "intermediate_size": getattr(text, "intermediate_size", None)}

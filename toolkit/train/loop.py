@@ -46,7 +46,9 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
     config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
     if topo.tp > 1:
-        hf.check_tensor_parallel(config, topo.tp)
+        section = cfg.get("tensor_parallel") or {}
+        hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
+                                                                   or section.get("partition_config")))
     prepared = data.prepare_once_per_node(data_options(args, hf.max_positions(config)), tokenizer)
     if args.task == "classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data

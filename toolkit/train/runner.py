@@ -14,7 +14,7 @@ from pathlib import Path
 
 from toolkit import dist as toolkit_dist
 from toolkit.errors import ConfigError
-from toolkit.topology import Topology
+from toolkit.topology import Topology, tp_of
 
 
 @dataclass
@@ -72,11 +72,6 @@ def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tu
     return cfg, stages
 
 
-def tensor_parallel(cfg: dict) -> int:
-    """tp: the config's tensor_parallel.autotp_size (DeepSpeed's AutoTP), 1 without it."""
-    return int((cfg.get("tensor_parallel") or {}).get("autotp_size") or 1)
-
-
 def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group and no model: the config (for `world_size` processes
     when known), the data file, the run folder. Every rank runs them first, so a mistake costs
@@ -85,8 +80,8 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0))
-    if tensor_parallel(cfg) > 1 and lora.settings_of(args) is not None:
-        raise ConfigError(f"--lora with tensor_parallel.autotp_size {tensor_parallel(cfg)}: LoRA on AutoTP's sharded "
+    if tp_of(cfg) > 1 and lora.settings_of(args) is not None:
+        raise ConfigError(f"--lora with tensor_parallel.autotp_size {tp_of(cfg)}: LoRA on AutoTP's sharded "
                           "layers is not supported by dstk yet; train LoRA with dp (and pp), or tp without --lora")
     hf.check_model(args.model)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
@@ -133,7 +128,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
     if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
         lora.check_qlora_here(args.model)
-    topo = Topology(dist.get_world_size(), pp, tensor_parallel(cfg))
+    topo = Topology(dist.get_world_size(), pp, tp_of(cfg))
     stage, dp_rank = topo.coords(dist.get_rank())
     ckpt_dir = Path(args.out) / "checkpoints"
     resume_tag = checkpoint.agreed_latest(ckpt_dir) if args.resume else None

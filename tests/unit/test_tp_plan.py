@@ -1,0 +1,107 @@
+"""`dstk plan` with tensor parallelism: one AutoTP rank's memory, FLOPs and traffic against hand
+arithmetic, and the layouts it tries (toolkit.plan.tp, planner, estimate)."""
+
+import json
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.plan.arch import load_arch
+from toolkit.plan.costs import layer_costs
+from toolkit.plan.estimate import Layout
+from toolkit.plan.planner import PlanRequest, _layouts, estimate_layout, make_plan
+from toolkit.plan.tp import shard_layers, tp_candidates, tp_comm_bytes
+
+H, I, V, L, T = 4096, 11008, 32000, 32, 4096  # llama-2-7b: 32 heads = 32 kv heads, no biases, untied
+BLOCK = 4 * H * H + 3 * H * I + 2 * H  # q, k, v, o; gate, up, down; two RMSNorms
+BLOCK_TP2 = 2 * H + (4 * H * H + 3 * H * I) // 2  # norms replicated, every linear halved
+RANK_TP2 = V * H + L * BLOCK_TP2 + H + V * H // 2  # untied embedding replicated, lm_head column-parallel
+
+
+def test_llama_2_7b_tp2_halves_weights_but_norms_and_the_untied_embedding():
+    arch = load_arch("llama-2-7b")
+    costs = layer_costs(arch, T, 1, "bf16")
+    assert costs[1].params == BLOCK
+    rank = shard_layers(arch, costs, T, "bf16", 2)
+    assert rank["params"] == [V * H] + [BLOCK_TP2] * L + [H, V * H // 2]
+    assert rank["tied"] == [0] * (L + 3)
+    # activations of a block, per sequence: the norms' 6h per token (RMSNorm in, fp32 normalised, out,
+    # twice) stay whole, q/k/v/o/rotary (6h) and the MLP's 4 I per token halve
+    replicated, sharded = 2 * T * 6 * H, 2 * T * (6 * H + 4 * I)
+    assert rank["act"][1] == replicated + sharded // 2
+    assert rank["flops"][1] == costs[1].flops / 2 and rank["flops"][0] == costs[0].flops
+
+
+def test_tied_embedding_is_vocab_sharded():
+    arch = load_arch("llama-3.2-1b")  # tied: transformers plans embed_tokens embedding_rowwise
+    costs = layer_costs(arch, 2048, 1, "bf16")
+    rank = shard_layers(arch, costs, 2048, "bf16", 2)
+    assert rank["params"][0] == rank["params"][-1] == rank["tied"][-1] == arch.vocab * arch.hidden // 2
+
+
+def test_tp_comm_is_four_all_reduces_per_block_plus_the_head():
+    arch = load_arch("llama-2-7b")
+    hidden = T * H * 2  # one (1, seq, h) bf16 activation
+    all_reduce = 2 * (1 / 2) * hidden  # ring all-reduce at tp 2 sends 2 (tp-1)/tp of the bytes
+    head = (1 / 2) * T * V * 2 + all_reduce  # gather the logits, all-reduce the input gradient
+    assert tp_comm_bytes(arch, T, 1, "bf16", 2) == L * 4 * all_reduce + head
+    assert tp_comm_bytes(arch, T, 1, "bf16", 2, checkpointing=True) == L * 6 * all_reduce + head
+    assert tp_comm_bytes(arch, T, 1, "bf16", 1) == 0
+
+
+def test_estimate_of_a_tp_layout_matches_hand_arithmetic():
+    req = PlanRequest(model="llama-2-7b", gbs=64, gpus_per_node=8, gpu="a100-80gb", seq_len=T)
+    e = estimate_layout(req, Layout(pp=1, dp=4, zero=1, mbs=2, gas=8, tp=2))
+    assert e.states.params == RANK_TP2 * 2  # bf16 weights of one tp rank
+    assert e.states.master == -(-RANK_TP2 // 4) * 4  # ZeRO-1: fp32 masters of a 1/dp partition
+    assert e.dp_comm_bytes == int(2 * (3 / 4) * RANK_TP2 * 2)  # all-reduce of the rank's gradients over dp = 4
+    assert e.tp_comm_bytes == int(tp_comm_bytes(load_arch("llama-2-7b"), T, 1, "bf16", 2) * 2 * 8)
+    assert e.times["tp_comm"] == pytest.approx(e.tp_comm_bytes / 300e9)  # a100 nvlink, 300 GB/s
+    whole = estimate_layout(req, Layout(pp=1, dp=8, zero=1, mbs=2, gas=4))
+    assert whole.times["tp_comm"] == 0 and whole.states.params == (V * H * 2 + L * BLOCK + H) * 2
+
+
+def test_tp_candidates_stay_inside_a_node():
+    arch = load_arch("llama-2-7b")
+    assert tp_candidates(arch, 8) == [1, 2, 4, 8]
+    assert tp_candidates(arch, 6) == [1, 2]  # 3 and 6 do not divide 32 heads
+    assert tp_candidates(load_arch("gpt2"), 8) == [1]  # no AutoTP plan
+    assert tp_candidates(arch, 8, lora=16) == [1] and tp_candidates(load_arch("mixtral-8x7b"), 8) == [1]
+    req = PlanRequest(model="llama-2-7b", gbs=64, gpus_per_node=4, nodes=2, gpu="a100-80gb", seq_len=1024)
+    costs = layer_costs(arch, 1024, 1, "bf16")
+    layouts = [lay for _, lay in _layouts(req, arch, costs, tp_candidates(arch, 4))]
+    assert {lay.tp for lay in layouts} == {1, 2, 4}
+    for lay in layouts:
+        assert lay.pp * lay.dp * lay.tp == 8 and lay.dp * lay.mbs * lay.gas == 64
+        if lay.tp > 1:  # tp groups are tp consecutive ranks: inside one node of 4
+            assert lay.pp == 1 and lay.zero < 3 and 4 % lay.tp == 0
+
+
+def test_plan_ranks_tp_layouts_and_json_shows_tp(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--gpus-per-node", "8", "--gbs", "64",
+              "--seq-len", "4096", "--top", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert exit_info.value.code == 0 and out["tp_candidates"] == [1, 2, 4, 8]
+    tps = [b["layout"]["tp"] for b in out["best"]]
+    assert all(b["tp"] == b["layout"]["tp"] for b in out["best"]) and max(tps) > 1 and min(tps) == 1
+    tp2 = next(b for b in out["best"] if b["layout"]["tp"] == 2)
+    assert tp2["tp_comm_bytes"] > 0 and tp2["times_s"]["tp_comm"] > 0 and "tp=2" in tp2["describe"]
+
+
+def test_plan_emits_a_tp_config_that_validates(capsys, tmp_path):
+    out = tmp_path / "ds.json"
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--gpus-per-node", "8", "--gbs", "64",
+              "--seq-len", "4096", "--emit-config", str(out)])
+    cfg = json.loads(out.read_text())
+    assert cfg["tensor_parallel"]["autotp_size"] > 1 and "train_batch_size" not in cfg
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", str(out), "--world-size", "8", "--model", "llama-2-7b"])
+    assert exit_info.value.code == 0, capsys.readouterr()
+
+
+def test_models_without_autotp_plan_only_tp_1():
+    result = make_plan(PlanRequest(model="gpt2", gbs=16, gpus_per_node=4, gpu="a100-80gb", seq_len=512))
+    assert result.tp_candidates == (1,) and all(e.layout.tp == 1 for e in result.fitting)
