@@ -110,3 +110,16 @@ def test_resuming_with_other_data_is_refused_before_anything_is_built(ds_world1,
     with pytest.raises(ConfigError, match=r"another run \(data\.path: checkpoint '[^']*corpus.txt', now '[^']*other"
                                           r"\.txt'; data\.seed: checkpoint 1234, now 7\)"):
         run(_args(tmp_path, 0, steps=4, export=False, eval_fraction=0, resume=True, data=str(other), seed=7))
+
+
+def test_a_tensor_parallel_checkpoint_is_not_resharded(tmp_path, capsys):
+    (tmp_path / "ckpt" / "dstk").mkdir(parents=True)
+    (tmp_path / "ckpt" / "dstk" / "layout.json").write_text(json.dumps({"model": "m", "pp": 1, "dp": 1, "tp": 2,
+                                                                        "zero_stage": 1}))
+    (tmp_path / "ckpt" / "global_step2").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    with pytest.raises(SystemExit) as done:
+        main(["reshard", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--dp", "2"])
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and "tensor-parallel run (tp 2)" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -127,13 +127,18 @@ def merge_tp_shards(shards: list, info: dict) -> dict:
                 out[name] = first
             continue  # export's check names anything missing
         full = torch.empty(spec["logical_shape"], dtype=first.dtype)
+        covered = torch.zeros(spec["logical_shape"], dtype=torch.bool)
         for rank, where in spec["ranks"].items():
             shard = shards[int(rank)][name].contiguous()
             at = shard.storage_offset()  # saved tensors may be views into one flat buffer (ZeRO-1/2)
             for piece in where["pieces"]:
                 (src, src_strides), (dst, dst_strides) = piece["source"], piece["dest"]
-                full.as_strided(piece["shape"], src_strides, src).copy_(
-                    shard.as_strided(piece["shape"], dst_strides, at + dst))
+                part = shard.as_strided(piece["shape"], dst_strides, at + dst)  # shard = full x scale
+                full.as_strided(piece["shape"], src_strides, src).copy_(part / piece.get("scale", 1))
+                covered.as_strided(piece["shape"], src_strides, src).fill_(True)
+        if not covered.all():
+            raise UnusableInput(f"AutoTP's map of {name} leaves {int((~covered).sum())} of its elements in no shard; "
+                                "the checkpoint cannot be merged")
         if info.get("original_vocab_size") and any(p.match(name) for p in vocabulary):
             full = full[: info["original_vocab_size"]]
         out[name] = full

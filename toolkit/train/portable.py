@@ -90,33 +90,44 @@ def write(state: PortableState, folder: Path) -> int:
     return total
 
 
+STAGED = "staged-by-dstk-train"  # in a portable folder a move made (and removes), not one `dstk reshard` wrote
+
+
 def stage(ckpt_dir: Path, tag: str) -> bool:
     """Before a move, on every rank: rank 0 writes the tag's state by HF name into TAG/portable (atomically),
     so that every rank then reads only the tensors it holds instead of each one reading the whole
-    checkpoint. True when this call made the folder (the caller removes it once every rank has read it);
-    a failure on rank 0 is raised on every rank."""
+    checkpoint. True when the folder is a staged one (the caller removes it once every rank has read
+    it; one left by a move that failed is used and removed); a failure on rank 0 is raised on every
+    rank. The others wait for rank 0 in a gloo group without the default 30-minute timeout: reading
+    and writing a large model's state can take longer."""
+    import datetime
     import os
     import shutil
 
     import torch.distributed as dist
 
     tag_dir = Path(ckpt_dir) / tag
-    made, failure = not is_portable(tag_dir), None
-    if made and dist.get_rank() == 0:
+    waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24))
+    failure = None
+    if dist.get_rank() == 0 and not is_portable(tag_dir):
+        for old in tag_dir.glob(f".{PORTABLE}.*"):  # a temp folder of a staging that was killed
+            shutil.rmtree(old, ignore_errors=True)
         tmp = tag_dir / f".{PORTABLE}.{os.getpid()}"
         try:
             write(read(ckpt_dir, tag), tmp)
+            (tmp / STAGED).touch()
             tmp.rename(tag_dir / PORTABLE)
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             shutil.rmtree(tmp, ignore_errors=True)
             failure = exc
     box = [None if failure is None else str(failure)]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=waiting)
+    dist.destroy_process_group(waiting)
     if failure is not None:
         raise failure
     if box[0] is not None:
         raise UnusableInput(box[0])
-    return made
+    return (tag_dir / PORTABLE / STAGED).is_file()
 
 
 def _read_portable(folder: Path, wanted=None) -> PortableState:

@@ -28,8 +28,11 @@ def reshard(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} already holds files; give a new OUT folder (reshard never overwrites a run)")
     layout = read_layout(ckpt_dir / META / "layout.json")
-    source = {k: layout.get(k) for k in LAYOUT_KEYS}
-    target = {k: v if v is not None else source[k] for k, v in zip(LAYOUT_KEYS, (pp, dp, zero))}
+    if layout.get("tp", 1) > 1:
+        raise ConfigError(f"{ckpt_dir} is a tensor-parallel run (tp {layout['tp']}): its tensors are tp shards, "
+                          "which only `dstk export` merges today; export it and start a new run from the HF directory")
+    source = {k: layout.get(k, 1 if k == "tp" else None) for k in LAYOUT_KEYS}
+    target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("zero_stage", zero)) if v is not None}}
     _check_target(layout, target)
     check_resumable(ckpt_dir, {**layout, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
