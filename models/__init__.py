@@ -42,8 +42,8 @@ cos/sin, so results match HF under eager, sdpa or flex attention.
 """
 
 from models.api import AUTO_CLASSES, TASKS, auto_class, default_task, pipeline_layers
-from models.pipeline import build_pipeline_module, check_parts
+from models.pipeline import build_pipeline_module, check_parts, mark_grad_norm_owners
 from models.spec import KINDS, PipelineSpec
 
-__all__ = ["pipeline_layers", "build_pipeline_module", "check_parts", "PipelineSpec", "KINDS", "TASKS",
+__all__ = ["pipeline_layers", "build_pipeline_module", "check_parts", "mark_grad_norm_owners", "PipelineSpec", "KINDS", "TASKS",
            "AUTO_CLASSES", "auto_class", "default_task"]

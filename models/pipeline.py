@@ -48,7 +48,7 @@ def _module_class():
             self._dstk_parts = dstk_parts  # plain attributes: allowed before nn.Module.__init__
             self._dstk_param_counts = dstk_param_counts
             super().__init__(layers, **kwargs)
-            _mark_grad_norm_owners(self)
+            mark_grad_norm_owners(self)
 
         def _partition_layers(self, method="uniform"):
             if self._dstk_parts is None:
@@ -71,19 +71,24 @@ def _module_class():
     return DstkPipelineModule
 
 
-def _mark_grad_norm_owners(module) -> None:
+def mark_grad_norm_owners(module) -> None:
     """Make DeepSpeed's pipeline gradient norm count each gradient exactly once (see the module doc).
 
     A tied module's later copies are `ds_pipe_replicated` as a whole in DeepSpeed; only the tied
     weights themselves are replicated (all-reduced): the rest of a copy is either unused on that stage
-    (no gradient) or trained there alone (BERT's MLM transform and bias on the last stage), so it counts."""
+    (no gradient) or trained there alone (BERT's MLM transform and bias on the last stage), so it counts.
+    With a tp axis (PipeModelDataParallelTopology, toolkit.train.tp_stages) the norm is summed over the
+    pipe x tp group: a tensor-parallel shard counts on every tp rank, a tensor the tp ranks hold whole on
+    tp rank 0 only. Run again once the stage is sharded (the shards keep their Parameter objects)."""
     replicated = set()
     for comm in module.tied_comms.values():
         if module.global_rank != comm["ranks"][0]:
             replicated.update(id(module._recursive_getattr(comm["module"], attr)) for attr in comm["weight_attr"])
+    tp_rank = module._grid.get_slice_parallel_rank()
     for p in module.parameters():
         p.ds_pipe_replicated = id(p) in replicated  # skipped by the ZeRO-1 / bf16 / fp16 norms
-        p.model_parallel = id(p) not in replicated  # counted on its own stage by runtime/utils.clip_grad_norm_
+        # counted on its own stage by runtime/utils.clip_grad_norm_ (and by ZeRO-1 / bf16 on tp ranks > 0)
+        p.model_parallel = id(p) not in replicated and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
 
 
 def checkpointable_layers(spec) -> list:

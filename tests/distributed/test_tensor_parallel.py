@@ -1,13 +1,16 @@
-"""`dstk train` with tensor parallelism (DeepSpeed AutoTP, pp = 1) through the real launcher: CPU
-processes on gloo, the built-in tiny Llama (4 heads, 2 key/value heads: tp 2 divides both).
+"""`dstk train` with tensor parallelism through the real launcher: CPU processes on gloo, the built-in tiny
+Llama (4 heads, 2 key/value heads: tp 2 divides both). At pp = 1 DeepSpeed's AutoTP shards the model; with
+pipeline stages dstk shards each stage's blocks over the stage's tp group (toolkit.train.tp_stages: 3D).
 
-tp 2 (ZeRO-1) and dp 2 x tp 2 (4 processes, ZeRO-2) give the 10 losses of tp 1 (1e-4, fp32, gbs 8
-everywhere: every rank of a tp group is fed the same micro-batches); the export merges the shards
-through the map AutoTP saves with them: full HF shapes, from_pretrained loads it, and its loss over the
-eval split equals the eval loss the sharded engine reported (so the merged weights are the trained
-ones), and its weights equal tp 1's. Under bf16 the export holds the fp32 masters (not the bf16 weights
-the shards hold) and gives the bf16 engine's eval loss to bf16's precision. A tp 2 run resumed from its step-5 checkpoint (DeepSpeed's own
-load of the tp shards) continues with the uninterrupted run's losses.
+tp 2 (ZeRO-1), dp 2 x tp 2 (4 processes, ZeRO-2) and pp 2 x tp 2 (ZeRO-0) give the 10 losses of one process
+(1e-4, fp32, gbs 8 everywhere: every rank of a tp group is fed the same micro-batches; gradient clipping at
+1.0, which these runs trigger, so every layout must count each gradient once in the norm); the export merges
+the shards through the map AutoTP makes of them: full HF shapes, from_pretrained loads it, and its loss over
+the eval split equals the eval loss the sharded engine reported (so the merged weights are the trained
+ones), and its weights equal tp 1's. Under bf16 the export holds the fp32 masters (not the bf16 weights the
+shards hold) and gives the bf16 engine's eval loss to bf16's precision: at pp = 1 ZeRO-0, and in 3D
+(dp 2 x pp 2 x tp 2, 8 processes, ZeRO-1). A tp 2 and a pp 2 x tp 2 run resumed from their step-5
+checkpoints (DeepSpeed's own load of the tp shards) continue with the uninterrupted runs' losses.
 """
 
 import json
@@ -22,14 +25,17 @@ from tests.reference import eval_reference
 pytestmark = pytest.mark.distributed
 
 ARGS = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-fraction", "0.05"]
-LAYOUTS = {"tp1": (1, 1, 0), "tp2": (2, 2, 1), "dp2tp2": (4, 2, 2), "tp2bf16": (2, 2, 0)}  # procs, tp, ZeRO stage
+LAYOUTS = {  # procs, pp, tp, ZeRO stage
+    "tp1": (1, 1, 1, 0), "tp2": (2, 1, 2, 1), "dp2tp2": (4, 1, 2, 2), "tp2bf16": (2, 1, 2, 0),
+    "pp2tp2": (4, 2, 2, 0), "dp2pp2tp2bf16": (8, 2, 2, 1)}
+RESUMED = ("tp2", "pp2tp2")
 
 
-def config(path: Path, procs: int, tp: int, zero: int, bf16: bool = False) -> Path:
-    dp = procs // tp
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp, "gradient_clipping": 0.0,
+def config(path: Path, procs: int, pp: int, tp: int, zero: int, bf16: bool = False) -> Path:
+    dp = procs // (pp * tp)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp, "gradient_clipping": 1.0,
            "optimizer": OPTIMIZER, "zero_optimization": {"stage": zero}, "steps_per_print": 10**6,
-           "bf16": {"enabled": bf16}}
+           "bf16": {"enabled": bf16}, "pipeline": {"stages": pp}}
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     path.write_text(json.dumps(cfg))
@@ -39,17 +45,19 @@ def config(path: Path, procs: int, tp: int, zero: int, bf16: bool = False) -> Pa
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
-    for name, (procs, tp, zero) in LAYOUTS.items():
-        rc, log = launch(config(tmp / f"{name}.json", procs, tp, zero, "bf16" in name), tmp / name, procs, "--steps", 10,
-                         "--save-every", 5, model_args=ARGS)
+    for name, (procs, pp, tp, zero) in LAYOUTS.items():
+        cfg = config(tmp / f"{name}.json", procs, pp, tp, zero, "bf16" in name)
+        rc, log = launch(cfg, tmp / name, procs, "--steps", 10, "--save-every", 5, model_args=ARGS)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
-    resumed_from(tmp / "tp2", 5, tmp / "tp2_resumed")
-    rc, log = launch(tmp / "tp2.json", tmp / "tp2_resumed", 2, "--steps", 10, "--resume", "--no-export", model_args=ARGS)
-    assert rc == 0, f"tp2_resumed:\n{log[-4000:]}"
+    for name in RESUMED:
+        resumed_from(tmp / name, 5, tmp / f"{name}_resumed")
+        rc, log = launch(tmp / f"{name}.json", tmp / f"{name}_resumed", LAYOUTS[name][0], "--steps", 10, "--resume",
+                         "--no-export", model_args=ARGS)
+        assert rc == 0, f"{name}_resumed:\n{log[-4000:]}"
     return tmp
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2"])
 def test_tensor_parallel_layouts_give_the_losses_of_one_process(runs, name):
     want, got = losses(runs / "tp1"), losses(runs / name)
     assert sorted(got) == list(range(1, 11))
@@ -57,7 +65,7 @@ def test_tensor_parallel_layouts_give_the_losses_of_one_process(runs, name):
     assert summary(runs / name)["steps"] == 10
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2tp2"])
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2"])
 def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,10 +85,43 @@ def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     assert max((mine[k] - ref[k]).abs().max().item() for k in ref) <= 1e-4
 
 
-def test_a_tensor_parallel_run_resumes_from_its_shards(runs):
-    want, got = losses(runs / "tp2"), losses(runs / "tp2_resumed")
-    assert sorted(got) == list(range(1, 11)) and summary(runs / "tp2_resumed")["start_step"] == 5
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_tensor_parallel_run_resumes_from_its_shards(runs, name):
+    want, got = losses(runs / name), losses(runs / f"{name}_resumed")
+    assert sorted(got) == list(range(1, 11)) and summary(runs / f"{name}_resumed")["start_step"] == 5
     assert all(abs(got[s] - want[s]) <= 1e-5 * abs(want[s]) for s in range(6, 11)), (got, want)
+
+
+def test_pipeline_stages_hold_tp_shards_of_their_blocks_only(runs):
+    """pp 2 x tp 2: a block's projections are halved on each tp rank (q by rows, down by columns; tiny-llama:
+    hidden 64, MLP 176), the embedding is whole (the tokenizer's vocabulary x 64) and the same on both."""
+    import torch
+
+    tag = runs / "pp2tp2" / "checkpoints" / "global_step10"
+    block = [torch.load(tag / f"layer_01-model_{t:02d}-model_states.pt", weights_only=True) for t in (0, 1)]
+    embed = [torch.load(tag / f"layer_00-model_{t:02d}-model_states.pt", weights_only=True) for t in (0, 1)]
+    q, down = (next(n for n in block[0] if n.endswith(end)) for end in ("q_proj.weight", "down_proj.weight"))
+    assert [tuple(b[q].shape) for b in block] == [(32, 64)] * 2 and not torch.equal(block[0][q], block[1][q])
+    assert [tuple(b[down].shape) for b in block] == [(64, 88)] * 2
+    vocab = json.loads((runs / "pp2tp2" / "hf" / "config.json").read_text())["vocab_size"]
+    assert embed[0] and all(torch.equal(t, embed[1][n]) and t.shape == (vocab, 64) for n, t in embed[0].items())
+
+
+def test_a_3d_bf16_export_holds_the_fp32_masters(runs):
+    """dp 2 x pp 2 x tp 2, ZeRO-1, bf16: the losses follow one fp32 process to bf16's precision; the export
+    holds the fp32 masters, whose tp-rank-1 rows round to that rank's bf16 shard."""
+    import torch
+    from safetensors.torch import load_file
+
+    want, got = losses(runs / "tp1"), losses(runs / "dp2pp2tp2bf16")
+    assert sorted(got) == list(range(1, 11)) and all(abs(got[s] - want[s]) <= 2e-2 * want[s] for s in want)
+    exported = load_file(runs / "dp2pp2tp2bf16" / "hf" / "model.safetensors")
+    tag = runs / "dp2pp2tp2bf16" / "checkpoints" / "global_step10"
+    shard = torch.load(tag / "layer_04-model_01-model_states.pt", weights_only=True)  # block 3, stage 1
+    key = next(n for n in shard if n.endswith("up_proj.weight"))
+    rows = exported["model.layers.3.mlp.up_proj.weight"][shard[key].shape[0]:]  # column-parallel: rank 1's rows
+    assert exported["model.layers.3.mlp.up_proj.weight"].dtype == torch.float32 and shard[key].dtype == torch.bfloat16
+    assert torch.equal(rows.bfloat16(), shard[key]) and not torch.equal(rows, rows.bfloat16().float())
 
 
 def test_a_bf16_tensor_parallel_export_holds_the_fp32_masters(runs):

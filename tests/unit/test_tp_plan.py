@@ -1,5 +1,6 @@
 """`dstk plan` with tensor parallelism: one AutoTP rank's memory, FLOPs and traffic against hand
-arithmetic, and the layouts it tries (toolkit.plan.tp, planner, estimate)."""
+arithmetic, and the layouts it tries (toolkit.plan.tp, planner, estimate), alone (pp = 1) and inside
+pipeline stages (3D: only the blocks are sharded, the embedding, final norm and head stay whole)."""
 
 import json
 
@@ -9,7 +10,7 @@ from toolkit.cli import main
 from toolkit.plan.arch import load_arch
 from toolkit.plan.costs import layer_costs
 from toolkit.plan.estimate import Layout
-from toolkit.plan.planner import PlanRequest, _layouts, estimate_layout, make_plan
+from toolkit.plan.planner import PlanRequest, _layouts, _model, estimate_layout, make_plan
 from toolkit.plan.tp import shard_layers, tp_candidates, tp_comm_bytes
 
 H, I, V, L, T = 4096, 11008, 32000, 32, 4096  # llama-2-7b: 32 heads = 32 kv heads, no biases, untied
@@ -71,10 +72,11 @@ def test_tp_candidates_stay_inside_a_node():
     costs = layer_costs(arch, 1024, 1, "bf16")
     layouts = [lay for _, lay in _layouts(req, arch, costs, tp_candidates(arch, 4))]
     assert {lay.tp for lay in layouts} == {1, 2, 4}
+    assert {(lay.pp, lay.tp) for lay in layouts if lay.tp > 1} == {(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)}
     for lay in layouts:
         assert lay.pp * lay.dp * lay.tp == 8 and lay.dp * lay.mbs * lay.gas == 64
         if lay.tp > 1:  # tp groups are tp consecutive ranks: inside one node of 4
-            assert lay.pp == 1 and lay.zero < 3 and 4 % lay.tp == 0
+            assert lay.zero < 3 and 4 % lay.tp == 0
 
 
 def test_plan_ranks_tp_layouts_and_json_shows_tp(capsys):
@@ -105,3 +107,66 @@ def test_plan_emits_a_tp_config_that_validates(capsys, tmp_path):
 def test_models_without_autotp_plan_only_tp_1():
     result = make_plan(PlanRequest(model="gpt2", gbs=16, gpus_per_node=4, gpu="a100-80gb", seq_len=512))
     assert result.tp_candidates == (1,) and all(e.layout.tp == 1 for e in result.fitting)
+
+
+# llama-2-7b on 4 nodes of 2 L4s (22.5 GiB): tp = 2 alone (pp = 1) fits nowhere without offload, tp
+# inside pipeline stages does
+SMALL_NODES = PlanRequest(model="llama-2-7b", gbs=32, gpus_per_node=2, nodes=4, gpu="l4", seq_len=T, offload=False,
+                          top=8)
+
+
+def test_3d_layouts_are_considered_and_fit_where_tp_alone_does_not():
+    arch = load_arch("llama-2-7b")
+    layouts = [lay for _, lay in _layouts(SMALL_NODES, arch, layer_costs(arch, T, 1, "bf16"), [1, 2])]
+    assert {(lay.pp, lay.tp) for lay in layouts if lay.pp > 1 and lay.tp > 1} == {(2, 2), (4, 2)}
+    result = make_plan(SMALL_NODES)
+    assert result.considered == len(layouts) and result.tp_candidates == (1, 2)
+    assert not [e for e in result.fitting if e.layout.pp == 1 and e.layout.tp > 1]
+    three_d = [e for e in result.fitting if e.layout.pp > 1 and e.layout.tp > 1]
+    assert three_d and any(e.layout.tp > 1 for e in result.best)
+    assert all(e.layout.pp * e.layout.dp * e.layout.tp == 8 for e in three_d)
+
+
+def test_pipeline_tp_shards_the_blocks_but_not_the_embedding_norm_and_head():
+    arch, req = load_arch("llama-2-7b"), PlanRequest(model="llama-2-7b", gbs=32, gpu="a100-80gb", seq_len=T)
+    costs = layer_costs(arch, T, 1, "bf16")
+    whole, alone, piped = (_model(costs, arch, T, req, tp, pipe) for tp, pipe in ((1, False), (2, False), (2, True)))
+    assert piped.params == [V * H] + [BLOCK_TP2] * L + [H, V * H]  # the lm_head whole, not V * H / 2
+    assert alone.params[-1] == V * H // 2 and whole.params[1] == BLOCK
+    ends = [0, L + 1, L + 2]  # embedding, final norm, head: the unsharded figures
+    for key in ("params", "flops", "fwd_flops", "act"):
+        assert [getattr(piped, key)[i] for i in ends] == [getattr(whole, key)[i] for i in ends]
+    assert piped.params[1] == pytest.approx(BLOCK / 2, rel=1e-3) and piped.flops[1] == whole.flops[1] / 2
+    assert alone.flops[-1] == whole.flops[-1] / 2 and piped.act[1] == alone.act[1] < whole.act[1]
+    # no collectives of the head in a pipeline: four all-reduces of (seq, h) per block only
+    assert piped.tp_comm == L * 4 * 2 * (1 / 2) * T * H * 2 < alone.tp_comm
+
+
+def test_pipeline_tp_keeps_a_tied_embedding_whole():
+    arch = load_arch("llama-3.2-1b")  # at pp = 1 vocab-parallel (V / tp per rank); in 3D whole
+    costs = layer_costs(arch, 2048, 1, "bf16")
+    rank = shard_layers(arch, costs, 2048, "bf16", 2, pipeline=True)
+    assert rank["params"][0] == rank["params"][-1] == rank["tied"][-1] == arch.vocab * arch.hidden
+    assert shard_layers(arch, costs, 2048, "bf16", 2)["params"][0] == arch.vocab * arch.hidden // 2
+
+
+def test_estimate_of_a_3d_layout_counts_its_stage_only():
+    req = PlanRequest(model="llama-2-7b", gbs=32, gpus_per_node=2, nodes=4, gpu="a100-40gb", seq_len=T)
+    e = estimate_layout(req, Layout(pp=2, dp=2, zero=1, mbs=1, gas=16, tp=2))
+    lo, hi = e.parts[e.stage], e.parts[e.stage + 1]
+    blocks = len([i for i in range(lo, hi) if 1 <= i <= L])
+    whole_ends = (V * H if lo == 0 else 0) + (H + V * H if hi == L + 3 else 0)  # embedding; norm and lm_head
+    assert e.states.params == (whole_ends + blocks * BLOCK_TP2) * 2  # bf16 weights of one rank of the stage
+    most = max(len([i for i in range(a, b) if 1 <= i <= L]) for a, b in zip(e.parts, e.parts[1:]))
+    assert 0 < most < L and e.tp_comm_bytes == int(most * 4 * 2 * (1 / 2) * T * H * 2 * 16)  # its blocks, gas 16
+
+
+def test_3d_layouts_are_zero_0_or_1():
+    arch = load_arch("llama-2-7b")
+    req = PlanRequest(model="llama-2-7b", gbs=64, gpus_per_node=8, nodes=2, gpu="a100-80gb", seq_len=1024)
+    layouts = [lay for _, lay in _layouts(req, arch, layer_costs(arch, 1024, 1, "bf16"), tp_candidates(arch, 8))]
+    zeros = {(lay.pp > 1, lay.tp > 1): set() for lay in layouts}
+    for lay in layouts:
+        zeros[lay.pp > 1, lay.tp > 1].add(lay.zero)
+    assert zeros == {(False, False): {0, 1, 2, 3}, (False, True): {0, 1, 2}, (True, False): {0, 1},
+                     (True, True): {0, 1}}  # DeepSpeed's PipelineEngine refuses ZeRO 2 and 3

@@ -185,10 +185,6 @@ def _check_tensor_parallel(o: GenerateOptions, topo: Topology) -> list[str]:
     if topo.tp == 1:
         return []
     problems = []
-    if topo.pp > 1:
-        problems.append(f"--tp {topo.tp} with --pp {topo.pp}: DeepSpeed's PipelineEngine does not combine with AutoTP "
-                        "in 0.19: its mesh ignores the pipe axis (deepspeed/runtime/engine.py:957-958); use --pp 1 "
-                        "with --tp, or --tp 1 with pipelines")
     if o.zero == 3:
         problems.append(f"--zero 3 with --tp {topo.tp}: dstk train cannot yet export or merge ZeRO-3 + tensor-parallel "
                         "checkpoints; use --zero 0, 1 or 2 with --tp")

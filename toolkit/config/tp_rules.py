@@ -7,7 +7,9 @@ What DeepSpeed 0.19 does and does not combine with AutoTP (line numbers in site-
   world size, :602 asserts): the config is parsed before the tp groups exist. Configs for tp > 1 give
   mbs and gas only.
 - A PipelineEngine's mesh ignores the pipe axis: engine.py:957-958 replaces the grid's mpu with a
-  (world/tp, tp) mesh, so "dp" becomes pairs of pipeline stages and the model broadcast fails.
+  (world/tp, tp) mesh, so "dp" becomes pairs of pipeline stages and the model broadcast fails. With
+  pp > 1 dstk train therefore hands DeepSpeed no "tensor_parallel" section and shards each stage's
+  blocks itself over the grid's tp axis (toolkit.train.tp_stages); pipelines keep ZeRO 0-1.
 - ZeRO 0-3 all train (engine.py:952-955 says stage 3 is supported); dstk refuses stage 3 because its
   export and checkpoint merging do not handle ZeRO-3 + tp shards yet.
 - Offload: nothing in _configure_tensor_parallel / _apply_autotp_partitioning (engine.py:940-1200) or
@@ -31,12 +33,6 @@ def tensor_parallel_problems(cfg: dict, ctx) -> list[Problem]:
     if ctx.tp <= 1:
         return []
     problems = []
-    if ctx.pp > 1:
-        problems.append(Problem(TP, f'"autotp_size" {ctx.tp} with {ctx.pp} pipeline stages: DeepSpeed\'s '
-                                "PipelineEngine does not combine with AutoTP in 0.19: its mesh ignores the pipe axis "
-                                "(deepspeed/runtime/engine.py:957-958 replaces the pipeline grid with a (world/tp, tp) "
-                                "mesh, so stages are taken for data-parallel replicas and the model broadcast "
-                                'fails); use pp = 1 with tensor_parallel, or remove "tensor_parallel" to pipeline'))
     problems += _batch_key(cfg, ctx)
     stage = _section(cfg, "zero_optimization").get("stage")
     if isinstance(stage, int) and not isinstance(stage, bool) and stage == 3:

@@ -17,8 +17,8 @@ for pp = 1 where ZeRO-2/3 can overlap):
   pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
   offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
               ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
-  tp comm     AutoTP (tp > 1, pp = 1): the Model is one tp rank's (toolkit.plan.tp.shard_layers: its
-              params, FLOPs and activations), and Model.tp_comm bytes per micro-batch go over `nvlink`
+  tp comm     AutoTP (tp > 1; in a pipeline only the blocks are sharded): the Model is one tp rank's
+              (toolkit.plan.tp.shard_layers: its params, FLOPs and activations), and Model.tp_comm bytes per micro-batch go over `nvlink`
               (a tp group is tp consecutive ranks of one node): two all-reduces of (mbs, seq, h) per block
               forward and two backward (toolkit.plan.tp.tp_comm_bytes). The dp comm above then carries
               the rank's params / tp.
@@ -176,13 +176,13 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
         lo, hi = parts[s], parts[s + 1]
         flops = sum(model.flops[lo:hi]) + (sum(model.fwd_flops[lo:hi]) if lay.checkpointing else 0)
         slot = max(slot, flops * lay.mbs / rate)
-    pp_bw = hw.network if _crosses(lay.dp, lay.pp, hw.gpus_per_node, step=lay.dp) else hw.nvlink
+    pp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / (pp_bw * 1e9) if lay.pp > 1 else 0.0
     heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
     trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
     est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
     # a dp group spans dp * tp consecutive ranks (its members stride by tp)
-    dp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node, step=1) else hw.nvlink
+    dp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node) else hw.nvlink
     est.tp_comm_bytes = int((model.tp_comm + lay.checkpointing * model.tp_recompute) * lay.mbs * lay.gas)
     est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
                  "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
@@ -215,9 +215,10 @@ def _offload_time(lay: Layout, trainable: int, params: int, w: int, hw: Hardware
     return seconds
 
 
-def _crosses(dp: int, pp: int, gpus_per_node: int, step: int) -> bool:
-    """Whether some data-parallel group (step=1: ranks s*dp .. s*dp+dp-1) or stage boundary
-    (step=dp: rank r and r+dp) spans two nodes. Ranks follow DeepSpeed's (pipe, data) order."""
-    if step == 1:
-        return any((s * dp) // gpus_per_node != (s * dp + dp - 1) // gpus_per_node for s in range(pp))
-    return any(r // gpus_per_node != (r + dp) // gpus_per_node for r in range((pp - 1) * dp))
+def _crosses(span: int, pp: int, gpus_per_node: int, boundary: bool = False) -> bool:
+    """Whether some stage's group of `span` consecutive ranks (its dp x tp ranks: ranks s*span ..
+    s*span+span-1) spans two nodes, or with boundary=True whether some stage boundary does (rank r and
+    r + span). Ranks follow DeepSpeed's (pipe, data, model) order."""
+    if not boundary:
+        return any((s * span) // gpus_per_node != (s * span + span - 1) // gpus_per_node for s in range(pp))
+    return any(r // gpus_per_node != (r + span) // gpus_per_node for r in range((pp - 1) * span))

@@ -4,12 +4,15 @@
     result.best[0].layout        # Layout(pp=1, dp=8, zero=..., mbs=..., gas=..., ...)
     result.closest               # when nothing fits: the layout needing the least memory
 
-Layouts: pp dividing the world and the model's block count; dp = world / pp; ZeRO 0-3 with pp = 1,
-0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses 2/3); tensor parallelism (DeepSpeed AutoTP) at pp = 1
-with tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
-(toolkit.plan.tp.tp_candidates), dp = world / tp, ZeRO 0-2 (dstk train refuses ZeRO-3 with tp: its export
-does not merge those checkpoints); mbs * gas * dp = gbs; offload of the
-optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation checkpointing on or off. Each stage's
+Layouts: pp dividing the world and the model's block count; tensor parallelism (DeepSpeed AutoTP) with
+tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
+(toolkit.plan.tp.tp_candidates), alone (pp = 1) or inside pipeline stages (3D: dp x pp x tp);
+dp = world / (pp * tp); ZeRO 0-3 with pp = tp = 1, 0-2 with tp > 1 at pp = 1 (dstk train refuses ZeRO-3
+with tp: its export does not merge those checkpoints), 0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses
+2/3); mbs * gas * dp = gbs; offload of the optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation
+checkpointing on or off. With tp at pp = 1 AutoTP shards every layer it has a plan for (the head, a tied
+embedding); inside pipeline stages only the decoder blocks are sharded, the embedding, final norm and
+head stay whole on every tp rank (toolkit.train.tp_stages). Each stage's
 layers come from toolkit.plan.partition's exact split (least slowest stage); the stage with the most
 memory is reported. Estimates: toolkit.plan.memory (bytes) and toolkit.plan.estimate (seconds).
 Activations come from toolkit.plan.costs: attention="sdpa" (flash / memory-efficient kernels) stores no
@@ -22,7 +25,7 @@ as in full fine-tuning; activations are unchanged; the backward skips the frozen
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from toolkit.errors import ConfigError
 from toolkit.plan.lora import check_lora_rank, param_counts
@@ -101,8 +104,10 @@ def make_plan(req: PlanRequest) -> PlanResult:
 
     gpu, arch, seq, costs = _prepare(req)
     tps, hw = tp_candidates(arch, req.gpus_per_node, req.lora), _hardware(req, gpu)
-    models = {tp: _model(costs, arch, seq, req, tp) for tp in tps}
-    estimates = [estimate(models[lay.tp], parts, lay, hw, req.precision, req.optimizer)
+    # one rank's figures per (tp, inside a pipeline): in 3D only the blocks are sharded
+    models = {(tp, pipe): _model(costs, arch, seq, req, tp, pipe) for tp in tps for pipe in (False, True)}
+    estimates = [estimate(_stage_tp_comm(models[lay.tp, lay.pp > 1], costs, parts), parts, lay, hw, req.precision,
+                          req.optimizer)
                  for parts, lay in _layouts(req, arch, costs, tps)]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
     closest = None if fitting else min(estimates, key=lambda e: e.excess)
@@ -125,8 +130,8 @@ def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
     if problems:
         raise ConfigError(problems[0])
     parts = partition_layers(costs, layout.pp, "compute")
-    return estimate(_model(costs, arch, seq, req, layout.tp), parts, layout, _hardware(req, gpu), req.precision,
-                    req.optimizer)
+    model = _stage_tp_comm(_model(costs, arch, seq, req, layout.tp, pipeline=layout.pp > 1), costs, parts)
+    return estimate(model, parts, layout, _hardware(req, gpu), req.precision, req.optimizer)
 
 
 def _prepare(req: PlanRequest) -> tuple:
@@ -183,16 +188,23 @@ def _gpu(req: PlanRequest) -> Gpu:
     return with_overrides(base, req.gpu_mem, req.tflops, req.intra_bw, req.inter_bw)
 
 
-def _model(costs, arch, seq: int, req: PlanRequest, tp: int = 1) -> Model:
-    """Per-layer figures of one rank: the whole layer, or with tp > 1 one AutoTP shard of it."""
+def _model(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: bool = False) -> Model:
+    """Per-layer figures of one rank: the whole layer, or with tp > 1 one AutoTP shard of it. pipeline:
+    the layout has pp > 1, where tp shards only the decoder blocks (the embedding, final norm and head
+    stay whole on every tp rank; toolkit.plan.tp.shard_layers)."""
     from toolkit.plan.costs import boundary_bytes
     from toolkit.plan.tp import shard_layers, tp_comm_bytes
 
+    # p2p model kept as at tp = 1, also with tp inside stages: the whole (1, seq, h) hidden state is
+    # counted per rank on the boundary link, and no all-gather. DeepSpeed's pipeline engine sends 1/tp of
+    # it per tp rank and all-gathers it on the receiving stage inside the node (pipe_partitioned), so
+    # this is an upper bound on the link's bytes; `boundary` is also what activation checkpointing keeps
+    # per layer, which is whole on every tp rank.
     boundary = boundary_bytes(arch, seq, 1, req.precision)
     if tp > 1:
-        per_rank = shard_layers(arch, costs, seq, req.precision, tp)
-        comm = tp_comm_bytes(arch, seq, 1, req.precision, tp)
-        recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True) - comm
+        per_rank = shard_layers(arch, costs, seq, req.precision, tp, pipeline)
+        comm = tp_comm_bytes(arch, seq, 1, req.precision, tp, pipeline=pipeline)
+        recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"], per_rank["act"],
                      boundary, seq, tp_comm=comm, tp_recompute=recompute)
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
@@ -200,15 +212,27 @@ def _model(costs, arch, seq: int, req: PlanRequest, tp: int = 1) -> Model:
                  trainable=[c.trainable for c in costs] if req.lora else None)
 
 
+def _stage_tp_comm(model: Model, costs: list, parts: list) -> Model:
+    """With pp > 1 a tp rank runs the all-reduces of its own stage's blocks only, not the model's: its
+    tp traffic per micro-batch is that of the stage with the most blocks (every block sends the same
+    bytes; in a pipeline the embedding and head send none, toolkit.plan.tp.tp_comm_bytes)."""
+    if len(parts) <= 2 or not model.tp_comm:
+        return model
+    blocks = [c.kind == "block" for c in costs]
+    share = max(sum(blocks[lo:hi]) for lo, hi in zip(parts, parts[1:])) / sum(blocks)
+    return replace(model, tp_comm=model.tp_comm * share, tp_recompute=model.tp_recompute * share)
+
+
 def _layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     """(parts, Layout) for every feasible layout; ConfigError when the global batch allows none.
     Searches are bounded by the model (pp <= its layers), the node (tp <= its GPUs) and MAX_MBS, never
-    by --gbs or the world size. tp > 1 only at pp = 1 (DeepSpeed's PipelineEngine ignores AutoTP's mesh)."""
+    by --gbs or the world size. tp > 1 also inside pipeline stages (3D: dstk train shards each stage's
+    blocks over its tp group; tp groups are tp consecutive ranks, so inside one node)."""
     from toolkit.plan.partition import partition_layers
 
     world = req.gpus_per_node * req.nodes
     pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
-    combos = [(pp, 1) for pp in pps] + [(1, tp) for tp in tps if tp > 1 and world % tp == 0]
+    combos = [(pp, tp) for pp in pps for tp in tps if world % (pp * tp) == 0]
     usable = [(pp, tp) for pp, tp in combos if req.gbs % (world // (pp * tp)) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)

@@ -3,6 +3,7 @@ rank of a tp group holds, computes and sends.
 
     autotp_problems(load_arch("gpt2"), tp=2)          # ["gpt2 has no AutoTP plan: ..."]
     shard_layers(arch, costs, seq, "bf16", tp=2)      # per-rank params, FLOPs, activations per layer
+    shard_layers(arch, costs, seq, "bf16", tp=2, pipeline=True)   # tp inside pipeline stages (3D)
     tp_comm_bytes(arch, seq, mbs=1, precision="bf16", tp=2, checkpointing=False)
 
 Where AutoTP gets its plan (deepspeed/runtime/engine.py:1029): "partition_config" or "preset_model" in
@@ -23,6 +24,11 @@ more forward with activation checkpointing (the recompute); the head: untied, an
 logits forward and an all-reduce of the input gradient backward; tied (vocab-parallel), an all-reduce
 after the embedding and one of the head's input gradient. The loss's own reductions (a few floats per
 token) are not counted.
+
+Inside pipeline stages (3D, dp x pp x tp; dstk train's toolkit.train.tp_stages): each stage's decoder
+blocks are sharded as above by the stage's tp group, but the embedding, the final norm and the head stay
+whole on every tp rank (a tied embedding stays a pipeline tied layer), so those layers keep their
+unsharded figures and their collectives vanish (`pipeline=True`).
 """
 
 from toolkit.plan.arch import Arch
@@ -88,11 +94,12 @@ def _block_replicated(arch: Arch) -> int:
     return 2 * norm + qk_norm[arch.qk_norm] + (arch.out_bias or arch.o_bias) * arch.hidden + arch.out_bias * arch.hidden
 
 
-def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int) -> dict:
+def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int, pipeline: bool = False) -> dict:
     """Per-layer figures of one tp rank, from the unsharded LayerCosts of one sequence (toolkit.plan.costs):
     {"params", "tied", "flops", "fwd_flops", "act"}, each a list over the pipeline layers. FLOPs of
     blocks and the head divide by tp (their matmuls and attention split; the elementwise rest is small);
-    the embedding lookup and the final norm are replicated."""
+    the embedding lookup and the final norm are replicated. pipeline: tp inside pipeline stages, where
+    only the blocks are sharded (the embedding, final norm and head keep their whole figures)."""
     e, n, h, v = weight_bytes(precision), seq, arch.hidden, arch.vocab
     k = 2 if arch.norm == "layernorm" else 3  # saved norm tensors per token (costs.py _act_bytes)
     out = {key: [] for key in ("params", "tied", "flops", "fwd_flops", "act")}
@@ -102,6 +109,8 @@ def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int) -> 
             rep = _block_replicated(arch)
             params, act_rep = rep + _ceil(c.params - rep, tp), e * n * 2 * k * h
             act, flops, fwd = act_rep + _ceil(c.act_bytes - act_rep, tp), c.flops / tp, c.fwd_flops / tp
+        elif pipeline or c.kind == "norm":  # whole on every tp rank (a final norm always; all ends in 3D)
+            params, act, flops, fwd = c.params, c.act_bytes, c.flops, c.fwd_flops
         elif c.kind == "embed":
             params = c.params - v * h + _ceil(v * h, tp) if vocab_parallel else c.params
             act, flops, fwd = c.act_bytes, c.flops, c.fwd_flops
@@ -110,23 +119,27 @@ def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int) -> 
             logits = 4 * n * v  # fp32 log-softmax: sharded when vocab-parallel, gathered (full) otherwise
             act = c.act_bytes - logits + (_ceil(logits, tp) if vocab_parallel else logits)
             flops, fwd = c.flops / tp, c.fwd_flops / tp
-        else:  # final norm
-            params, act, flops, fwd = c.params, c.act_bytes, c.flops, c.fwd_flops
+        else:
+            raise ValueError(f"layer {c.name!r}: unknown kind {c.kind!r}")
         for key, value in (("params", params), ("tied", params if c.tied_params else 0), ("flops", flops),
                            ("fwd_flops", fwd), ("act", act)):
             out[key].append(value)
     return out
 
 
-def tp_comm_bytes(arch: Arch, seq: int, mbs: int, precision: str, tp: int, checkpointing: bool = False) -> float:
+def tp_comm_bytes(arch: Arch, seq: int, mbs: int, precision: str, tp: int, checkpointing: bool = False,
+                  pipeline: bool = False) -> float:
     """Bytes one rank sends over its tp group per micro-batch (ring collectives: an all-reduce of B bytes
-    sends 2 (tp-1)/tp B, an all-gather (tp-1)/tp B)."""
+    sends 2 (tp-1)/tp B, an all-gather (tp-1)/tp B). pipeline: tp inside pipeline stages, whose
+    embedding and head are whole on every tp rank (no collectives of their own)."""
     if tp <= 1:
         return 0.0
     share, w = (tp - 1) / tp, weight_bytes(precision)
     hidden = mbs * seq * arch.hidden * w  # one (mbs, seq, h) activation
     per_block = (4 + 2 * checkpointing) * 2 * share * hidden
-    if arch.tied:  # vocab-parallel: all-reduce after the embedding, and of the head's input gradient
+    if pipeline:  # a replicated embedding and head compute the same tensors on every tp rank
+        ends = 0.0
+    elif arch.tied:  # vocab-parallel: all-reduce after the embedding, and of the head's input gradient
         ends = 2 * 2 * share * hidden
     else:  # gather the logits, all-reduce the head's input gradient
         ends = share * mbs * seq * arch.vocab * w + 2 * share * hidden

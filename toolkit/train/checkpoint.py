@@ -31,6 +31,10 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
     client = {"step": step, "param_names": param_names}
     if (layout or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
         client.update(universal_info())
+    elif getattr(engine.module, "dstk_tp_info", None):  # tp inside pipeline stages: this stage's map
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+        client[UNIVERSAL_CHECKPOINT_INFO] = engine.module.dstk_tp_info
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                            exclude_frozen_parameters=not frozen)
     dist.barrier()  # every rank's files are on disk before `latest` names the tag

@@ -55,7 +55,9 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
     ckpt_dir = Path(ckpt_dir)
     tag = resolve_tag(ckpt_dir, tag)
     layout = layout_of(ckpt_dir, tag)
-    if layout.get("pp", 1) > 1:
+    if layout.get("pp", 1) > 1 and layout.get("tp", 1) > 1:
+        state = _pipeline_tp_state(ckpt_dir / tag, layout)
+    elif layout.get("pp", 1) > 1:
         state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
                  **_pipeline_masters(ckpt_dir / tag, layout)}
     elif layout.get("tp", 1) > 1:
@@ -220,14 +222,43 @@ def first_line(exc: Exception) -> str:
     return line.split(". ")[0].rstrip(".")
 
 
-def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True) -> dict:
+def _pipeline_tp_state(tag_dir: Path, layout: dict) -> dict:
+    """Pipeline stages sharded over tp (toolkit.train.tp_stages): tp rank t of each stage wrote
+    layer_XX-model_{t:02d}-model_states.pt, and (dp rank 0) mp_rank_{stage * tp + t:02d}_model_states.pt with
+    the map AutoTP made of that stage's shards. Each rank's layers are read by HF name as at tp 1 (bf16:
+    with its fp32 masters), the stages' maps joined, and the shards merged as at pp 1 (merge_tp_shards);
+    what the map does not name (embedding, final norm, head) every tp rank holds whole: rank 0's is taken."""
+    tp = layout["tp"]
+    info = {}
+    for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+        for key, value in (_torch_load(path).get("universal_checkpoint_info") or {}).items():
+            if key == "affine_map":
+                info.setdefault(key, {}).setdefault("params", {}).update(value.get("params") or {})
+            elif isinstance(value, list):
+                info[key] = info.get(key, []) + value
+            else:
+                info.setdefault(key, value)
+    masters = _pipeline_fragments(tag_dir)
+    shards = []
+    for t in range(tp):
+        shard = _pipeline_state(tag_dir, layout["hf_names"], layout.get("base_saved", True), f"-model_{t:02d}")
+        mine = {(mp // tp, name): fragments for (mp, name), fragments in masters.items() if mp % tp == t}
+        for name, flat in _masters_by_hf_name(mine, layout).items():
+            if name in shard:
+                shard[name] = flat.reshape(shard[name].shape)
+        shards.append(shard)
+    return {**shards[0], **merge_tp_shards(shards, info)}
+
+
+def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True, rank: str = "") -> dict:
     """layer_XX-model_states.pt (keys relative to the layer) -> HF names via the saved layout.
 
-    hf_names[i] is {key in layer i's state dict: HF parameter name}. base_saved False (LoRA from a
-    directory): a layer without adapters has no file, and the others hold their adapters only."""
+    hf_names[i] is {key in that layer's state dict: HF parameter name}. base_saved False (LoRA from a
+    directory): a layer without adapters has no file, and the others hold their adapters only.
+    rank: "-model_TT" for tp rank TT's files (tp inside the stages)."""
     state = {}
     for i, names in enumerate(hf_names):
-        path = tag_dir / f"layer_{i:02d}-model_states.pt"
+        path = tag_dir / f"layer_{i:02d}{rank}-model_states.pt"
         if not names or (not path.exists() and set(names.values()) <= set(state)):
             continue  # DeepSpeed saves a tied module once, with its first layer
         if not path.exists() and not base_saved and not any(is_adapter(hf) for hf in names.values()):
@@ -242,12 +273,17 @@ def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True) -> d
 def _pipeline_masters(tag_dir: Path, layout: dict) -> dict:
     """A pipeline trained in bf16/fp16: the fp32 masters of DeepSpeed's BF16_Optimizer, by HF name
     ({} when there are no such files: in fp32 the weights are the masters)."""
+    return _masters_by_hf_name(_pipeline_fragments(tag_dir), layout)
+
+
+def _pipeline_fragments(tag_dir: Path) -> dict:
+    """{(mp rank, stage-module name): fp32 master fragments} of a bf16 pipeline ({} without masters); the
+    mp rank is the stage (stage * tp + tp rank with tp inside the stages)."""
     files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_*_optim_states.pt"))
     if not files:
         return {}
-    pieces = partition_fragments(files, lambda saved: [{"weights": flat}
-                                                       for flat in saved["single_partition_of_fp32_groups"]])
-    return _masters_by_hf_name(pieces["weights"], layout)
+    return partition_fragments(files, lambda saved: [{"weights": flat}
+                                                     for flat in saved["single_partition_of_fp32_groups"]])["weights"]
 
 
 PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")

@@ -25,10 +25,10 @@ class NotStreamable(Exception):
 
 def open_reader(tag_dir: Path, layout: dict, alias: dict):
     """The reader for this checkpoint's layout: pipeline, pp = 1 ZeRO 1-2 or 3, or pp = 1 module."""
-    if layout.get("pp", 1) > 1:
-        return PipelineReader(tag_dir, layout, alias)
     if layout.get("tp", 1) > 1:
         raise NotStreamable("tensor-parallel shards are merged whole (checkpoint_state.merge_tp_shards)")
+    if layout.get("pp", 1) > 1:
+        return PipelineReader(tag_dir, layout, alias)
     optim = sorted(tag_dir.glob("*_optim_states.pt"), key=_natural)
     if not optim:
         return ModuleReader(tag_dir, layout, alias)

@@ -155,7 +155,9 @@ def _check_adapter_flags(ckpt_dir: Path, out_dir: Path, adapter_dir, merge: bool
 
 def _save_with_tokenizer(model, meta: Path, folder: Path, max_bytes: int | None = None) -> None:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Writing model shards" per save: export says what it wrote
     model.save_pretrained(folder, **({"max_shard_size": max_bytes} if max_bytes else {}))
     AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
 

@@ -126,10 +126,13 @@ def data_options(args, max_positions=None) -> data.DataOptions:
 def deepspeed_config(cfg: dict, topo) -> dict:
     """The dict deepspeed.initialize gets. Under AutoTP (tp > 1) without train_batch_size: DeepSpeed 0.19
     checks it against mbs x gas x the WORLD size (runtime/config.py:471) before its tp groups exist, so
-    the right value (mbs x gas x dp, checked by dstk) would stop it; it derives one from the other two."""
+    the right value (mbs x gas x dp, checked by dstk) would stop it; it derives one from the other two.
+    With pipeline stages also without "tensor_parallel": dstk shards the stages itself (toolkit.train.
+    tp_stages), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis."""
     if topo.tp == 1:
         return cfg
-    return {k: v for k, v in cfg.items() if k != "train_batch_size"}
+    dropped = ("train_batch_size", "tensor_parallel") if topo.pp > 1 else ("train_batch_size",)
+    return {k: v for k, v in cfg.items() if k not in dropped}
 
 
 def param_groups(model, cfg: dict) -> list:

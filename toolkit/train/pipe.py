@@ -25,14 +25,15 @@ log = logging.getLogger(__name__)
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
                     lora=None, seed: int = 0):
-    """(PipelineModule over PipeDataParallelTopology(pp, dp), layout for checkpoint.save_meta).
+    """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
+    with each stage's blocks sharded over its tp group (toolkit.train.tp_stages); layout for
+    checkpoint.save_meta).
 
     model: a HF model in memory, or a local HF directory (str/Path: loaded per stage).
     config: the run's HF config; checked against the directory's (num_labels) when given.
     lora: LoraSettings (needs config); a model in memory must be the HF model inside lora.apply's
     PeftModel. seed: the adapters' (lora.init_adapters)."""
     import torch
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import models
 
@@ -59,13 +60,37 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
     # into a leaf keeps it a leaf); built under no_grad there is nothing to warn about.
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())  # its prints
+    plan = _tp_plan(spec.config, task, cfg, topo.tp) if topo.tp > 1 else None  # refused before anything is built
     with torch.no_grad(), quiet:
-        module = models.build_pipeline_module(spec, topology=PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp),
-                                              parts=parts, activation_checkpoint_interval=checkpoint_interval(cfg))
+        module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts,
+                                              activation_checkpoint_interval=checkpoint_interval(cfg))
+    if plan is not None:
+        from toolkit.train.tp_stages import shard_stage
+
+        with torch.no_grad():
+            module.dstk_tp_info = shard_stage(module, spec, layout["hf_names"], spec.config, plan, topo.tp)
+        models.mark_grad_norm_owners(module)
+        layout["tp"] = topo.tp
     if lora is not None:
         for name, p in module.named_parameters():  # PEFT's rule: adapters (and a classifier's copy) train
             p.requires_grad_(is_adapter(name))
     return module, layout
+
+
+def _topology(topo):
+    """DeepSpeed's grid for pp x dp (x tp: a "model" axis, the fastest, as dstk's Topology orders ranks)."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+
+    if topo.tp > 1:
+        return PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.dp)
+    return PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp)
+
+
+def _tp_plan(config, task: str, cfg: dict, tp: int):
+    """AutoTP's layer specs for sharding the stages (toolkit.train.tp_stages.partition_plan)."""
+    from toolkit.train.tp_stages import partition_plan
+
+    return partition_plan(config, _skeleton(config, MODEL_TASKS[task]), cfg.get("tensor_parallel") or {}, tp)
 
 
 def _check_every_stage_trains(layout: dict, spec) -> None:

@@ -99,8 +99,13 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
 
 def _log_levels(verbose: bool) -> None:
-    """DeepSpeed at INFO only with --verbose; no transformers progress bars (export) without it."""
+    """DeepSpeed at INFO only with --verbose; no transformers progress bars (export) without it. torch's
+    FutureWarning that all_gather_into_tensor is deprecated comes from DeepSpeed's own calls (the pipeline
+    engine gathers tp-partitioned activations at every micro-batch): nothing a user can act on."""
     import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
     from deepspeed.utils import logger
     from transformers.utils import logging as hf_logging
