@@ -27,8 +27,9 @@ pytestmark = pytest.mark.distributed
 ARGS = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-fraction", "0.05"]
 LAYOUTS = {  # procs, pp, tp, ZeRO stage
     "tp1": (1, 1, 1, 0), "tp2": (2, 1, 2, 1), "dp2tp2": (4, 1, 2, 2), "tp2bf16": (2, 1, 2, 0),
-    "pp2tp2": (4, 2, 2, 0), "dp2pp2tp2bf16": (8, 2, 2, 1)}
-RESUMED = ("tp2", "pp2tp2")
+    "pp2tp2": (4, 2, 2, 0), "dp2pp2tp2bf16": (8, 2, 2, 1), "dp2tp2z3": (4, 1, 2, 3)}
+FROM_DIR = ("dp2tp2z3",)  # ZeRO-3 builds a built-in model under zero.Init (another init): the same weights saved
+RESUMED = ("dp2tp2z3", "pp2tp2")
 
 
 def config(path: Path, procs: int, pp: int, tp: int, zero: int, bf16: bool = False) -> Path:
@@ -45,19 +46,33 @@ def config(path: Path, procs: int, pp: int, tp: int, zero: int, bf16: bool = Fal
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
+    _save_tiny_llama(tmp / "llama_dir")
     for name, (procs, pp, tp, zero) in LAYOUTS.items():
         cfg = config(tmp / f"{name}.json", procs, pp, tp, zero, "bf16" in name)
-        rc, log = launch(cfg, tmp / name, procs, "--steps", 10, "--save-every", 5, model_args=ARGS)
+        rc, log = launch(cfg, tmp / name, procs, "--steps", 10, "--save-every", 5, model_args=_args(tmp, name))
         assert rc == 0, f"{name}:\n{log[-4000:]}"
     for name in RESUMED:
         resumed_from(tmp / name, 5, tmp / f"{name}_resumed")
         rc, log = launch(tmp / f"{name}.json", tmp / f"{name}_resumed", LAYOUTS[name][0], "--steps", 10, "--resume",
-                         "--no-export", model_args=ARGS)
+                         "--no-export", model_args=_args(tmp, name))
         assert rc == 0, f"{name}_resumed:\n{log[-4000:]}"
     return tmp
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2"])
+def _args(tmp: Path, name: str) -> list:
+    return ["--model", str(tmp / "llama_dir"), *ARGS[2:]] if name in FROM_DIR else ARGS
+
+
+def _save_tiny_llama(folder: Path) -> None:
+    """The built-in tiny-llama as dstk train builds it (seed 1234), saved with its tokenizer."""
+    from toolkit.train import hf
+
+    tok = hf.load_tokenizer("tiny-llama")
+    hf.build_model("tiny-llama", hf.load_config("tiny-llama", tok, "causal-lm"), "causal-lm", 1234).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", "dp2tp2z3"])
 def test_tensor_parallel_layouts_give_the_losses_of_one_process(runs, name):
     want, got = losses(runs / "tp1"), losses(runs / name)
     assert sorted(got) == list(range(1, 11))
@@ -65,7 +80,7 @@ def test_tensor_parallel_layouts_give_the_losses_of_one_process(runs, name):
     assert summary(runs / name)["steps"] == 10
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2"])
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", "dp2tp2z3"])
 def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -84,7 +84,6 @@ def test_deepspeed_parses_generated_tp_config_at_the_world_size(ds_world1):
 
 @pytest.mark.parametrize("args,needle", [
     (["--world-size", "8", "--tp", "2", "--pp", "2", "--zero", "2"], "--zero 2 with pp=2"),
-    (["--world-size", "8", "--tp", "2", "--zero", "3"], "--zero 3 with --tp 2: dstk train cannot yet export"),
     (["--world-size", "6", "--tp", "4"], "world size 6 is not divisible by pp(1) * tp(4) = 4"),
     (["--world-size", "8", "--tp", "0"], "--tp must be an integer >= 1, got 0"),
     (["--world-size", "8", "--tp", "2", "--gbs", "6"], "global batch 6 is not divisible by mbs(1) * dp(4) = 4"),
@@ -108,8 +107,7 @@ def _validate(capsys, tmp_path, cfg, *args):
     ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}}, ["--world-size", "8"],
      ["stage"]),
     ({"pipeline": {"stages": 2}}, ["--world-size", "8"], []),  # 3D: dstk train shards the stages itself
-    ({"zero_optimization": {"stage": 3}}, ["--world-size", "8"],
-     ['"stage" 3 with "autotp_size" 2: dstk train cannot yet export or merge ZeRO-3', 'use "stage" 0, 1 or 2']),
+    ({"zero_optimization": {"stage": 3}}, ["--world-size", "8"], []),  # AutoTP + ZeRO-3 trains and exports
     ({}, ["--world-size", "6", "--pp", "2"], ["world size 6 is not divisible by pp(2) * tp(2) = 4"]),
     ({"tensor_parallel": {"autotp_size": -1}}, [], ["autotp_size\" must be an integer >= 0"]),
     ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}}, [],

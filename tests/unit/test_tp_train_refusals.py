@@ -19,8 +19,8 @@ def test_a_model_with_a_tp_plan_and_divisible_heads_is_accepted():
 
 
 @pytest.mark.parametrize("model, tp, words", [
-    ("tiny-gpt2", 2, "gpt2 has no tensor-parallel plan"),
-    ("tiny-llama", 4, "autotp_size 4 does not divide the model.s num_key_value_heads 2; use a tp that divides"),
+    ("tiny-gpt2", 2, "autotp_size 2: gpt2 .model_type .gpt2.. has no AutoTP plan: its HF config has no"),
+    ("tiny-llama", 4, "autotp_size 4: tp 4 does not divide llama.s num_key_value_heads \\(2\\)"),
 ])
 def test_what_autotp_cannot_shard_is_refused_naming_the_numbers(model, tp, words):
     with pytest.raises(ConfigError, match=words):

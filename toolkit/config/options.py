@@ -167,7 +167,6 @@ def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
     if o.strategy == "hybrid" and (topo.pp == 1 or topo.dp == 1):
         problems.append(f"--strategy hybrid needs pp > 1 and dp > 1, got {topo.describe()}; "
                         f"use --strategy {'dp' if topo.pp == 1 else 'pp'} or change --pp/--world-size")
-    problems += _check_tensor_parallel(o, topo)
     if o.hf and topo.pp > 1:
         problems.append(f"--hf (HF Trainer/Accelerate) cannot drive a pipeline; got pp={topo.pp}. Drop --hf or use --pp 1")
     method = o.partition_method
@@ -177,17 +176,6 @@ def _check_strategy(o: GenerateOptions, topo: Topology) -> list[str]:
         problems.append("--partition-method profile needs measured layer times, which generate-config does not take: "
                         "generate with --partition-method compute, then time the layers and record the split with "
                         f"`dstk partition MODEL --pp {topo.pp} --method profile --config FILE`")
-    return problems
-
-
-def _check_tensor_parallel(o: GenerateOptions, topo: Topology) -> list[str]:
-    """--tp > 1: what DeepSpeed 0.19's AutoTP does not combine with (toolkit.config.tp_rules says why)."""
-    if topo.tp == 1:
-        return []
-    problems = []
-    if o.zero == 3:
-        problems.append(f"--zero 3 with --tp {topo.tp}: dstk train cannot yet export or merge ZeRO-3 + tensor-parallel "
-                        "checkpoints; use --zero 0, 1 or 2 with --tp")
     return problems
 
 

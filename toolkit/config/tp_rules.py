@@ -10,8 +10,9 @@ What DeepSpeed 0.19 does and does not combine with AutoTP (line numbers in site-
   (world/tp, tp) mesh, so "dp" becomes pairs of pipeline stages and the model broadcast fails. With
   pp > 1 dstk train therefore hands DeepSpeed no "tensor_parallel" section and shards each stage's
   blocks itself over the grid's tp axis (toolkit.train.tp_stages); pipelines keep ZeRO 0-1.
-- ZeRO 0-3 all train (engine.py:952-955 says stage 3 is supported); dstk refuses stage 3 because its
-  export and checkpoint merging do not handle ZeRO-3 + tp shards yet.
+- ZeRO 0-3 all train (engine.py:952-955 says stage 3 is supported). Under ZeRO-3 a tp shard is partitioned
+  over its dp ranks and a tensor the tp ranks share over the whole world (zero.Init's group); dstk's export
+  gathers both (toolkit.train.checkpoint_state._zero3_tensor_parallel_state).
 - Offload: nothing in _configure_tensor_parallel / _apply_autotp_partitioning (engine.py:940-1200) or
   the ZeRO optimizers reads the tp size against offload, so DeepSpeed does not refuse it; dstk has not
   run it (a NOTE).
@@ -34,11 +35,6 @@ def tensor_parallel_problems(cfg: dict, ctx) -> list[Problem]:
         return []
     problems = []
     problems += _batch_key(cfg, ctx)
-    stage = _section(cfg, "zero_optimization").get("stage")
-    if isinstance(stage, int) and not isinstance(stage, bool) and stage == 3:
-        problems.append(Problem("$.zero_optimization.stage", f'"stage" 3 with "autotp_size" {ctx.tp}: dstk train '
-                                "cannot yet export or merge ZeRO-3 + tensor-parallel checkpoints (DeepSpeed trains "
-                                'it); use "stage" 0, 1 or 2 with tensor_parallel'))
     zero = _section(cfg, "zero_optimization")
     offloaded = [k for k in ("offload_optimizer", "offload_param")
                  if _section(zero, k).get("device") not in (None, "none")]

@@ -7,9 +7,8 @@
 Layouts: pp dividing the world and the model's block count; tensor parallelism (DeepSpeed AutoTP) with
 tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
 (toolkit.plan.tp.tp_candidates), alone (pp = 1) or inside pipeline stages (3D: dp x pp x tp);
-dp = world / (pp * tp); ZeRO 0-3 with pp = tp = 1, 0-2 with tp > 1 at pp = 1 (dstk train refuses ZeRO-3
-with tp: its export does not merge those checkpoints), 0-1 with pp > 1 (DeepSpeed's PipelineEngine refuses
-2/3); mbs * gas * dp = gbs; offload of the optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation
+dp = world / (pp * tp); ZeRO 0-3 at pp = 1 (with or without tp), 0-1 with pp > 1 (DeepSpeed's PipelineEngine
+refuses 2/3); mbs * gas * dp = gbs; offload of the optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation
 checkpointing on or off. With tp at pp = 1 AutoTP shards every layer it has a plan for (the head, a tied
 embedding); inside pipeline stages only the decoder blocks are sharded, the embedding, final norm and
 head stay whole on every tp rank (toolkit.train.tp_stages). Each stage's
@@ -243,7 +242,7 @@ def _layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
         parts = partition_layers(costs, pp, "compute")
         dp = world // (pp * tp)
         for mbs in _divisors_up_to(req.gbs // dp, MAX_MBS):
-            for zero in (range(2) if pp > 1 else range(3) if tp > 1 else range(4)):
+            for zero in (range(2) if pp > 1 else range(4)):
                 for offload in _offloads(zero, req.offload):
                     for ckpt in ((False, True) if req.checkpointing else (False,)):
                         yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt, tp)

@@ -47,25 +47,34 @@ DEEPSPEED_PRESETS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwe
 def autotp_problems(arch: Arch, tp: int, custom_plan: bool = False) -> list[str]:
     """Why `arch` cannot be sharded `tp` ways by AutoTP (empty when it can). custom_plan: the config
     names a "preset_model" or "partition_config", so the HF plan is not needed."""
+    return shard_problems(arch.name, arch.model_type, arch.model_type in HF_PLAN_TYPES, tp, custom_plan,
+                          {"num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
+                           "intermediate_size": arch.intermediate})
+
+
+def shard_problems(name: str, model_type: str, has_plan: bool, tp: int, custom_plan: bool, sizes: dict) -> list[str]:
+    """The one AutoTP rule, for dstk's architecture table (autotp_problems: `dstk validate --model`, plan)
+    and for a HF config at train time (toolkit.train.hf.check_tensor_parallel): a plan (the HF config's
+    base_model_tp_plan, or a preset_model / partition_config), and heads, key/value heads and the MLP's
+    width (`sizes`, None where the model has none) that tp divides."""
     if tp <= 1:
         return []
     problems = []
-    if not custom_plan and arch.model_type not in HF_PLAN_TYPES:
-        if arch.model_type in DEEPSPEED_PRESETS:
-            problems.append(f'{arch.name} (model_type {arch.model_type!r}) has no HF tp plan; DeepSpeed has a preset '
-                            f'for it: add "preset_model": "{arch.model_type}" to "tensor_parallel"')
+    if not custom_plan and not has_plan:
+        if model_type in DEEPSPEED_PRESETS:
+            problems.append(f'{name} (model_type {model_type!r}) has no HF tp plan; DeepSpeed has a preset '
+                            f'for it: add "preset_model": "{model_type}" to "tensor_parallel"')
         else:
-            problems.append(f"{arch.name} (model_type {arch.model_type!r}) has no AutoTP plan: its HF config has no "
+            problems.append(f"{name} (model_type {model_type!r}) has no AutoTP plan: its HF config has no "
                             "base_model_tp_plan and DeepSpeed has no preset for it, so AutoTP falls back to a "
                             'heuristic that refuses it ("AutoTP not supported for model", '
                             "deepspeed/module_inject/auto_tp.py:349); train it with tp = 1 (dp or pp), or give "
                             '"tensor_parallel.partition_config" layer patterns')
-    for what, value in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.kv_heads),
-                        ("intermediate_size", arch.intermediate)):
+    known = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 0}
+    for what, value in known.items():
         if value % tp:
-            fits = ", ".join(str(d) for d in range(2, 65) if arch.heads % d == 0 and arch.kv_heads % d == 0
-                             and arch.intermediate % d == 0) or "none above 1"
-            problems.append(f"tp {tp} does not divide {arch.name}'s {what} ({value}): each rank of a tp group must "
+            fits = ", ".join(str(d) for d in range(2, 65) if all(v % d == 0 for v in known.values())) or "none above 1"
+            problems.append(f"tp {tp} does not divide {name}'s {what} ({value}): each rank of a tp group must "
                             f"hold whole heads and an equal slice of the MLP; use a tp that divides the heads, the "
                             f"key/value heads and the intermediate size ({fits})")
     return problems

@@ -90,6 +90,8 @@ def _tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:
     are taken from rank 0 and a padded vocabulary is cut to the model's."""
     import torch
 
+    if layout.get("zero_stage") == 3:
+        return _zero3_tensor_parallel_state(tag_dir, layout)
     shards = []
     for t in range(layout["tp"]):
         path = tag_dir / f"mp_rank_{t:02d}_model_states.pt"
@@ -107,6 +109,50 @@ def _tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:
             if name in shards[t]:
                 shards[t][name] = _cat(fragments).reshape(shards[t][name].shape)
     return merge_tp_shards(shards, info)
+
+
+def _zero3_tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:
+    """AutoTP under ZeRO-3 (dp x tp ranks, rank g = d * tp + t): zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt
+    holds, parameter after parameter in its model states' param_shapes order (groups end to end), rank
+    (d, t)'s ZeRO-3 share of each fp32 master. A tp shard is partitioned over its dp ranks (ceil(n / dp)
+    each); a tensor the tp ranks share (AutoTP's tp_replicated_parameter_patterns: embedding, norms) was
+    partitioned by zero.Init over the whole world (ceil(n / (dp x tp)) each, in global rank order), and
+    AutoTP's map records no shape for it. Shards are gathered per tp rank and merged (merge_tp_shards)."""
+    import math
+
+    import torch
+
+    files = {tuple(map(int, PARTITION_FILE.fullmatch(p.name).groups())): p
+             for p in tag_dir.glob("zero_pp_rank_*_mp_rank_*_optim_states.pt")}
+    tp, dp = layout["tp"], 1 + max((d for d, _ in files), default=-1)
+    if sorted(files) != [(d, t) for d in range(dp) for t in range(tp)]:
+        raise UnusableInput(f"{tag_dir}: the ZeRO-3 files of {dp} dp x {tp} tp ranks are not all there (found "
+                            f"{len(files)}); the checkpoint is incomplete: export another tag with --tag")
+    flats = {key: torch.cat(_torch_load(path)["optimizer_state_dict"]["fp32_flat_groups"])
+             for key, path in files.items()}
+    models = [_torch_load(tag_dir / f"zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt") for t in range(tp)]
+    info = models[0].get("universal_checkpoint_info") or {}
+    shared = [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []]
+    def world(name):  # the ranks a tensor's ZeRO-3 pieces lie on, in order
+        return [(g // tp, g % tp) for g in range(dp * tp)] if any(p.match(name) for p in shared) else None
+
+    where = []
+    for saved in models:  # per tp rank: name -> (offset, piece, shape); shards of one tensor may differ in size
+        table, offset = {}, 0
+        for name, shape in (item for group in saved["param_shapes"] for item in group.items()):
+            piece = math.ceil(math.prod(shape) / (dp * tp if world(name) else dp))
+            table[name], offset = (offset, piece, shape), offset + piece
+        where.append(table)
+    shards, whole = [{} for _ in range(tp)], {}
+    for t, table in enumerate(where):
+        for name, (_, _, shape) in table.items():
+            if world(name) and t > 0:
+                continue  # a shared tensor is gathered once
+            ranks = world(name) or [(d, t) for d in range(dp)]
+            pieces = [flats[d, u][where[u][name][0]: where[u][name][0] + where[u][name][1]] for d, u in ranks]
+            (whole if world(name) else shards[t])[name] = torch.cat(pieces)[: math.prod(shape)].view(shape)
+    merged = merge_tp_shards(shards, {**info, "tp_replicated_parameter_patterns": []})
+    return {**whole, **merged}
 
 
 def merge_tp_shards(shards: list, info: dict) -> dict:

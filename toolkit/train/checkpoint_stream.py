@@ -139,9 +139,9 @@ class _ZeroReader:
     """pp = 1 under ZeRO: the model states file(s) name the parameters and hold the buffers; each
     rank's optimizer file holds its partition of the fp32 masters."""
 
-    def __init__(self, tag_dir: Path, optim: list, alias: dict):
+    def __init__(self, tag_dir: Path, optim: list, alias: dict, model_glob: str = "*_model_states.pt"):
         self.optim, self.alias = optim, alias
-        model_files = sorted(tag_dir.glob("*_model_states.pt"), key=_natural)
+        model_files = sorted(tag_dir.glob(model_glob), key=_natural)
         if not model_files:
             raise UnusableInput(f"{tag_dir} holds ZeRO optimizer files but no *_model_states.pt: the checkpoint is "
                                 "incomplete; export another tag with --tag")
@@ -221,8 +221,8 @@ class Zero3Reader(_ZeroReader):
     """ZeRO-3: every parameter is cut in `world` equal pieces (the last padded), rank r's piece lying
     at the same offset of r's groups laid end to end."""
 
-    def __init__(self, tag_dir: Path, optim: list, alias: dict):
-        super().__init__(tag_dir, optim, alias)
+    def __init__(self, tag_dir: Path, optim: list, alias: dict, model_glob: str = "*_model_states.pt"):
+        super().__init__(tag_dir, optim, alias, model_glob)
         if self.frozen:
             raise NotStreamable("frozen parameters under ZeRO-3")
         self.where, offset = {}, 0

@@ -139,26 +139,18 @@ def no_dropout(config):
 
 
 def check_tensor_parallel(config, tp: int, custom_plan: bool = False) -> None:
-    """What DeepSpeed's AutoTP needs to shard this model over `tp` ranks: a sharding plan (the model's own
-    HF config's base_model_tp_plan, or the config's "preset_model" / "partition_config": its heuristic
-    refuses the rest, gpt2 and bert among them), and heads, key/value heads and the MLP's width that
-    divide by tp. (`dstk validate --model` says the same from dstk's architecture table: toolkit.plan.tp.)"""
-    from toolkit.plan.tp import DEEPSPEED_PRESETS
+    """What DeepSpeed's AutoTP needs to shard this model over `tp` ranks (toolkit.plan.tp.shard_problems,
+    the rule `dstk validate --model` applies too): a sharding plan (the HF config's base_model_tp_plan, or
+    the config's "preset_model" / "partition_config"), and heads, key/value heads and the MLP's width that
+    divide by tp. Every problem in one message."""
+    from toolkit.plan.tp import shard_problems
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not custom_plan and not getattr(text, "base_model_tp_plan", None):
-        hint = (f'DeepSpeed has a preset for it: add "preset_model": "{config.model_type}" to "tensor_parallel"'
-                if config.model_type in DEEPSPEED_PRESETS else "train it with dp and pp, without tensor_parallel")
-        raise ConfigError(f"tensor_parallel.autotp_size {tp}: {config.model_type} has no tensor-parallel plan (no "
-                          "base_model_tp_plan in its HF config), and DeepSpeed's AutoTP heuristic refuses such "
-                          f'models ("AutoTP not supported for model", module_inject/auto_tp.py:349); {hint}')
-    sizes = {"num_attention_heads": getattr(text, "num_attention_heads", None),
-             "num_key_value_heads": getattr(text, "num_key_value_heads", None),
-             "intermediate_size": getattr(text, "intermediate_size", None)}
-    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % tp}
-    if bad:
-        raise ConfigError(f"tensor_parallel.autotp_size {tp} does not divide the model's "
-                          f"{', '.join(f'{k} {v}' for k, v in bad.items())}; use a tp that divides them")
+    sizes = {k: getattr(text, k, None) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    problems = shard_problems(config.model_type, config.model_type, bool(getattr(text, "base_model_tp_plan", None)),
+                              tp, custom_plan, sizes)
+    if problems:
+        raise ConfigError(f"tensor_parallel.autotp_size {tp}: " + "; ".join(problems))
 
 
 def build_model(model: str, config, task: str, seed: int, ds_config: dict | None = None):
@@ -184,8 +176,12 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
 
     # ZeRO-3: transformers builds (and initialises, and loads) inside deepspeed.zero.Init while an
     # HfDeepSpeedConfig is alive (it holds it by weak reference; HF's docs ask to keep it for the
-    # model's lifetime, so the model carries it).
-    zero3_config = HfDeepSpeedConfig(ds_config) if zero3 else None
+    # model's lifetime, so the model carries it). Without "tensor_parallel": transformers 5 refuses to load
+    # any checkpoint whose keys it renames (integrations/deepspeed.py _apply_weight_conversions_to_state_dict:
+    # "Weight conversions ... with DeepSpeed Tensor Parallelism are not yet implemented", llama included)
+    # when the config names an autotp_size; AutoTP shards the loaded model later, in deepspeed.initialize.
+    loading = {k: v for k, v in (ds_config or {}).items() if k != "tensor_parallel"}
+    zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
     if Path(model).is_dir():
         built = cls.from_pretrained(model, config=config, dtype=torch.float32, **attn)
     else:

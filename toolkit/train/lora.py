@@ -156,10 +156,13 @@ class StageAdapters:
         return module
 
 
-def check(settings: LoraSettings | None, pp: int = 1, zero: int = 0) -> None:
+def check(settings: LoraSettings | None, pp: int = 1, zero: int = 0, tp: int = 1) -> None:
     """The flags against the layout (a pipeline's ZeRO stage is the config rules' to refuse)."""
     if settings is None:
         return
+    if tp > 1:
+        raise ConfigError(f"--lora with tensor_parallel.autotp_size {tp}: LoRA on AutoTP's sharded layers is not "
+                          "supported by dstk yet; train LoRA with dp (and pp), or tp without --lora")
     if settings.r < 1:
         raise ConfigError(f"--lora-r must be a positive integer, got {settings.r}")
     if settings.qlora and pp > 1:

@@ -79,10 +79,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     from toolkit.train import data, hf, lora, rundir
 
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
-    lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0))
-    if tp_of(cfg) > 1 and lora.settings_of(args) is not None:
-        raise ConfigError(f"--lora with tensor_parallel.autotp_size {tp_of(cfg)}: LoRA on AutoTP's sharded "
-                          "layers is not supported by dstk yet; train LoRA with dp (and pp), or tp without --lora")
+    lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     hf.check_model(args.model)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
