@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.dstk-installed
 MPI_STAMP := $(VENV)/.dstk-mpi
 
-.PHONY: demo test test-unit bench setup presets clean
+.PHONY: demo test test-all test-unit bench setup presets clean
 
 setup: $(STAMP) $(MPI_STAMP)
 
@@ -36,7 +36,12 @@ $(MPI_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m toolkit.train.demo
 
+# Everything but the `heavy` tier (the real launchers, 3D layouts, whole sweeps): ~10 min on 2 cores.
 test: $(STAMP) $(MPI_STAMP)
+	$(BIN)/python -m pytest -q -m "not heavy" tests
+
+# Everything, heavy tier included: what CI runs.
+test-all: $(STAMP) $(MPI_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test-unit: $(STAMP)

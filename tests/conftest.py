@@ -45,3 +45,7 @@ def child_env(**extra) -> dict:
     """os.environ for a child process that starts its own process group: without the variables this
     process's world of one (ds_world1, or toolkit.train run in-process) set, whose port it still holds."""
     return {**{k: v for k, v in os.environ.items() if k not in DIST_ENV}, **extra}
+
+
+# Runs several test folders read (tests/distributed, tests/launchers), each made once per session.
+from tests.runs import bf16_runs, engine_runs, train_runs  # noqa: E402, F401

@@ -1,11 +1,11 @@
 """Pipeline training on the real path: gradient clipping across stages and activation checkpointing.
 
 Two kinds of launch, CPU processes on gloo:
-- `dstk train` through launch.sh with "gradient_clipping": 1.0 at pp 1, pp 2 and pp 2 x dp 2 (the
+- `dstk train` (forked ranks, tests/ranks.py) with "gradient_clipping": 1.0 at pp 1, pp 2 and pp 2 x dp 2 (the
   session's `train_runs`, which test_train reads too) and at pp 2 with
   pipeline.activation_checkpoint_interval 1, next to a plain PyTorch loop
   (torch.nn.utils.clip_grad_norm_) that also says how large the unclipped norms were;
-- `worker` on every rank under the deepspeed launcher (~1 min on 2 cores; in the session's one launch
+- `worker` on every rank (forked ranks; in the session's one launch
   of tests/distributed/scripts/engines.py, or alone:
       deepspeed --num_gpus 2 tests/distributed/test_pipeline_training.py OUT_DIR).
   It compares DeepSpeed's pipeline gradient norm with the HF model's (tied GPT-2 and BERT MLM), and
@@ -15,7 +15,6 @@ Two kinds of launch, CPU processes on gloo:
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,17 +39,14 @@ def ds_config(mbs: int, gas: int, pp: int, **pipeline) -> dict:
 
 
 def train(tmp: Path, name: str, procs: int, cfg: dict) -> dict:
-    """`launch.sh ... -- dstk train` -> step -> loss from the run's metrics.jsonl."""
-    from tests.conftest import free_port
+    """`dstk train` on `procs` forked ranks (tests/ranks.py) -> step -> loss from the run's metrics.jsonl."""
+    from tests.ranks import run_train
 
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(cfg))
     out = tmp / name
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    cmd = ["bash", str(REPO / "launch.sh"), "--master-port", str(free_port()), "--num-gpus", str(procs),
-           "--config", str(path), "--", *COMMON, "--out", str(out)]
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    rc, log = run_train(["--config", path, *COMMON, "--out", out], procs)
+    assert rc == 0, log[-3000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in lines if "step" in r}
 

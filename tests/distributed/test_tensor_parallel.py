@@ -1,4 +1,4 @@
-"""`dstk train` with tensor parallelism through the real launcher: CPU processes on gloo, the built-in tiny
+"""`dstk train` with tensor parallelism: CPU processes on gloo, the built-in tiny
 Llama (4 heads, 2 key/value heads: tp 2 divides both). At pp = 1 DeepSpeed's AutoTP shards the model; with
 pipeline stages dstk shards each stage's blocks over the stage's tp group (toolkit.train.tp_stages: 3D).
 
@@ -11,6 +11,7 @@ ones), and its weights equal tp 1's. Under bf16 the export holds the fp32 master
 shards hold) and gives the bf16 engine's eval loss to bf16's precision: at pp = 1 ZeRO-0, and in 3D
 (dp 2 x pp 2 x tp 2, 8 processes, ZeRO-1). A tp 2 and a pp 2 x tp 2 run resumed from their step-5
 checkpoints (DeepSpeed's own load of the tp shards) continue with the uninterrupted runs' losses.
+Ranks are forked from the warm rank server (tests/ranks.py); the 8-process 3D case is in the heavy tier.
 """
 
 import json
@@ -43,20 +44,38 @@ def config(path: Path, procs: int, pp: int, tp: int, zero: int, bf16: bool = Fal
     return path
 
 
+class Runs:
+    """The folder of each layout's run, launched the first time a test asks for it (`runs / "tp2"`), so a
+    selection of tests (the default tier leaves out the heavy 3D case) launches only what it reads. A
+    name ending in _resumed is that layout's run resumed from its step-5 checkpoint."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.done = tmp, set()
+        _save_tiny_llama(tmp / "llama_dir")
+
+    def __truediv__(self, name: str) -> Path:
+        if name not in self.done:
+            self.done.add(self._launch(name))
+        return self.tmp / name
+
+    def _launch(self, name: str) -> str:
+        layout = name.removesuffix("_resumed")
+        procs, pp, tp, zero = LAYOUTS[layout]
+        if name == layout:
+            cfg = config(self.tmp / f"{name}.json", procs, pp, tp, zero, "bf16" in name)
+            rc, log = launch(cfg, self.tmp / name, procs, "--steps", 10, "--save-every", 5,
+                             model_args=_args(self.tmp, name))
+        else:
+            resumed_from(self / layout, 5, self.tmp / name)
+            rc, log = launch(self.tmp / f"{layout}.json", self.tmp / name, procs, "--steps", 10, "--resume",
+                             "--no-export", model_args=_args(self.tmp, layout))
+        assert rc == 0, f"{name}:\n{log[-4000:]}"
+        return name
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    _save_tiny_llama(tmp / "llama_dir")
-    for name, (procs, pp, tp, zero) in LAYOUTS.items():
-        cfg = config(tmp / f"{name}.json", procs, pp, tp, zero, "bf16" in name)
-        rc, log = launch(cfg, tmp / name, procs, "--steps", 10, "--save-every", 5, model_args=_args(tmp, name))
-        assert rc == 0, f"{name}:\n{log[-4000:]}"
-    for name in RESUMED:
-        resumed_from(tmp / name, 5, tmp / f"{name}_resumed")
-        rc, log = launch(tmp / f"{name}.json", tmp / f"{name}_resumed", LAYOUTS[name][0], "--steps", 10, "--resume",
-                         "--no-export", model_args=_args(tmp, name))
-        assert rc == 0, f"{name}_resumed:\n{log[-4000:]}"
-    return tmp
+    return Runs(tmp_path_factory.mktemp("tp"))
 
 
 def _args(tmp: Path, name: str) -> list:
@@ -122,6 +141,7 @@ def test_pipeline_stages_hold_tp_shards_of_their_blocks_only(runs):
     assert embed[0] and all(torch.equal(t, embed[1][n]) and t.shape == (vocab, 64) for n, t in embed[0].items())
 
 
+@pytest.mark.heavy
 def test_a_3d_bf16_export_holds_the_fp32_masters(runs):
     """dp 2 x pp 2 x tp 2, ZeRO-1, bf16: the losses follow one fp32 process to bf16's precision; the export
     holds the fp32 masters, whose tp-rank-1 rows round to that rank's bf16 shard."""

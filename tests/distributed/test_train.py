@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.ranks import run_ranks, run_train
 from tests.reference import eval_reference
 
 pytestmark = pytest.mark.distributed
@@ -39,13 +40,17 @@ def ds_config(path: Path, mbs: int, gas: int, pp: int, lr: float = 1e-3, clip: f
     return path
 
 
-def launch(cfg: Path, out: Path, procs: int, *args, launcher=(), model_args=COMMON, wait=True):
+def launch(cfg: Path, out: Path, procs: int, *args, launcher=(), model_args=COMMON, wait=True, timeout=300):
+    """`dstk train` on `procs` ranks forked from the warm rank server (tests/ranks.py), with launch.sh's
+    checks first; with `launcher` flags (or wait=False), through launch.sh and the deepspeed launcher."""
+    if not launcher and wait:
+        return run_train(["--config", cfg, *model_args, "--out", out, *args], procs, timeout=timeout)
     cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", str(procs), *launcher, "--config", str(cfg), "--",
            *model_args, "--out", str(out), *map(str, args)]
     if "--master-port" not in launcher:
         cmd[2:2] = ["--master-port", str(free_port())]
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return finish(proc) if wait else proc
+    return finish(proc, timeout) if wait else proc
 
 
 def finish(proc, timeout=300):
@@ -152,30 +157,17 @@ DDP_REFERENCE = textwrap.dedent('''
 ''')
 
 
-def test_dp2_equals_plain_ddp_with_distributed_sampler_under_torchrun(layouts, tmp_path):
+def test_dp2_equals_plain_ddp_with_distributed_sampler(layouts, tmp_path):
     script = tmp_path / "ddp_reference.py"
     script.write_text(DDP_REFERENCE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(script), str(CORPUS)]
-    run = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ref = {int(p[1]): float(p[2]) for p in (line.split() for line in run.stdout.splitlines()) if p[:1] == ["LOSS"]}
+    rc, log = run_ranks([script, CORPUS], 2)
+    assert rc == 0, log[-3000:]
+    ref = {int(p[1]): float(p[2]) for p in (line.split() for line in log.splitlines()) if p[:1] == ["LOSS"]}
     assert sorted(ref) == list(range(1, 11))
     assert close(losses(layouts / "pp1dp2"), ref, range(1, 11))
 
 
-def test_two_simulated_nodes_train_like_one_node(layouts, tmp_path):
-    cfg = ds_config(tmp_path / "pp2.json", 2, 4, 2, clip=CLIP)
-    port = str(free_port())
-    procs = [launch(cfg, tmp_path / "two_nodes", 1, "--steps", 10, "--no-export", wait=False,
-                    launcher=["--num-nodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                              "--master-port", port]) for r in (0, 1)]
-    for rc, log in [finish(p) for p in procs]:
-        assert rc == 0, log[-3000:]
-    assert close(losses(tmp_path / "two_nodes"), losses(layouts / "pp2dp1"), range(1, 11), rel=1e-6)
-
-
-def test_killed_rank_fails_the_launch_fast_and_resume_under_torchrun_continues_exactly(layouts, tmp_path):
+def test_killed_rank_fails_the_launch_fast_and_resume_continues_exactly(layouts, tmp_path):
     cfg = ds_config(tmp_path / "dp2.json", 2, 2, 1, clip=CLIP)
     out = tmp_path / "crash"
     rc, log = launch(cfg, out, 2, "--steps", 20, "--save-every", 10, "--crash-at-step", 12, "--no-export")
@@ -183,26 +175,23 @@ def test_killed_rank_fails_the_launch_fast_and_resume_under_torchrun_continues_e
     assert rc != 0 and max(losses(out)) == 12
     assert time.time() - (out / "metrics.jsonl").stat().st_mtime < 60
     assert (out / "checkpoints" / "latest").read_text() == "global_step10"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "toolkit.train", "--config", str(cfg), *COMMON, "--out", str(out), "--steps", "20", "--resume",
-           "--no-export"]
-    run = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    rc, log = launch(cfg, out, 2, "--steps", 20, "--resume", "--no-export")
+    assert rc == 0, log[-3000:]
     assert summary(out)["start_step"] == 10
     assert close(losses(out), losses(layouts / "pp1dp2"), range(1, 21), rel=1e-5)
 
 
 def test_config_for_another_world_is_refused_once_before_training(tmp_path):
-    """launch.sh refuses before starting a rank; under the deepspeed launcher itself every rank refuses,
-    and only rank 0 prints the message."""
+    """launch.sh's `toolkit.train --check` refuses before starting a rank (launch.sh's own message first:
+    tests/launchers); ranks started without that check (as the deepspeed launcher starts them) each
+    refuse, and only rank 0 prints the message."""
     cfg = ds_config(tmp_path / "pp3.json", 2, 4, 3)
     rc, log = launch(cfg, tmp_path / "bad", 2, "--steps", 2)
-    assert rc != 0 and log.count("does not divide 2; use --num-gpus 3") == 1, log[-3000:]
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           "--module", "toolkit.train", "--config", str(cfg), *COMMON, "--out", str(tmp_path / "bad"), "--steps", "2"]
-    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    log = result.stdout + result.stderr
-    assert result.returncode != 0 and "Traceback" not in log, log[-3000:]
+    assert rc != 0 and "Traceback" not in log, log[-3000:]
+    assert log.count("world size 2 is not divisible by pp 3") == 1, log[-3000:]
+    assert not (tmp_path / "bad").exists()
+    rc, log = run_ranks(["-m", "toolkit.train", "--config", cfg, *COMMON, "--out", tmp_path / "bad", "--steps", 2], 2)
+    assert rc != 0 and "Traceback" not in log, log[-3000:]
     assert log.count("world size 2 is not divisible by pp 3") == 1, log[-3000:]
     assert not (tmp_path / "bad").exists()
 
@@ -247,11 +236,8 @@ def test_dropout_draws_another_stream_on_each_data_parallel_replica(tmp_path):
     dropout masks on every replica would make dp x the batch see one mask pattern)."""
     cfg = ds_config(tmp_path / "ds.json", 2, 2, 2)
     out = tmp_path / "draws.json"
-    launcher = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(launcher), "--num_gpus", "4", "--master_port", str(free_port()),
-           str(REPO / "tests" / "distributed" / "scripts" / "dropout_streams.py"), str(cfg), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rc, log = run_ranks([REPO / "tests" / "distributed" / "scripts" / "dropout_streams.py", cfg, out], 4)
+    assert rc == 0, log[-3000:]
     by_replica = {}
     for stage, dp_rank, draw in json.loads(out.read_text()):
         by_replica.setdefault(dp_rank, {})[stage] = draw

@@ -1,8 +1,10 @@
-"""The cluster launchers whose runners set no RANK/WORLD_SIZE, for real on CPU processes (gloo):
+"""The launchers themselves, for real on CPU processes (gloo), one training run each: launch.sh (the
+`deepspeed` launcher under it; also as two simulated nodes, one launch.sh per node), torchrun,
 `launch.sh --launcher openmpi` (mpirun; DeepSpeed finds the ranks through mpi4py) and slurm tasks
-(srun's variables set by hand: no slurm here), each against a `deepspeed`-launcher run of the same
-config (the session's pp1dp2 layout, tests/distributed/conftest.py). `make test` installs OpenMPI and
-mpi4py. The dry-run checks at the end start no process.
+(srun's variables set by hand: no slurm here). Each gives the losses of the same config's run on ranks
+forked by tests/ranks.py (the session's layouts, tests/runs.py): what every other distributed test
+relies on. `make test` installs OpenMPI and mpi4py. The dry-run checks at the end start no process.
+These are the `heavy` tier (`make test-all`), except the dry runs.
 """
 
 import json
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env, free_port
-from tests.distributed.test_train import COMMON, close, losses, summary
+from tests.distributed.test_train import CLIP, COMMON, close, ds_config, finish, launch, losses, summary
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -51,14 +53,63 @@ def run_tasks(cmd: list, envs: list, timeout=300) -> list:
 
 @pytest.fixture(scope="module")
 def reference(train_runs):
-    """dp = 2 (mbs 2, gas 2) through launch.sh under the deepspeed launcher: the session's pp1dp2 run
-    (tests/distributed/conftest.py; the same COMMON flags, 20 steps of a constant learning rate, so its
+    """dp = 2 (mbs 2, gas 2) on forked ranks: the session's pp1dp2 run
+    (tests/runs.py; the same COMMON flags, 20 steps of a constant learning rate, so its
     first STEPS losses are a STEPS-step run's): the losses every launcher must give, and its config."""
     ref = train_runs.get("pp1dp2")
     return ref.with_suffix(".json"), ref
 
 
-@pytest.mark.distributed
+@pytest.mark.heavy
+def test_launch_sh_trains_like_forked_ranks_and_prints_only_dstk_lines(train_runs, tmp_path):
+    """launch.sh -> deepspeed's runner -> launch.py -> 2 ranks: the forked pp2dp1 run's losses, exactly, and
+    a log with rank 0's progress and table but no launcher INFO lines, no DeepSpeed prints, no warnings."""
+    ref = train_runs.get("pp2dp1")
+    args = [a for a in COMMON if a != "--no-progress"]
+    rc, log = launch(ref.with_suffix(".json"), tmp_path / "run", 2, "--steps", 10, "--no-export",
+                     launcher=["--master-port", str(free_port())], model_args=args)
+    assert rc == 0, log[-3000:]
+    for noise in ("[INFO]", "[WARNING]", "Warning", "[transformers]", "SEED_LAYERS", "Using topology", "c10d"):
+        assert noise not in log, (noise, log[-3000:])
+    assert log.count("step 10/10 loss") == 1 and log.count("summary: ") == 1, log[-3000:]
+    assert close(losses(tmp_path / "run"), losses(ref), range(1, 11), rel=1e-6)
+
+
+@pytest.mark.heavy
+def test_launch_sh_refuses_a_config_for_another_world_once_before_starting_a_rank(tmp_path):
+    cfg = ds_config(tmp_path / "pp3.json", 2, 4, 3)
+    rc, log = launch(cfg, tmp_path / "bad", 2, "--steps", 2, launcher=["--master-port", str(free_port())])
+    assert rc != 0 and log.count("does not divide 2; use --num-gpus 3") == 1, log[-3000:]
+    assert "Traceback" not in log and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.heavy
+def test_two_simulated_nodes_train_like_one_node(train_runs, tmp_path):
+    """One launch.sh per node (--num-nodes 2 --node-rank R: deepspeed's --no_ssh), one process each."""
+    ref = train_runs.get("pp2dp1")
+    cfg = ds_config(tmp_path / "pp2.json", 2, 4, 2, clip=CLIP)
+    port = str(free_port())
+    procs = [launch(cfg, tmp_path / "two_nodes", 1, "--steps", 10, "--no-export", wait=False,
+                    launcher=["--num-nodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                              "--master-port", port]) for r in (0, 1)]
+    for rc, log in [finish(p) for p in procs]:
+        assert rc == 0, log[-3000:]
+    assert close(losses(tmp_path / "two_nodes"), losses(ref), range(1, 11), rel=1e-6)
+
+
+@pytest.mark.heavy
+def test_torchrun_trains_like_forked_ranks(reference, tmp_path):
+    cfg, ref = reference
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "toolkit.train", "--config", str(cfg), *map(str, train_args(out))]
+    run = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert len(summary(out)["params_per_rank"]) == 2
+    assert close(losses(out), losses(ref), range(1, STEPS + 1))
+
+
+@pytest.mark.heavy
 def test_openmpi_launch_trains_two_distinct_ranks_like_the_deepspeed_launcher(reference, tmp_path):
     cfg, ref = reference
     hosts = tmp_path / "hosts"
@@ -96,7 +147,7 @@ def probe(folder: Path, results, ranks=2) -> list:
     return sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
 
 
-@pytest.mark.distributed
+@pytest.mark.heavy
 def test_slurm_tasks_form_one_world_through_dist_init(tmp_path):
     """No MASTER_ADDR: it is the node list's first host (a bracket range that resolves here); DeepSpeed's
     own comm sees the world too (without RANK it would ask MPI, which aborts under srun's variables)."""
@@ -108,7 +159,7 @@ def test_slurm_tasks_form_one_world_through_dist_init(tmp_path):
                                             MASTER_PORT=port) for r in (0, 1)]
 
 
-@pytest.mark.distributed
+@pytest.mark.heavy
 def test_openmpi_ranks_form_one_world_through_dist_init(tmp_path):
     """mpirun directly: ranks from mpi4py, rank 0's address from `hostname -I`, the port from MASTER_PORT."""
     port = str(free_port())
@@ -119,7 +170,7 @@ def test_openmpi_ranks_form_one_world_through_dist_init(tmp_path):
     assert {r["env"]["MASTER_PORT"] for r in got} == {port} and len({r["env"]["MASTER_ADDR"] for r in got}) == 1
 
 
-@pytest.mark.distributed
+@pytest.mark.heavy
 def test_slurm_tasks_train_like_the_deepspeed_launcher(reference, tmp_path):
     cfg, ref = reference
     out = tmp_path / "run"

@@ -1,9 +1,7 @@
-"""Launches that several test files read, each made once per session (every launch costs ~20-40 s of
-start-up on 2 cores, whatever it then trains)."""
+"""Runs that several test files read, each made once per session. Ranks are forked from the warm rank
+server (tests/ranks.py); what a run costs is its training, not the ~20 s a launcher's start-up took."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +11,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def engine_runs(tmp_path_factory) -> Path:
-    """One 2-process deepspeed launch of scripts/engines.py, pp 1 engines first: the CPU dp 2 preset,
+    """One 2-rank launch of scripts/engines.py, pp 1 engines first: the CPU dp 2 preset,
     test_memory_accuracy's engines (pp 1, then pp 2), the pp 2 preset (both: test_presets_engine), the
     pipeline parity cases (test_pipeline_models) and test_pipeline_training's worker. Returns the folder
     holding preset_<preset name> and memory_accuracy/, parity/, pipeline_training/ with rank<R>.json."""
-    from tests.distributed.launch import run_deepspeed
+    from tests.distributed.launch import run_script
     from toolkit.config.presets import PRESET_DIR
     from toolkit.train.parity import small_model
 
@@ -29,7 +27,7 @@ def engine_runs(tmp_path_factory) -> Path:
             "memory-accuracy", out / "memory_accuracy", "+",
             "preset", PRESET_DIR / "cpu_pp2.json", out / "preset_cpu_pp2.json", "+",
             "parity", out / "parity", out / "llama_dir", "+", "pipeline-training", out / "pipeline_training"]
-    run_deepspeed(Path(__file__).parent / "scripts" / "engines.py", *jobs, num_procs=2, env={"PYTHONPATH": str(REPO)})
+    run_script(Path(__file__).parent / "scripts" / "engines.py", *jobs, num_procs=2)
     return out
 
 
@@ -78,7 +76,7 @@ def train_runs(tmp_path_factory) -> TrainRuns:
 
 
 class Bf16Runs:
-    """`dstk train` of a built-in model under torchrun, 2 processes, bf16 (BF16_Optimizer's fp32
+    """`dstk train` of a built-in model on 2 ranks, bf16 (BF16_Optimizer's fp32
     masters), 2 steps, one eval batch; by (model, pp, zero, export), each launched on first request."""
 
     def __init__(self, folder: Path):
@@ -86,7 +84,7 @@ class Bf16Runs:
         self.done = set()
 
     def get(self, model: str, pp: int, zero: int, export: bool = True) -> Path:
-        from tests.conftest import child_env, free_port
+        from tests.ranks import run_train
 
         tmp = self.folder / f"{model}_pp{pp}_zero{zero}{'' if export else '_no_export'}"
         if tmp not in self.done:
@@ -97,14 +95,11 @@ class Bf16Runs:
                                        "zero_optimization": {"stage": zero}, "pipeline": {"stages": pp},
                                        "steps_per_print": 10**6,
                                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(free_port()), "-m", "toolkit.train", "--config", str(cfg), "--model", model, "--data",
-                   str(REPO / "toolkit" / "corpus" / "corpus.txt"), "--seq-len", "32", "--steps", "2",
-                   "--no-progress", "--eval-batches", "1", *([] if export else ["--no-export"]),
-                   "--out", str(tmp / "run")]
-            result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
-                                    env=child_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
-            assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+            args = ["--config", cfg, "--model", model, "--data", REPO / "toolkit" / "corpus" / "corpus.txt",
+                    "--seq-len", "32", "--steps", "2", "--no-progress", "--eval-batches", "1",
+                    *([] if export else ["--no-export"]), "--out", tmp / "run"]
+            rc, log = run_train(args, 2, timeout=600)
+            assert rc == 0, log[-3000:]
             self.done.add(tmp)
         return tmp / "run"
 
