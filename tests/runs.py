@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,7 @@ def engine_runs(tmp_path_factory) -> Path:
             "memory-accuracy", out / "memory_accuracy", "+",
             "preset", PRESET_DIR / "cpu_pp2.json", out / "preset_cpu_pp2.json", "+",
             "parity", out / "parity", out / "llama_dir", "+", "pipeline-training", out / "pipeline_training"]
-    run_script(Path(__file__).parent / "scripts" / "engines.py", *jobs, num_procs=2)
+    run_script(REPO / "tests" / "distributed" / "scripts" / "engines.py", *jobs, num_procs=2)
     return out
 
 

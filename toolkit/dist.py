@@ -120,7 +120,7 @@ def slurm_env(env=None) -> dict:
 def prepare(cpu: bool = False) -> None:
     """Before DeepSpeed starts: its CPU accelerator when there is no CUDA (or `cpu`), and the
     `deepspeed_shm_comm` op off. That op serves only inference all-reduce on CPU, and loading it
-    JIT-compiles C++ for minutes on a fresh machine (shared/DEEPSPEED_NOTES.md)."""
+    JIT-compiles C++ for minutes on a fresh machine."""
     import torch
 
     if cpu or not torch.cuda.is_available():

@@ -76,7 +76,7 @@ def test_what_used_to_crash_is_refused_with_the_reason(ds_world1, model_type, wo
     assert row["outcome"] == "refused" and words in row["reason"], row
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_whole_sweep_has_no_failure_and_matches_the_committed_table_and_readme():
     """Every causal LM type (~1-2 min on 2 cores, as `bench/arch_sweep.py`): no crash or mismatch (MoE
     types also with their router aux loss), bench/results/arch_sweep.json holds today's outcome of every
