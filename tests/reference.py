@@ -1,9 +1,10 @@
 """Reference computations tests compare dstk's own numbers with, done directly with the HF model."""
 
 
-def eval_reference(model, held) -> float:
+def eval_reference(model, held, rows_per_batch: int = 32) -> float:
     """The token-weighted mean loss of `model` over every row of the eval split `held` (data.Rows), computed
-    directly: summed cross entropy of every target / the number of targets."""
+    directly: summed cross entropy of every target / the number of targets (rows in batches: each row has
+    its own attention mask and positions, so a batch computes what its rows compute alone)."""
     import torch
     import torch.nn.functional as F
 
@@ -11,8 +12,8 @@ def eval_reference(model, held) -> float:
 
     total, count = 0.0, 0
     with torch.no_grad():
-        for k in range(len(held)):
-            (ids, docs), labels = held.batch([k])
+        for start in range(0, len(held), rows_per_batch):
+            (ids, docs), labels = held.batch(range(start, min(start + rows_per_batch, len(held))))
             if labels.dim() == 1:  # a classifier: one target per row
                 logits = model(input_ids=ids, attention_mask=docs).logits
                 total, count = total + float(F.cross_entropy(logits.double(), labels, reduction="sum")), count + 1

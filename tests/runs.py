@@ -108,3 +108,29 @@ class Bf16Runs:
 def bf16_runs(tmp_path_factory) -> Bf16Runs:
     """bf16 runs test_export_stream and test_pipeline_training share (tiny-gpt2 at pp 2, ZeRO-1: both)."""
     return Bf16Runs(tmp_path_factory.mktemp("bf16"))
+
+
+class SavedModels:
+    """Built-in models as `dstk train` builds them (random weights at `seed`), saved with their tokenizer
+    as a HF directory (what a user fine-tunes), once per session for each (name, seed)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def get(self, name: str, seed: int = 1234) -> Path:
+        from toolkit.train import hf
+
+        out = self.folder / f"{name}_seed{seed}"
+        if not out.exists():
+            tok = hf.load_tokenizer(name)
+            model = hf.build_model(name, hf.load_config(name, tok, "causal-lm"), "causal-lm", seed)
+            model.save_pretrained(out.with_suffix(".tmp"))
+            tok.save_pretrained(out.with_suffix(".tmp"))
+            out.with_suffix(".tmp").rename(out)
+        return out
+
+
+@pytest.fixture(scope="session")
+def saved_models(tmp_path_factory) -> SavedModels:
+    """Saved tiny model directories that test_tensor_parallel, test_resume_layouts and test_lora_pipeline use."""
+    return SavedModels(tmp_path_factory.mktemp("saved_models"))

@@ -1,8 +1,8 @@
-"""Every input kind and row format trains through the real launcher (launch.sh -> deepspeed, 2 CPU
-processes on gloo) and the loss falls; the eval loss a run reports is the token-weighted mean over
+"""Every input kind and row format trains on 2 CPU ranks (gloo, forked by tests/ranks.py)
+and the loss falls; the eval loss a run reports is the token-weighted mean over
 the whole eval split, recomputed here from the exported HF model.
 
-One launch per case (~30-60 s each on 2 cores): text from .parquet at pp 2 (packed rows through the
+One launch per case: text from .parquet at pp 2 (packed rows through the
 pipeline), chat .jsonl at dp 2, alpaca .csv, sharegpt from a save_to_disk folder at pp 2, and
 prompt/completion from .arrow with --eval-data.
 """

@@ -35,14 +35,10 @@ def _args(model) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from toolkit.train import hf
-
+def runs(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("lora")
-    tok = hf.byte_tokenizer()
-    base = tmp / "base"
-    hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", SEED).save_pretrained(base)
-    tok.save_pretrained(base)
+    base = tmp / "base"  # the session's saved tiny-gpt2, where the tests read it
+    base.symlink_to(saved_models.get("tiny-gpt2", SEED), target_is_directory=True)
     for name, (procs, mbs, gas, pp) in {**LAYOUTS, "builtin": (2, 2, 4, 2), "bf16": (2, 2, 4, 2)}.items():
         cfg = ds_config(tmp / f"{name}.json", mbs, gas, pp, lr=1e-2)
         if name == "pp2dp2":

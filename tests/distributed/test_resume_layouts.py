@@ -61,7 +61,7 @@ def run(tmp: Path, name: str, pp: int, dp: int, zero: int, steps: int, resume_fr
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("moves")
     out = {"A": run(tmp, "A", 2, 1, 0, 20)}
     out["pp1dp2z3"] = run(tmp, "pp1dp2z3", 1, 2, 3, 20, resume_from=(out["A"], 10))
@@ -70,19 +70,14 @@ def runs(tmp_path_factory):
     out["pp4"] = run(tmp, "pp4", 4, 1, 0, 20, resume_from=(out["A"], 10))
     out["pp2dp2"] = run(tmp, "pp2dp2", 2, 2, 0, 15, resume_from=(out["A"], 10))
     out["pp1dp1z2"] = run(tmp, "pp1dp1z2", 1, 1, 2, 20, resume_from=(out["pp2dp2"], 15))
-    lora = lora_args(tmp / "base")
+    lora = lora_args(saved_models.get("tiny-gpt2"))
     out["lora"] = run(tmp, "lora", 2, 1, 0, 20, model_args=lora)
     out["lora_pp1dp2z3"] = run(tmp, "lora_pp1dp2z3", 1, 2, 3, 20, resume_from=(out["lora"], 10), model_args=lora)
     return out
 
 
 def lora_args(base: Path) -> list:
-    """A LoRA run on tiny GPT-2 saved as a HF directory (what a user fine-tunes)."""
-    from toolkit.train import hf
-
-    tok = hf.byte_tokenizer()
-    hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", 1234).save_pretrained(base)
-    tok.save_pretrained(base)
+    """A LoRA run on tiny GPT-2 saved as a HF directory (`base`, seed 1234: what a user fine-tunes)."""
     return [str(base) if a == "tiny-gpt2" else a for a in COMMON] + ["--lora", "--lora-r", "4"]
 
 

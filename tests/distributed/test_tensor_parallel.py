@@ -49,9 +49,8 @@ class Runs:
     selection of tests (the default tier leaves out the heavy 3D case) launches only what it reads. A
     name ending in _resumed is that layout's run resumed from its step-5 checkpoint."""
 
-    def __init__(self, tmp: Path):
-        self.tmp, self.done = tmp, set()
-        _save_tiny_llama(tmp / "llama_dir")
+    def __init__(self, tmp: Path, llama_dir: Path):
+        self.tmp, self.llama_dir, self.done = tmp, llama_dir, set()
 
     def __truediv__(self, name: str) -> Path:
         if name not in self.done:
@@ -64,31 +63,23 @@ class Runs:
         if name == layout:
             cfg = config(self.tmp / f"{name}.json", procs, pp, tp, zero, "bf16" in name)
             rc, log = launch(cfg, self.tmp / name, procs, "--steps", 10, "--save-every", 5,
-                             model_args=_args(self.tmp, name))
+                             model_args=_args(self.llama_dir, name))
         else:
             resumed_from(self / layout, 5, self.tmp / name)
             rc, log = launch(self.tmp / f"{layout}.json", self.tmp / name, procs, "--steps", 10, "--resume",
-                             "--no-export", model_args=_args(self.tmp, layout))
+                             "--no-export", model_args=_args(self.llama_dir, layout))
         assert rc == 0, f"{name}:\n{log[-4000:]}"
         return name
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("tp"))
+def runs(tmp_path_factory, saved_models):
+    """The built-in tiny-llama as dstk train builds it (seed 1234), saved: what the FROM_DIR layouts load."""
+    return Runs(tmp_path_factory.mktemp("tp"), saved_models.get("tiny-llama"))
 
 
-def _args(tmp: Path, name: str) -> list:
-    return ["--model", str(tmp / "llama_dir"), *ARGS[2:]] if name in FROM_DIR else ARGS
-
-
-def _save_tiny_llama(folder: Path) -> None:
-    """The built-in tiny-llama as dstk train builds it (seed 1234), saved with its tokenizer."""
-    from toolkit.train import hf
-
-    tok = hf.load_tokenizer("tiny-llama")
-    hf.build_model("tiny-llama", hf.load_config("tiny-llama", tok, "causal-lm"), "causal-lm", 1234).save_pretrained(folder)
-    tok.save_pretrained(folder)
+def _args(llama_dir: Path, name: str) -> list:
+    return ["--model", str(llama_dir), *ARGS[2:]] if name in FROM_DIR else ARGS
 
 
 @pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", "dp2tp2z3"])
