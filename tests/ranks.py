@@ -23,15 +23,14 @@ the session. stdout and stderr of all ranks arrive merged, line by line, as a la
 
 import atexit
 import ctypes
-import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,14 +67,12 @@ class RankServer:
 
     def run(self, argv: list, nprocs: int, env: dict, cwd: Path, timeout: float) -> tuple:
         request = dict(argv=[str(a) for a in argv], nprocs=nprocs, env=env, cwd=str(cwd), timeout=timeout)
-        with socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(self.address)
-            conn.sendall(json.dumps(request).encode() + b"\n")
-            conn.shutdown(socket.SHUT_WR)
-            reply = b"".join(iter(lambda: conn.recv(1 << 16), b""))
-        if not reply:
-            raise RuntimeError(f"the rank server gave no answer for {argv} (did it die? rc {self.proc.poll()})")
-        answer = json.loads(reply)
+        with Client(self.address, family="AF_UNIX") as conn:
+            conn.send(request)
+            try:
+                answer = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the rank server gave no answer for {argv} (rc {self.proc.poll()})") from None
         if answer["timed_out"]:
             raise RankTimeout(f"{nprocs} rank(s) of {' '.join(request['argv'])} ran past {timeout} s and were "
                               f"killed; their output:\n{answer['output'][-4000:]}")
@@ -159,9 +156,7 @@ def _warm_up():
 def serve(address: str):
     _die_with_parent()
     _warm_up()
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(address)
-    listener.listen(16)
+    listener = Listener(address, family="AF_UNIX")
     jobs = set()
 
     def stop(*_):
@@ -172,15 +167,14 @@ def serve(address: str):
     signal.signal(signal.SIGTERM, stop)
     print("ready", flush=True)
     while True:
-        conn, _ = listener.accept()
+        conn = listener.accept()
         for pid in list(jobs):  # reap finished launches
             if os.waitpid(pid, os.WNOHANG)[0]:
                 jobs.discard(pid)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:
-            listener.close()
+        if pid == 0:  # (the listener stays open here: closing it would remove the server's address)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _job(conn)  # never returns
         conn.close()
@@ -194,15 +188,13 @@ def _kill_group(pgid: int):
         pass
 
 
-def _job(conn: socket.socket):
+def _job(conn):
     """One launch: a process group of its own (its id is this process's pid) holding its ranks."""
     code = 1
     try:
         os.setsid()
         _die_with_parent()
-        request = json.loads(b"".join(iter(lambda: conn.recv(1 << 16), b"")))
-        answer = _launch(request)
-        conn.sendall(json.dumps(answer).encode())
+        conn.send(_launch(conn.recv()))
         code = 0
     finally:
         conn.close()

@@ -1,18 +1,12 @@
-"""The `dstk` command end to end, as a user runs it: exit codes, messages, no tracebacks, fast start."""
+"""The `dstk` command end to end, as a user runs it: exit codes, messages, no tracebacks. In this
+process, through the console entry point toolkit.cli.main and Click's CliRunner; what a fresh
+process imports at start-up is checked in tests/commands/test_start_up.py."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import run_cli_fresh
-
-DSTK = [sys.executable, "-m", "toolkit.cli"]
-
-
-def dstk(*args, cwd=None):
-    return subprocess.run(DSTK + list(args), capture_output=True, text=True, cwd=cwd, timeout=120)
+from tests.invoke import dstk
 
 
 def test_help_lists_commands():
@@ -20,20 +14,6 @@ def test_help_lists_commands():
     assert result.returncode == 0
     for command in ("generate-config", "validate", "schema"):
         assert command in result.stdout
-
-
-@pytest.mark.parametrize("args", [["--help"], ["generate-config", "--world-size", "2"], ["validate", "--help"],
-                                  ["generate-config", "--help"], ["schema"]])
-def test_fast_commands_import_no_heavy_package(args):
-    result, heavy = run_cli_fresh(args)
-    assert heavy == [], result.stderr[-2000:]
-
-
-def test_validate_imports_no_heavy_package(tmp_path):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": 8}))
-    result, heavy = run_cli_fresh(["validate", str(path)])
-    assert heavy == [] and "valid" in result.stdout, result.stderr[-2000:]
 
 
 def test_generate_then_validate_round_trip(tmp_path):

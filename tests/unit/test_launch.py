@@ -1,10 +1,8 @@
-"""launch.sh's command line, the checks `dstk train` makes before training, and a pp = 1 run in a
-world of one (train -> checkpoint -> export -> HF reload; refusing another model's checkpoint)."""
+"""The checks `dstk train` makes before training, and a pp = 1 run in a world of one (train -> checkpoint
+-> export -> HF reload; refusing another model's checkpoint). launch.sh's command line:
+tests/commands/test_launch_sh.py."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,46 +12,6 @@ from toolkit.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
-
-
-def dry_run(*args):
-    env = dict(os.environ, PYTHON=sys.executable)
-    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env, cwd=REPO)
-
-
-def test_dry_run_prints_the_deepspeed_command(tmp_path):
-    cfg = tmp_path / "ds.json"
-    cfg.write_text("{}")
-    run = dry_run("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
-    assert run.returncode == 0, run.stderr
-    assert "-m deepspeed.launcher.runner --num_gpus 2 --master_port " in run.stdout  # a free port
-    assert (f"--log_level error --module toolkit.train --config {cfg} "
-            "--model tiny-gpt2 --steps 5") in run.stdout
-
-
-def test_node_rank_without_ssh_writes_a_hostfile_and_passes_the_master(tmp_path):
-    cfg = tmp_path / "ds.json"
-    cfg.write_text("{}")
-    run = dry_run("--num-nodes", "2", "--num-gpus", "1", "--node-rank", "1", "--master-addr", "10.0.0.1",
-                  "--master-port", "29555", "--config", str(cfg), "--dry-run", "--", "--model", "m")
-    assert run.returncode == 0, run.stderr
-    assert "--num_nodes 2 --num_gpus 1 --no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29555" in run.stdout
-    hostfile = run.stdout.split("--hostfile ")[1].split()[0]
-    assert Path(hostfile).read_text() == "node0 slots=1\nnode1 slots=1\n"
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--num-gpus", "2", "--", "--model", "m"], "--config FILE is required"),
-    (["--config", "/nonexistent.json"], "does not exist"),
-    (["--config", "{cfg}", "--node-rank", "0"], "--node-rank needs --master-addr"),
-    (["--config", "{cfg}", "--launcher", "ssh"], "--launcher must be"),
-    (["--config", "{cfg}", "--model", "m"], "unknown option --model"),
-])
-def test_bad_launch_options_are_refused(tmp_path, args, message):
-    cfg = tmp_path / "ds.json"
-    cfg.write_text("{}")
-    run = dry_run(*[a.format(cfg=cfg) for a in args])
-    assert run.returncode == 2 and message in run.stderr
 
 
 def test_config_from_another_topology_or_world_is_refused(tmp_path):
@@ -124,15 +82,13 @@ def test_train_refuses_what_validate_rejects_before_building_anything(tmp_path, 
     """`python -m toolkit.train` (what every launcher starts) with a config `dstk validate --strict` rejects:
     the same problem lines, exit 1, no traceback. --model does not exist: the config is checked
     first, so nothing was loaded or built."""
-    from tests.conftest import child_env
+    from tests.unit.test_train_refusals import train_entry
     from toolkit.cli.validate import check_file
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, **section}))
-    result = subprocess.run([sys.executable, "-m", "toolkit.train", "--config", str(cfg), "--model",
-                             str(tmp_path / "no-model"), "--data", str(CORPUS),
-                             "--out", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO,
-                            env=child_env(), timeout=300)
+    result = train_entry(["--config", str(cfg), "--model", str(tmp_path / "no-model"), "--data", str(CORPUS),
+                          "--out", str(tmp_path / "run")])
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and fragment in result.stderr
     expected = [f"{p['severity']}: {p['path']}: {p['message']}" for p in check_file(str(cfg), 1, strict=True)["problems"]

@@ -92,16 +92,12 @@ def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path,
 
 def test_qlora_is_refused_without_cuda_once_with_the_way_out(tmp_path):
     """This machine has no CUDA: --qlora is refused before any model is built, in one line, no traceback."""
-    import subprocess
-    import sys
-
-    from tests.conftest import child_env
+    from tests.unit.test_train_refusals import train_entry
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
-    run = subprocess.run([sys.executable, "-m", "toolkit.train", "--config", str(cfg), "--model", "tiny-llama",
-                          "--data", str(CORPUS), "--out", str(tmp_path / "run"), "--qlora"],
-                         capture_output=True, text=True, cwd=REPO, env=child_env(DS_ACCELERATOR="cpu"), timeout=300)
+    run = train_entry(["--config", str(cfg), "--model", "tiny-llama", "--data", str(CORPUS),
+                       "--out", str(tmp_path / "run"), "--qlora"], env={"DS_ACCELERATOR": "cpu"})
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.stderr.count("--qlora: the 4-bit base needs a CUDA GPU") == 1, run.stderr[-2000:]
     assert "train with --lora here" in run.stderr and not (tmp_path / "run" / "checkpoints").exists()

@@ -2,7 +2,8 @@
 
 The adapter counts are checked against what peft creates through dstk's trainer path
 (toolkit.train.lora.apply on a tiny HF model); the bytes against the full fine-tune arithmetic; the
-CLI for its output, its refusals and its fast start. Real engines: tests/distributed/test_memory_accuracy.py.
+CLI for its output and its refusals (its fast start: tests/commands/test_start_up.py). Real engines:
+tests/distributed/test_memory_accuracy.py.
 """
 
 import json
@@ -157,11 +158,3 @@ def test_plan_cli_refuses_a_bad_rank_in_one_line(capsys, value):
     code, out, err = run(capsys, "--model", "gpt2", "--gpu", "l4", "--gbs", "8", "--lora", value)
     assert code == 1 and out == "" and "Traceback" not in err
     assert err.strip() == f"error: --lora must be a positive integer (the LoRA rank r), got {value}"
-
-
-def test_plan_with_lora_imports_no_heavy_package():
-    from tests.conftest import run_cli_fresh
-
-    result, heavy = run_cli_fresh(["plan", "--model", "gpt2", "--gpu", "l4", "--gbs", "8", "--gpus-per-node", "2",
-                                   "--lora", "8"])
-    assert heavy == [] and "LoRA r=8" in result.stdout, result.stderr[-2000:]

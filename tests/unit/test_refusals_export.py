@@ -1,11 +1,9 @@
 """`dstk export` on a run folder, a missing tag, a truncated file and an existing OUT_DIR: it finds
 RUN_DIR/checkpoints, lists the tags there are, refuses cleanly, and never leaves a half-written export."""
 
-import subprocess
-import sys
-
 import pytest
 
+from tests.invoke import invoke_dstk
 from toolkit.cli import main
 
 
@@ -86,8 +84,7 @@ def test_a_truncated_checkpoint_is_one_line_and_leaves_nothing(tmp_path, run_dir
     shutil.copytree(run, copy)
     pt = copy / "checkpoints" / "global_step4" / "mp_rank_00_model_states.pt"
     pt.write_bytes(pt.read_bytes()[:1000])
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", str(copy), str(tmp_path / "hf")],
-                            capture_output=True, text=True, timeout=300)
+    result = invoke_dstk(["export", copy, tmp_path / "hf"])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert f"error: {pt} cannot be read" in result.stderr and "truncated" in result.stderr and "--tag" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no hf/, no temp folder

@@ -2,21 +2,15 @@
 the flag, a non-zero exit, no traceback, no file written; and its --help promises only what it accepts."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests.invoke import dstk
 from toolkit.config import options as opts
 from toolkit.config.generate import build_config
 from toolkit.config.options import GenerateOptions
 
 HUGE = "100000000000000000000000"
-
-
-def dstk(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
 
 
 def refused(tmp_path, *args, code=1):

@@ -4,17 +4,11 @@ message (no traceback, nothing left behind); an existing schema file is replaced
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests.invoke import dstk
 from toolkit.config.schema import load_schema
-
-
-def dstk(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
 
 
 def test_schema_into_a_missing_folder_is_refused(tmp_path):

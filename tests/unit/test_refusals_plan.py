@@ -1,8 +1,6 @@
 """`dstk plan` with absurd or non-finite numbers and ambiguous GPU names: a quick answer or one clean
 refusal naming the flag; never a hang, a traceback, NaN estimates or a file written."""
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -84,11 +82,3 @@ def test_size_with_too_many_digits_is_a_config_error():
 def test_memory_comparisons_say_less_not_minus(capsys):
     code, out, _ = run(capsys, "--gpu", "a100-80gb", "--gbs", "1048576")
     assert code == 0 and "needs -" not in out
-
-
-def test_a_huge_global_batch_in_a_fresh_interpreter_is_quick():
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "plan", "--model", "gpt2", "--gpu", "a100-80gb",
-                             "--gbs", "100000000000000"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "Traceback" not in result.stderr and "#1 pp=" in result.stdout
-    assert time.perf_counter() - start < 10  # was unbounded: divisors(gbs) counted to 10**14

@@ -79,28 +79,6 @@ def test_an_older_checkpoint_without_named_optimizer_states_cannot_move(tmp_path
     assert check_resumable(tmp_path, {"model": "m", "pp": 2, "dp": 1, "zero_stage": 0}) == []  # same layout
 
 
-def test_deepspeeds_universal_converter_reads_a_dstk_checkpoint(ds_world1, tmp_path):
-    """dstk writes the universal_checkpoint_info DeepSpeed's ds_to_universal needs (ZeRO-1/2, bf16): the
-    converter runs on a dstk checkpoint and its per-parameter moments are dstk's, by name."""
-    import subprocess
-    import sys
-
-    import torch
-
-    from toolkit.train.runner import run
-
-    run(_args(tmp_path, 1, steps=2, export=False, eval_fraction=0))
-    tag = tmp_path / "run" / "checkpoints" / "global_step2"
-    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
-                           "--output_folder", str(tmp_path / "universal"), "--num_extract_workers", "1",
-                           "--num_merge_workers", "1"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ours = portable.read(tmp_path / "run" / "checkpoints")
-    name = "transformer.h.0.attn.c_attn.weight"
-    theirs = torch.load(tmp_path / "universal" / "zero" / name / "exp_avg.pt", weights_only=False)["param"]
-    assert torch.equal(theirs.reshape(-1), ours.moments["exp_avg"][name].reshape(-1))
-
-
 def test_resuming_with_other_data_is_refused_before_anything_is_built(ds_world1, tmp_path):
     from toolkit.train.runner import run
 

@@ -1,18 +1,20 @@
 """`dstk train` refuses bad input the way `dstk validate` does: one message naming the flag or key,
 a non-zero exit, no traceback, printed once, nothing written; and runs never mix in one --out.
 
-Refusals that come before any process group are checked through the real entry point
-(`python -m toolkit.train`, what every launcher starts) in a fresh interpreter; runs that train go
-through toolkit.train.runner.run in this process's world of one (tests/conftest.py ds_world1).
+Refusals that come before any process group are checked through the real entry point (what
+`python -m toolkit.train`, started by every launcher, runs: toolkit.cli.main(["train", ...])) in this
+process, without the launcher variables of its world of one; runs that train go through
+toolkit.train.runner.run in this process's world of one (tests/conftest.py ds_world1). launch.sh's own
+refusals: tests/commands/test_launch_sh.py.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import DIST_ENV
+from tests.invoke import invoke_dstk
 from toolkit.errors import ConfigError, UnusableInput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,19 +23,23 @@ GOOD_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 
 
-def _config(tmp_path, cfg=None) -> Path:
+def train_config(tmp_path, cfg=None) -> Path:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(GOOD_CONFIG if cfg is None else cfg))
     return path
 
 
-def train_cli(tmp_path, *args, env=None, data=CORPUS, config=None):
-    """`python -m toolkit.train ARGS` in a fresh interpreter started by hand (a world of one)."""
-    from tests.conftest import child_env
+def train_entry(args, env=None):
+    """`python -m toolkit.train ARGS` as a process started by hand runs it (toolkit.cli.main(["train", *ARGS]),
+    none of the launcher variables this process's world of one set, `env` on top, from the repository),
+    in this process."""
+    return invoke_dstk(["train", *args], cwd=REPO, env={**{k: None for k in DIST_ENV}, **(env or {})})
 
-    cmd = [sys.executable, "-m", "toolkit.train", "--model", "tiny-gpt2", "--data", str(data),
-           "--config", str(config or _config(tmp_path)), "--out", str(tmp_path / "run"), "--seq-len", "32", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(**(env or {})), timeout=300)
+
+def train_cli(tmp_path, *args, env=None, data=CORPUS, config=None):
+    """`python -m toolkit.train ARGS` started by hand (a world of one), run in this process."""
+    return train_entry(["--model", "tiny-gpt2", "--data", str(data), "--config", str(config or train_config(tmp_path)),
+                        "--out", str(tmp_path / "run"), "--seq-len", "32", *args], env=env)
 
 
 def refused(result, code: int, *fragments):
@@ -62,16 +68,15 @@ def test_only_rank_zero_prints_a_refusal_every_rank_reaches(tmp_path):
     assert result.returncode == 2 and result.stderr == ""
 
 
+# Rows refused while the data is read, after `dstk train` started its process group (and tears it down):
+# tests/commands/test_process_group.py, in processes of their own.
 @pytest.mark.parametrize("make, code, fragments", [
     (lambda d: d, 2, ["--data", "is a directory"]),
-    (lambda d: _write(d / "rows.xml", b"<text>hello</text>\n"), 2, ["--data", "unknown format '.xml'", ".jsonl",
+    (lambda d: write_rows(d / "rows.xml", b"<text>hello</text>\n"), 2, ["--data", "unknown format '.xml'", ".jsonl",
                                                                     ".parquet"]),
-    (lambda d: _write(d / "bin.txt", b"abc\x00\x01\x02"), 2, ["binary data (a NUL byte at offset 3)"]),
-    (lambda d: _write(d / "l1.txt", "caf\u00e9 au lait\n".encode("latin-1")), 2,
+    (lambda d: write_rows(d / "bin.txt", b"abc\x00\x01\x02"), 2, ["binary data (a NUL byte at offset 3)"]),
+    (lambda d: write_rows(d / "l1.txt", "caf\u00e9 au lait\n".encode("latin-1")), 2,
      ["is not utf-8 text: byte 0xe9 at offset 3 (line 1)", "--encoding latin-1", "iconv"]),
-    (lambda d: _write(d / "n.jsonl", b'{"text": "ok"}\n{"text": 123}\n'), 1, ["n.jsonl row 2: 'text' is int 123, not a string"]),
-    (lambda d: _write(d / "n1.jsonl", b'{"text": 123}\n'), 1, ["n1.jsonl row 1: 'text' is int 123, not a string"]),
-    (lambda d: _write(d / "nt.jsonl", b'{"body": "x"}\n'), 1, ["columns ['body'] matches no format", "--text-field"]),
     (lambda d: Path("someorg/some_dataset"), 2, ["looks like a hub dataset name", "save_to_disk"]),
 ])
 def test_unusable_data_is_refused_naming_the_file_and_the_way_out(tmp_path, make, code, fragments):
@@ -82,7 +87,7 @@ def test_unusable_data_is_refused_naming_the_file_and_the_way_out(tmp_path, make
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def _write(path: Path, raw: bytes) -> Path:
+def write_rows(path: Path, raw: bytes) -> Path:
     path.write_bytes(raw)
     return path
 
@@ -119,7 +124,7 @@ def test_out_that_is_a_file_is_refused(tmp_path):
 def _args(tmp_path, **kw):
     from toolkit.train.runner import TrainArgs
 
-    kw.setdefault("config", str(_config(tmp_path)))
+    kw.setdefault("config", str(train_config(tmp_path)))
     return TrainArgs(**{**dict(model="tiny-gpt2", data=str(CORPUS),
                                out=str(tmp_path / "run"), seq_len=32, steps=2, progress=False,
                                data_cache=str(tmp_path / "cache"),
@@ -184,28 +189,6 @@ def test_latest_is_replaced_atomically_and_leaves_no_temporary(tmp_path):
     write_latest(tmp_path, "global_step4")
     write_latest(tmp_path, "global_step8")
     assert read_latest(tmp_path) == "global_step8" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
-
-
-def test_launch_sh_refuses_once_before_starting_any_rank(tmp_path):
-    import os
-
-    env = dict(os.environ, PYTHON=sys.executable)
-    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(_config(tmp_path)), "--",
-           "--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "0", "--out", str(tmp_path / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    refused(result, 2, "--seq-len")
-    assert "spawned" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
-
-
-def test_launcher_logs_only_with_verbose(tmp_path):
-    import os
-
-    env = dict(os.environ, PYTHON=sys.executable)
-    base = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(_config(tmp_path)), "--dry-run", "--"]
-    quiet = subprocess.run(base + ["--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
-    loud = subprocess.run(base + ["--model", "m", "--verbose"], capture_output=True, text=True, env=env, cwd=REPO)
-    assert "--log_level error --module toolkit.train" in quiet.stdout
-    assert "--log_level info --module toolkit.train" in loud.stdout
 
 
 def test_eval_batches_is_accepted_with_a_note_and_a_bad_chat_template_is_refused(tmp_path):
