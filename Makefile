@@ -38,11 +38,11 @@ demo: $(STAMP)
 
 # Everything but the `heavy` tier (the real launchers, 3D layouts, whole sweeps): ~10 min on 2 cores.
 test: $(STAMP) $(MPI_STAMP)
-	$(BIN)/python -m pytest -q -m "not heavy" tests
+	$(BIN)/python -m pytest -q -m "not heavy" tests $(PYTEST_ARGS)
 
 # Everything, heavy tier included: what CI runs.
 test-all: $(STAMP) $(MPI_STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

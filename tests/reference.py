@@ -16,7 +16,7 @@ def eval_reference(model, held, rows_per_batch: int = 32) -> float:
             (ids, docs), labels = held.batch(range(start, min(start + rows_per_batch, len(held))))
             if labels.dim() == 1:  # a classifier: one target per row
                 logits = model(input_ids=ids, attention_mask=docs).logits
-                total, count = total + float(F.cross_entropy(logits.double(), labels, reduction="sum")), count + 1
+                total, count = total + float(F.cross_entropy(logits.double(), labels, reduction="sum")), count + len(labels)
                 continue
             mask, positions = attention_inputs(docs)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits

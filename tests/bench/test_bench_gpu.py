@@ -126,6 +126,7 @@ def test_gpu_finetune_skips_without_cuda(capsys):
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy  # five real launches through launch.sh, the bench's own path (~2 min on 2 cores)
 def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     """Every case two CPU processes allow runs the trainer (tiny-llama, seq 64, 2 steps); pp2 x dp2 and
     QLoRA (CUDA) are reported as skipped. About 2 minutes on 2 cores (five launches)."""
