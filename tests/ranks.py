@@ -19,6 +19,7 @@ its number, as subprocess reports it. Past `timeout` every rank is killed and ru
 RankTimeout with the output so far. Each launch is a process group of its own, killed as a whole when
 it ends, and every process here dies with its parent (PR_SET_PDEATHSIG): nothing outlives its test or
 the session. stdout and stderr of all ranks arrive merged, line by line, as a launcher forwards them.
+Its own tests: tests/distributed/test_ranks.py.
 """
 
 import atexit
