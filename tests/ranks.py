@@ -26,6 +26,7 @@ import atexit
 import ctypes
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,7 +74,9 @@ class RankServer:
             try:
                 answer = conn.recv()
             except EOFError:
-                raise RuntimeError(f"the rank server gave no answer for {argv} (rc {self.proc.poll()})") from None
+                log = Path(self.folder, "server.log").read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"the rank server gave no answer for {argv} (rc {self.proc.poll()}); "
+                                   f"its log:\n{log}") from None
         if answer["timed_out"]:
             raise RankTimeout(f"{nprocs} rank(s) of {' '.join(request['argv'])} ran past {timeout} s and were "
                               f"killed; their output:\n{answer['output'][-4000:]}")
@@ -86,9 +89,7 @@ class RankServer:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        if os.path.exists(self.address):
-            os.unlink(self.address)
-        os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _server = None
@@ -167,6 +168,12 @@ def serve(address: str):
 
     signal.signal(signal.SIGTERM, stop)
     print("ready", flush=True)
+    # From here on the server's own output (and a job's, should one fail outside its ranks) goes to a log
+    # beside the address: nobody reads the pipe to the client any more, and a full pipe would block.
+    log = os.open(os.path.join(os.path.dirname(address), "server.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
     while True:
         conn = listener.accept()
         for pid in list(jobs):  # reap finished launches
