@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import child_env
-from tests.unit.test_train_refusals import CORPUS, REPO, train_config, write_rows, refused
+from tests.unit.test_train_refusals import CORPUS, REPO, check_unusable_data, train_config, write_rows
 
 
 def test_an_in_process_check_is_a_world_of_one_inside_a_slurm_allocation():
@@ -38,8 +38,4 @@ def train_cli(tmp_path, *args, env=None, data=CORPUS, config=None):
     (lambda d: write_rows(d / "nt.jsonl", b'{"body": "x"}\n'), 1, ["columns ['body'] matches no format", "--text-field"]),
 ])
 def test_unusable_data_is_refused_naming_the_file_and_the_way_out(tmp_path, make, code, fragments):
-    (tmp_path / "d").mkdir()
-    data = make(tmp_path / "d")
-    result = train_cli(tmp_path, "--steps", "1", data=data)
-    refused(result, code, *fragments)
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    check_unusable_data(train_cli, tmp_path, make, code, fragments)

@@ -80,9 +80,15 @@ def test_only_rank_zero_prints_a_refusal_every_rank_reaches(tmp_path):
     (lambda d: Path("someorg/some_dataset"), 2, ["looks like a hub dataset name", "save_to_disk"]),
 ])
 def test_unusable_data_is_refused_naming_the_file_and_the_way_out(tmp_path, make, code, fragments):
+    check_unusable_data(train_cli, tmp_path, make, code, fragments)
+
+
+def check_unusable_data(train, tmp_path, make, code, fragments):
+    """`train` (in this process or a fresh one) on the data `make` writes: refused with `code` and the
+    fragments, once, with no checkpoint written."""
     (tmp_path / "d").mkdir()
     data = make(tmp_path / "d")
-    result = train_cli(tmp_path, "--steps", "1", data=data)
+    result = train(tmp_path, "--steps", "1", data=data)
     refused(result, code, *fragments)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
