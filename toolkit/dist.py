@@ -156,13 +156,82 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False):
     prepare(cpu)
     use_cuda = torch.cuda.is_available() and not cpu
     if use_cuda:
-        torch.cuda.set_device(local_rank())
+        torch.cuda.set_device(cuda_index(local_rank(), torch.cuda.device_count()))
     import deepspeed
 
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: keep the launcher's
     port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port, verbose=verbose)
+    if use_cuda:
+        _print_devices(tdist)
     return tdist
+
+
+def cuda_index(local: int, visible: int) -> int:
+    """The CUDA device of the rank with local rank `local` when it sees `visible` devices. A scheduler
+    that shows each task only its own GPU (slurm --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank) makes
+    every rank see one device, cuda:0, whatever its local rank: local % visible. Ranks that outnumber the
+    node's GPUs would share one, which NCCL refuses: said here, before it fails inside NCCL."""
+    if visible < 1:
+        raise ConfigError("CUDA is available but torch.cuda.device_count() is 0; check CUDA_VISIBLE_DEVICES")
+    return local % visible
+
+
+def device_line(devices: list) -> str:
+    """One line naming each rank's GPU, for `devices` = [(host, local rank, cuda index, visible
+    devices, CUDA_VISIBLE_DEVICES or None)] by global rank; ranks of one host sharing a GPU are flagged."""
+    parts, seen = [], {}
+    for rank, (host, local, index, visible, mask) in enumerate(devices):
+        shown = f" of CUDA_VISIBLE_DEVICES={mask}" if mask is not None else f" of {visible}"
+        parts.append(f"rank {rank} ({host} local {local}) -> cuda:{index}{shown}")
+        seen.setdefault((host, mask, index), []).append(rank)
+    shared = [ranks for ranks in seen.values() if len(ranks) > 1]
+    line = "dstk: GPUs: " + "; ".join(parts)
+    if shared:
+        line += f"; WARNING: ranks {shared} share a GPU (NCCL refuses that): fewer ranks per node, or more GPUs"
+    return line
+
+
+def _print_devices(tdist) -> None:
+    """Rank 0 prints which GPU every rank took, once."""
+    import torch
+
+    mine = (socket.gethostname(), local_rank(), torch.cuda.current_device(), torch.cuda.device_count(),
+            os.environ.get("CUDA_VISIBLE_DEVICES"))
+    devices = [None] * tdist.get_world_size()
+    tdist.all_gather_object(devices, mine)
+    if tdist.get_rank() == 0:
+        print(device_line(devices), flush=True)
+
+
+def all_reduce_sum(values, device) -> list:
+    """The sums of `values` (numbers, or a tensor) over every rank, as floats. Every tensor dstk hands a
+    collective is made here, on `device` (the engine's): NCCL takes only tensors on the current GPU (a
+    CPU tensor fails there, while gloo accepts it), and fp64 keeps counts and sums of bf16 losses exact."""
+    import torch
+    import torch.distributed as tdist
+
+    summed = torch.as_tensor(values, dtype=torch.float64).to(device).reshape(-1)
+    tdist.all_reduce(summed)
+    return summed.tolist()
+
+
+_PATIENT = {}
+
+
+def patient_group():
+    """A gloo group of the whole world whose collectives wait up to a day: where every rank waits for
+    long work on one rank (rank 0 tokenizing a large corpus, clearing or staging a run folder), which
+    would outlast the process group's own timeout (DeepSpeed's 10 minutes, DEEPSPEED_TIMEOUT) and abort
+    the waiting ranks. Made once (new_group is itself a collective of every rank)."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    if _PATIENT.get("world") is not tdist.group.WORLD:  # none yet, or made in a process group since destroyed
+        _PATIENT.update(world=tdist.group.WORLD,
+                        group=tdist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24)))
+    return _PATIENT["group"]
 
 
 def shutdown() -> None:

@@ -76,3 +76,24 @@ def test_slurm_env_without_its_world_is_refused(missing):
     env = {k: v for k, v in SRUN.items() if k != missing}
     with pytest.raises(ConfigError, match="start it with srun"):
         dist.slurm_env(env)
+
+
+@pytest.mark.parametrize("local, visible, index", [(0, 8, 0), (5, 8, 5), (5, 1, 0), (3, 2, 1)])
+def test_a_rank_takes_its_local_rank_modulo_the_gpus_it_sees(local, visible, index):
+    """slurm --gpus-per-task=1 (or CUDA_VISIBLE_DEVICES per rank) shows each rank one GPU, cuda:0: local
+    rank 5 there must not ask for cuda:5."""
+    assert dist.cuda_index(local, visible) == index
+
+
+def test_no_visible_gpu_is_refused_by_name():
+    with pytest.raises(ConfigError, match="device_count"):
+        dist.cuda_index(0, 0)
+
+
+def test_the_device_line_names_each_ranks_gpu_and_flags_a_shared_one():
+    own = [("n1", 0, 0, 1, "4"), ("n1", 1, 0, 1, "5"), ("n2", 0, 0, 2, None), ("n2", 1, 1, 2, None)]
+    line = dist.device_line(own)
+    assert line.startswith("dstk: GPUs: rank 0 (n1 local 0) -> cuda:0 of CUDA_VISIBLE_DEVICES=4;")
+    assert "rank 3 (n2 local 1) -> cuda:1 of 2" in line and "WARNING" not in line
+    shared = dist.device_line([("n1", 0, 0, 1, None), ("n1", 1, 0, 1, None)])  # two ranks, one GPU each sees
+    assert shared.endswith("WARNING: ranks [[0, 1]] share a GPU (NCCL refuses that): fewer ranks per node, or more GPUs")

@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from toolkit.dist import patient_group
 from toolkit.errors import ConfigError, UnusableInput
 
 META = "dstk"
@@ -37,7 +38,7 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
         client[UNIVERSAL_CHECKPOINT_INFO] = engine.module.dstk_tp_info
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                            exclude_frozen_parameters=not frozen)
-    dist.barrier()  # every rank's files are on disk before `latest` names the tag
+    dist.barrier(group=patient_group())  # every rank's files are on disk before `latest` names the tag (slow disks)
     if dist.get_rank() == 0:
         if layout is not None:
             (Path(ckpt_dir) / tag / TAG_LAYOUT).write_text(json.dumps(layout, indent=1))

@@ -187,6 +187,8 @@ def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
     import datasets
     import torch.distributed as dist
 
+    from toolkit.dist import patient_group
+
     if not dist.is_initialized():
         return prepare(opts, tokenizer)
     result, failure = None, None
@@ -196,7 +198,9 @@ def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
         except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below
             failure = exc
     failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, None if failure is None else (type(failure).__name__, str(failure)))
+    # the others wait for local rank 0's tokenizing, however long: not within the process group's timeout
+    dist.all_gather_object(failures, None if failure is None else (type(failure).__name__, str(failure)),
+                           group=patient_group())
     if failure is not None:
         raise failure
     kind, message = next((f for f in failures if f), (None, None))

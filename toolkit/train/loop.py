@@ -4,7 +4,6 @@ A `Job` holds the engine and this rank's data streams. `train_step` is one optim
 gbs rows: train_batch() for a pipeline, gas forward/backward/step calls for pp = 1.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit.dist import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.topology import config_batch
 from toolkit.train import checkpoint, data, hf
@@ -210,7 +210,7 @@ def train_step(job: Job, it) -> float:
         job.engine.backward(loss)
         job.engine.step()
         losses.append(loss.detach().float())
-    return _dp_mean(torch.stack(losses).mean())
+    return all_reduce_sum(torch.stack(losses).mean(), job.engine.device)[0] / dist.get_world_size()  # pp = 1: every rank is a replica
 
 
 def _forward(engine, batch) -> torch.Tensor:
@@ -244,11 +244,6 @@ def _quiet_packed_rows() -> None:
     logging.getLogger("transformers.modeling_utils").addFilter(_NoPaddingMaskWarning)
 
 
-def _dp_mean(loss: torch.Tensor) -> float:
-    dist.all_reduce(loss)  # pp = 1: every rank is a replica
-    return float(loss) / dist.get_world_size()
-
-
 def eval_loss(job: Job, args=None) -> float | None:
     """The mean loss over every target of the whole eval split, each token (a classifier: each row)
     weighted alike: sum(mean loss of a micro-batch * its targets) / targets, over all dp ranks. None
@@ -272,9 +267,9 @@ def eval_loss(job: Job, args=None) -> float | None:
             losses = [float(_forward(job.engine, b)) for b in batches()]
         job.engine.train()
     total = sum(loss * w for loss, w in zip(losses, weights) if w)  # an all-filler micro-batch's mean is nan
-    sums = torch.tensor([total, float(sum(weights) if losses else 0)], dtype=torch.float64)
-    dist.all_reduce(sums)  # every replica's share (pipelines: the last stages' only)
-    return float(sums[0] / sums[1]) if sums[1] else None
+    # every replica's share (pipelines: the last stages' only)
+    total, count = all_reduce_sum([total, float(sum(weights) if losses else 0)], job.engine.device)
+    return total / count if count else None
 
 
 def loop(args, job: Job, is_logger: bool) -> dict:

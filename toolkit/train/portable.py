@@ -98,16 +98,17 @@ def stage(ckpt_dir: Path, tag: str) -> bool:
     so that every rank then reads only the tensors it holds instead of each one reading the whole
     checkpoint. True when the folder is a staged one (the caller removes it once every rank has read
     it; one left by a move that failed is used and removed); a failure on rank 0 is raised on every
-    rank. The others wait for rank 0 in a gloo group without the default 30-minute timeout: reading
-    and writing a large model's state can take longer."""
-    import datetime
+    rank. The others wait for rank 0 in toolkit.dist.patient_group, not within the process group's
+    timeout: reading and writing a large model's state can take longer."""
     import os
     import shutil
 
     import torch.distributed as dist
 
+    from toolkit.dist import patient_group
+
     tag_dir = Path(ckpt_dir) / tag
-    waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24))
+    waiting = patient_group()
     failure = None
     if dist.get_rank() == 0 and not is_portable(tag_dir):
         for old in tag_dir.glob(f".{PORTABLE}.*"):  # a temp folder of a staging that was killed
@@ -122,7 +123,6 @@ def stage(ckpt_dir: Path, tag: str) -> bool:
             failure = exc
     box = [None if failure is None else str(failure)]
     dist.broadcast_object_list(box, src=0, group=waiting)
-    dist.destroy_process_group(waiting)
     if failure is not None:
         raise failure
     if box[0] is not None:

@@ -138,7 +138,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         checkpoint.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag)
     if args.overwrite and dist.get_rank() == 0:
         rundir.clear(args.out)
-    dist.barrier()  # nobody writes into --out before it is cleared
+    dist.barrier(group=toolkit_dist.patient_group())  # nobody writes into --out before it is cleared (however long)
     try:
         job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
     except ConfigError as exc:

@@ -1,0 +1,68 @@
+"""Every tensor dstk hands a collective lives on the engine's device (NCCL takes only tensors on the
+current GPU; gloo, which these CPU runs use, takes CPU tensors too and hides the mistake). The runs
+watch torch.distributed's collectives (scripts/watch_collectives.py) through training, mid-run and final
+evaluation, checkpoints and the summary: every tensor is on the engine's device, and each collective dstk
+calls itself goes through the one helper that makes its tensors there (toolkit.dist.all_reduce_sum).
+Object collectives (all_gather_object, ...) place their tensors on the current device themselves."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_train import COMMON, ds_config
+from tests.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).parent / "scripts" / "watch_collectives.py"
+HELPER = "toolkit/dist.py"
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_every_collective_tensor_is_on_the_engines_device(tmp_path, pp):
+    cfg = ds_config(tmp_path / "ds.json", mbs=2, gas=2, pp=pp)
+    args = ["--config", cfg, *COMMON, "--steps", "2", "--eval-every", "1", "--eval-batches", "1", "--no-export",
+            "--out", tmp_path / "run"]
+    rc, log = run_ranks([SCRIPT, tmp_path, *args], 2)
+    assert rc == 0, log[-3000:]
+    calls = [c for r in range(2) for c in json.loads((tmp_path / f"rank{r}.json").read_text())]
+    off_device = [c for c in calls if any(d != c["engine"] for d in c["devices"])]
+    assert not off_device, off_device[:5]
+    ours = [c for c in calls if c["caller"].startswith(("toolkit/", "models/")) and not c["object"]]
+    assert ours, "no collective of dstk's own was seen: the run evaluated nothing?"
+    bypassing = [c for c in ours if not c["caller"].startswith(HELPER)]
+    assert not bypassing, f"collectives called around {HELPER}'s all_reduce_sum: {bypassing[:5]}"
+    # on each rank the helper served the eval sums (at step 1 and the final eval) and, at pp 1, each step's loss mean
+    per_rank = 2 + (2 if pp == 1 else 0)
+    assert sum(c["caller"].startswith(HELPER) for c in calls) == 2 * per_rank, [c["caller"] for c in ours]
+    assert any(c["caller"].startswith("deepspeed/") for c in calls)  # the engine's own were watched too
+
+
+WAIT = """
+import datetime, sys, time
+import deepspeed, torch.distributed as dist
+from toolkit import dist as toolkit_dist
+toolkit_dist.prepare(cpu=True)
+deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=2))
+group = toolkit_dist.patient_group() if sys.argv[1] == "patient" else None
+if dist.get_rank() == 0:
+    time.sleep(4)  # rank 0's long work (tokenizing, clearing a run folder): twice the group's timeout
+dist.barrier(group=group)
+print(f"rank {dist.get_rank()} waited", flush=True)
+toolkit_dist.shutdown()
+"""
+
+
+@pytest.mark.parametrize("group", ["patient", "world"])
+def test_ranks_waiting_for_rank_0_outlast_the_process_groups_timeout_in_the_patient_group(tmp_path, group):
+    """toolkit.dist.patient_group (where ranks wait for data preparation, a cleared run folder, a staged
+    checkpoint, checkpoint files): rank 0 works for twice the world's timeout and nobody fails; the
+    world group's own barrier does fail there (what the patient group is for)."""
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT)
+    rc, log = run_ranks([script, group], 2, timeout=60)
+    if group == "patient":
+        assert rc == 0 and sorted(log.split()).count("waited") == 2, log[-3000:]
+    else:
+        assert rc != 0 and "rank 1 waited" not in log, log[-3000:]  # rank 1 timed out in the world's barrier
