@@ -104,3 +104,19 @@ def test_partition_is_recorded_in_the_pipeline_section(tmp_path):
 def test_clipping_off_is_written_explicitly():
     # DeepSpeed clips at norm 1.0 when "gradient_clipping" is absent (runtime/constants.py)
     assert build_config(GenerateOptions(world_size=1, gradient_clipping=0.0))["gradient_clipping"] == 0.0
+
+
+def test_gpu_default_is_torchs_fused_adamw_and_deepspeeds_jit_built_optimizers_are_opt_ins():
+    params = build_config(GenerateOptions(world_size=2))["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+    assert "torch_adam" not in build_config(GenerateOptions(world_size=2, fused_adam=True))["optimizer"]["params"]
+    offload = build_config(GenerateOptions(world_size=2, zero=2, offload_optimizer="cpu"))  # DeepSpeedCPUAdam
+    assert "torch_adam" not in offload["optimizer"]["params"]
+
+
+@pytest.mark.parametrize("kwargs, why", [(dict(cpu=True), "--cpu: FusedAdam is a CUDA op"),
+                                         (dict(optimizer="SGD"), "--optimizer SGD is not Adam/AdamW"),
+                                         (dict(zero=1, offload_optimizer="cpu"), "uses DeepSpeedCPUAdam")])
+def test_fused_adam_where_it_cannot_apply_is_refused(kwargs, why):
+    with pytest.raises(ConfigError, match=f"--fused-adam .*{why}.*; drop --fused-adam"):
+        build_config(GenerateOptions(world_size=2, fused_adam=True, **kwargs))

@@ -103,3 +103,22 @@ def test_cpu_configs_train_under_deepspeed_initialize(ds_world1, zero, precision
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     engine.destroy()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_generate_config_defaults_build_no_jit_op(ds_world1, monkeypatch, zero, precision):
+    """`dstk generate-config` without --cpu (a GPU config): DeepSpeed builds torch's fused AdamW from it,
+    and loads no op (DeepSpeed's FusedAdam, the old default, is JIT-built and needs nvcc and CUDA_HOME)."""
+    import deepspeed
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    def no_build(builder, *args, **kwargs):
+        raise AssertionError(f"DeepSpeed loaded op {builder.name!r}: a JIT build on a fresh machine")
+
+    monkeypatch.setattr(OpBuilder, "load", no_build)
+    cfg = build_config(GenerateOptions(world_size=1, mbs=2, gas=1, zero=zero, precision=precision))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert type(engine.basic_optimizer) is torch.optim.AdamW and engine.basic_optimizer.defaults["fused"] is True
+    engine.destroy()

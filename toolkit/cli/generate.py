@@ -49,7 +49,12 @@ def _choice(values):
               help="fp16: the dynamic loss scale never drops below this (> 0).")
 @click.option("--optimizer", type=_choice(opts.OPTIMIZERS), default="AdamW", show_default=True,
               help="Optimizer DeepSpeed builds (any case), or none when the training script brings its own. "
-              "For Lion, Muon or a torch.optim class, edit the written config.")
+              "Adam/AdamW: torch's (fused on GPUs); Lamb is DeepSpeed's FusedLamb and --offload-optimizer uses "
+              "DeepSpeedCPUAdam, both JIT-built at the first run (Lamb needs nvcc). For Lion, Muon or a "
+              "torch.optim class, edit the written config.")
+@click.option("--fused-adam", is_flag=True,
+              help="Adam/AdamW: DeepSpeed's FusedAdam instead of torch's fused AdamW (a CUDA op JIT-built at the "
+              "first run: needs nvcc and CUDA_HOME, and minutes).")
 @click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate, > 0 (LRRangeTest: the starting one).")
 @click.option("--betas", default="0.9,0.999", show_default=True, callback=_betas, metavar="B1,B2", help="Adam/AdamW/Lamb betas.")
 @click.option("--eps", type=float, default=1e-8, show_default=True, help="Optimizer epsilon, >= 0.")

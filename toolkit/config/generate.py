@@ -83,8 +83,12 @@ def _optimizer(o: GenerateOptions, auto) -> dict:
     else:  # Adam, AdamW, Lamb
         params = {"lr": auto(o.lr), "betas": auto(list(o.betas)), "eps": auto(o.eps),
                   "weight_decay": auto(o.weight_decay)}
-    if o.cpu and o.optimizer in ("Adam", "AdamW"):
-        params["torch_adam"] = True  # torch's own Adam: no FusedAdam JIT build (~100 s on CPU)
+    if o.optimizer in ("Adam", "AdamW") and not o.fused_adam and o.offload_optimizer == "none":
+        # torch.optim's AdamW, not DeepSpeed's FusedAdam: that op is JIT-built at the first run and needs
+        # nvcc and CUDA_HOME (~100 s on CPU). torch's fused kernel on GPUs (one launch per step)
+        params["torch_adam"] = True
+        if not o.cpu:
+            params["fused"] = True
     return {"type": o.optimizer, "params": params}
 
 

@@ -52,6 +52,7 @@ class GenerateOptions:
     activation_checkpointing: bool = False
     # optimization
     optimizer: str = "AdamW"
+    fused_adam: bool = False  # Adam/AdamW: DeepSpeed's FusedAdam (JIT-built, needs nvcc) instead of torch's
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -229,6 +230,10 @@ def _check_optimization(o: GenerateOptions) -> list[str]:
     problems = []
     if o.optimizer not in OPTIMIZERS:
         problems.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
+    if o.fused_adam and (o.optimizer not in ("Adam", "AdamW") or o.cpu or o.offload_optimizer != "none"):
+        why = ("--cpu: FusedAdam is a CUDA op" if o.cpu else f"--offload-optimizer {o.offload_optimizer} uses "
+               "DeepSpeedCPUAdam" if o.offload_optimizer != "none" else f"--optimizer {o.optimizer} is not Adam/AdamW")
+        problems.append(f"--fused-adam picks DeepSpeed's FusedAdam for Adam/AdamW on GPUs, but {why}; drop --fused-adam")
     if o.cpu and o.optimizer == "Lamb":
         problems.append("--cpu with --optimizer Lamb: Lamb (FusedLamb) is not implemented on DeepSpeed's CPU backend; use AdamW")
     problems += _real("--lr", o.lr, above=True) + _real("--eps", o.eps) + _real("--weight-decay", o.weight_decay)
