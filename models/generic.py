@@ -2,11 +2,11 @@
 olmo, gpt_neox, ...) as [embedding, L decoder layers, final norm, LM head]: L + 3 layers.
 
 What travels between stages: (hidden (B, T, H) float, document ids (B, T) int64: 0 padding, 1..k the
-documents packed in a row; a plain 0/1 padding mask is the one-document case). Every block rebuilds its
-4-D mask with HF's own mask function for its layer type (so eager, sdpa and flex agree with HF; packed
-rows in HF's packed-sequence format, models.spec.attention_inputs) and recomputes rotary cos/sin from
-the model's rotary module at each document's positions; nothing but those two fixed-shape tensors is
-sent. The decoder layers are HF's own modules.
+documents packed in a row; a plain 0/1 padding mask is the one-document case). The first block of a
+stage builds the micro-batch's positions and, per layer kind, its mask with HF's own mask function
+(models.attention: once per micro-batch and stage, no host sync; flash gets variable-length arguments);
+each block recomputes rotary cos/sin from the model's rotary module at each document's positions.
+Nothing but those two fixed-shape tensors is sent. The decoder layers are HF's own modules.
 """
 
 import inspect
@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import FLASH, layer_inputs
 from models.moe import RouterAux, RouterCapture
-from models.spec import PipelineSpec, attention_inputs, causal_lm_loss, needs_grad
+from models.spec import PipelineSpec, causal_lm_loss, needs_grad
 from toolkit.errors import ConfigError
 
 # config attributes that change the base model's forward outside its sub-modules: not replicated.
@@ -52,14 +53,16 @@ class DecoderBlock(nn.Module):
         params = inspect.signature(self.layer.forward).parameters.values()
         # a layer without **kwargs gets only what it names (older layers take no position_embeddings)
         self.takes = None if any(p.kind is p.VAR_KEYWORD for p in params) else {p.name for p in params}
+        if self.takes is not None and config._attn_implementation in FLASH:
+            raise ConfigError(f"model_type {config.model_type!r}: {type(self.layer).__name__}.forward takes no **kwargs, "
+                              f"so {config._attn_implementation} cannot get the variable-length arguments that keep "
+                              "packed documents apart; use --attention sdpa")
 
     def forward(self, inputs):
         hidden, doc_ids, *stats = inputs
-        attention_mask, position_ids = attention_inputs(doc_ids)
-        mask = self.mask_fn(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                            cache=None, position_ids=position_ids)
-        rope = self.rotary(hidden, position_ids, **self.rope_kwargs) if self.rotary is not None else None
-        kwargs = {"attention_mask": mask, "position_ids": position_ids, "position_embeddings": rope}
+        kwargs = layer_inputs(doc_ids, hidden, self.config, self.mask_fn)  # attention_mask, position_ids[, varlen]
+        rope = self.rotary(hidden, kwargs["position_ids"], **self.rope_kwargs) if self.rotary is not None else None
+        kwargs["position_embeddings"] = rope
         if self.takes is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in self.takes}
         if self.routers is None:

@@ -2,13 +2,14 @@
 
 from torch import nn
 
+from models.attention import layer_inputs, positions
 from models.generic import FinalNorm, LMHead, LogitTransform, TiedLogits
-from models.spec import PipelineSpec, attention_inputs, causal_lm_loss, needs_grad
+from models.spec import PipelineSpec, causal_lm_loss, needs_grad
 
 
 class GPT2Embed(nn.Module):
     """Layer 0: (input_ids, document ids) -> (wte(ids) + wpe(positions), document ids), then dropout;
-    positions restart at each document of a packed row (models.spec.attention_inputs)."""
+    positions restart at each document of a packed row (models.attention.positions)."""
 
     def __init__(self, source, prefix):
         super().__init__()
@@ -18,11 +19,11 @@ class GPT2Embed(nn.Module):
     def forward(self, inputs):
         input_ids, doc_ids = inputs[0], inputs[1]
         wte, wpe, drop = self.parts
-        positions = attention_inputs(doc_ids)[1]  # (1, T), or (B, T) for packed rows
-        return needs_grad(drop(wte(input_ids) + wpe(positions))), doc_ids
+        return needs_grad(drop(wte(input_ids) + wpe(positions(doc_ids)))), doc_ids  # positions (B, T)
 
 class GPT2BlockStage(nn.Module):
-    """One GPT2Block with a causal+padding (or packed-document) mask built by HF's create_causal_mask."""
+    """One GPT2Block with a causal mask kept inside each document, built by HF's create_causal_mask once per
+    micro-batch and stage (models.attention)."""
 
     def __init__(self, source, name, config):
         super().__init__()
@@ -33,10 +34,7 @@ class GPT2BlockStage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         hidden, doc_ids = inputs
-        attention_mask, position_ids = attention_inputs(doc_ids)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  cache=None, position_ids=position_ids)
-        out = self.block(hidden, cache=None, attention_mask=mask, position_ids=position_ids)
+        out = self.block(hidden, cache=None, **layer_inputs(doc_ids, hidden, self.config, create_causal_mask))
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 def build_gpt2(source, config) -> PipelineSpec:

@@ -96,3 +96,16 @@ def test_bad_shapes():
         layer_costs(arch, 128, 0)
     with pytest.raises(ConfigError, match="precision 'fp8'"):
         layer_costs(arch, 128, precision="fp8")
+
+
+def test_the_planner_counts_the_attention_mask_once_per_stage_and_micro_batch_in_flight():
+    """mbs * T^2 * 2 bytes (bf16) per micro-batch in flight on each stage under sdpa; none with flash."""
+    from toolkit.plan.estimate import Layout
+    from toolkit.plan.planner import PlanRequest, estimate_layout
+
+    T, layout = 8192, Layout(pp=2, dp=1, zero=1, mbs=2, gas=8)
+    held = {}
+    for attention in ("sdpa", "flash_attention_2"):
+        req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=2, gpu="h100-sxm", seq_len=T, attention=attention)
+        held[attention] = estimate_layout(req, layout).activations  # the heaviest stage: 2 in flight
+    assert held["sdpa"] - held["flash_attention_2"] == 2 * (2 * T * T * 2)  # 1 GiB: in flight x mbs * T^2 * bf16

@@ -8,7 +8,7 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.plan.arch import load_arch
-from toolkit.plan.costs import layer_costs
+from toolkit.plan.costs import layer_costs, mask_bytes
 from toolkit.plan.estimate import Layout
 from toolkit.plan.planner import PlanRequest, _layouts, _model, estimate_layout, make_plan
 from toolkit.plan.tp import shard_layers, tp_candidates, tp_comm_bytes
@@ -137,7 +137,10 @@ def test_pipeline_tp_shards_the_blocks_but_not_the_embedding_norm_and_head():
     for key in ("params", "flops", "fwd_flops", "act"):
         assert [getattr(piped, key)[i] for i in ends] == [getattr(whole, key)[i] for i in ends]
     assert piped.params[1] == pytest.approx(BLOCK / 2, rel=1e-3) and piped.flops[1] == whole.flops[1] / 2
-    assert alone.flops[-1] == whole.flops[-1] / 2 and piped.act[1] == alone.act[1] < whole.act[1]
+    # the attention mask: at pp = 1 torch's copy per block (sdpa), in a pipeline one per stage, whole on each tp rank
+    mask = mask_bytes(T, 1, "bf16")
+    assert alone.flops[-1] == whole.flops[-1] / 2 and piped.act[1] + mask == alone.act[1] < whole.act[1]
+    assert piped.stage_act == mask and alone.stage_act == whole.stage_act == 0
     # no collectives of the head in a pipeline: four all-reduces of (seq, h) per block only
     assert piped.tp_comm == L * 4 * 2 * (1 / 2) * T * H * 2 < alone.tp_comm
 

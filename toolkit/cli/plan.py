@@ -30,7 +30,9 @@ def _size(ctx, param, value):
 @click.option("--mfu", type=float, default=0.5, show_default=True, help="Share of peak FLOPs a step reaches, in (0, 1].")
 @click.option("--reserve", type=float, default=0.1, show_default=True, help="Share of GPU memory left for the CUDA context and allocator, in [0, 1).")
 @click.option("--host-mem", callback=_size, default="1TiB", show_default=True, metavar="SIZE", help="Host memory per node, for offload.")
-@click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True, help="sdpa/flash keeps no (seq x seq) attention matrix; eager does.")
+@click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa", show_default=True,
+              help="sdpa and flash_attention_2 keep no (seq x seq) attention matrix, eager does; sdpa and eager keep "
+              "a (mbs, seq, seq) mask per micro-batch for padded or packed rows, flash_attention_2 none.")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
 @click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
 @click.option("--lora", type=int, metavar="R", help="Plan LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights only: no gradients or optimizer states).")

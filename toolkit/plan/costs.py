@@ -54,6 +54,12 @@ e = bytes per activation element:
   head    e*N*h (x5 BERT's transform) + 4*N*V              input, fp32 log-softmax for the loss
 These follow the tensors HF's modules save for backward (checked in tests/unit/test_costs.py with
 saved_tensors_hooks); dropout masks are not counted.
+Attention mask (mask_bytes), for padded or packed rows: e*B*T^2, the (B, 1, T, T) additive mask in the
+activations' dtype that sdpa's memory-efficient kernel and eager keep for backward. A pipeline stage builds
+one per micro-batch (models/attention.py) that all its blocks share: once per stage and micro-batch in
+flight (toolkit.plan.estimate). At pp = 1 HF passes sdpa a bool mask, which torch converts at every layer:
+one per block. flash_attention_2 takes variable-length offsets instead: 0. (Unpadded one-document rows at
+pp = 1 need none: HF then lets sdpa run causal without a mask. Not modelled: the planner assumes a mask.)
 Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
 """
 
@@ -172,15 +178,18 @@ def _typename(arch: Arch, kind: str) -> str:
     return {"embed": embed, "block": block, "norm": norm}[kind]
 
 
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+
+
 def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
                 attention: str = "sdpa", lora: int | None = None) -> list[LayerCost]:
     """One LayerCost per pipeline layer, for micro-batches of `mbs` sequences of `seq_len` tokens.
-    attention: "sdpa" (HF's default; flash / memory-efficient kernels) keeps no (B, a, T, T)
-    probabilities for backward, "eager" does. lora: the rank r of LoRA adapters on every block linear
-    (toolkit.plan.lora), the base frozen; None trains every parameter."""
+    attention: "sdpa" (HF's default; flash / memory-efficient kernels) and "flash_attention_2" keep no
+    (B, a, T, T) probabilities for backward, "eager" does (the attention mask: mask_bytes). lora: the rank
+    r of LoRA adapters on every block linear (toolkit.plan.lora), the base frozen; None trains every parameter."""
     check_shape(arch, seq_len, mbs)
-    if attention not in ("eager", "sdpa"):
-        raise ConfigError(f"attention {attention!r} is not 'eager' or 'sdpa'")
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
     weight_bytes(precision)  # refuses an unknown precision
     p = PRECISIONS[precision]
     adapters = lora_params(arch, lora) if lora is not None else None
@@ -208,6 +217,11 @@ def check_shape(arch: Arch, seq_len: int, mbs: int) -> None:
     if seq_len > arch.max_positions:
         raise ConfigError(f"--seq-len {seq_len} exceeds {arch.name}'s max_positions ({arch.max_positions}); "
                           f"use --seq-len {arch.max_positions} or less")
+
+
+def mask_bytes(seq_len: int, mbs: int = 1, precision: str = "bf16", attention: str = "sdpa") -> int:
+    """Bytes of one (mbs, 1, T, T) attention mask in the activations' dtype (module docstring); 0 for flash."""
+    return 0 if attention == "flash_attention_2" else PRECISIONS[precision].act * mbs * seq_len * seq_len
 
 
 def boundary_bytes(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16") -> int:

@@ -31,7 +31,7 @@ Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`
 
 from dataclasses import dataclass, field
 
-from toolkit.plan.memory import activation_bytes, model_state_bytes
+from toolkit.plan.memory import activation_bytes, in_flight, model_state_bytes
 from toolkit.plan.precision import weight_bytes
 from toolkit.topology import bubble_fraction
 
@@ -116,6 +116,7 @@ class Model:
     # adapters); None: every parameter trains
     tp_comm: float = 0.0  # bytes a tp rank sends per micro-batch of one sequence (0 without tp)
     tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
+    stage_act: int = 0  # bytes each stage holds once per micro-batch in flight (its attention mask)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
     per_layer = [a * lay.mbs for a in model.act]
     ckpt = [model.boundary * lay.mbs] * len(per_layer) if lay.checkpointing else None
     acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
+    acts = [a + model.stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
     totals = []
     for s in range(lay.pp):
         states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,

@@ -31,7 +31,7 @@ from toolkit.plan.lora import check_lora_rank, param_counts
 from toolkit.plan.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overrides
 from toolkit.plan.estimate import Estimate, Hardware, Layout, Model, estimate
 
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
 MAX_MBS = 2**16  # micro-batch sizes tried: sequences per GPU per micro-batch; no model fits more
 
 
@@ -204,11 +204,25 @@ def _model(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: bool 
         per_rank = shard_layers(arch, costs, seq, req.precision, tp, pipeline)
         comm = tp_comm_bytes(arch, seq, 1, req.precision, tp, pipeline=pipeline)
         recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
-        return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"], per_rank["act"],
-                     boundary, seq, tp_comm=comm, tp_recompute=recompute)
+        act, stage_act = _with_masks(per_rank["act"], costs, seq, req, pipeline)  # every tp rank: the whole mask
+        return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"], act,
+                     boundary, seq, tp_comm=comm, tp_recompute=recompute, stage_act=stage_act)
+    act, stage_act = _with_masks([c.act_bytes for c in costs], costs, seq, req, pipeline)
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
-                 [c.fwd_flops for c in costs], [c.act_bytes for c in costs], boundary, seq,
-                 trainable=[c.trainable for c in costs] if req.lora else None)
+                 [c.fwd_flops for c in costs], act, boundary, seq,
+                 trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act)
+
+
+def _with_masks(act: list, costs, seq: int, req, pipeline: bool) -> tuple:
+    """(activation bytes per layer, bytes per stage) with the attention mask (toolkit.plan.costs.mask_bytes):
+    one per pipeline stage, shared by its blocks; at pp = 1 under sdpa one per block (torch's conversion of
+    HF's bool mask at every layer), under eager one for the model."""
+    from toolkit.plan.costs import mask_bytes
+
+    mask = mask_bytes(seq, 1, req.precision, req.attention)
+    if pipeline or req.attention != "sdpa":
+        return act, mask
+    return [a + (mask if c.kind == "block" else 0) for a, c in zip(act, costs)], 0
 
 
 def _stage_tp_comm(model: Model, costs: list, parts: list) -> Model:

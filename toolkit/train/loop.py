@@ -215,18 +215,18 @@ def train_step(job: Job, it) -> float:
 
 def _forward(engine, batch) -> torch.Tensor:
     """pp = 1: the HF model on a batch whose second tensor holds document ids (packed rows: positions
-    restart and attention stays inside each document, models.spec.attention_inputs). DeepSpeedEngine.forward
-    does not move inputs (only the PipelineEngine does)."""
-    from models.spec import attention_inputs
+    restart and attention stays inside each document, models.attention.model_inputs, built on the host:
+    no device sync). DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does)."""
+    from models.attention import model_inputs
 
     (input_ids, doc_ids), labels = batch
     device = engine.device
-    attention_mask, position_ids = attention_inputs(doc_ids)  # on the host: no device sync for the packed check
-    # a classifier (BERT) is never packed; a causal LM without use_cache=False builds a KV cache, and HF
-    # reads packed rows from position_ids only without one (masking_utils._preprocess_mask_arguments)
-    extra = {} if labels.dim() == 1 else {"position_ids": position_ids.to(device), "use_cache": False}
-    mask = attention_mask.to(device) if attention_mask is not None else None
-    return engine(input_ids=input_ids.to(device), attention_mask=mask, labels=labels.to(device), **extra).loss
+    if labels.dim() == 1:  # a classifier (BERT): never packed, a padding mask
+        inputs = {"attention_mask": doc_ids}
+    else:
+        inputs = model_inputs(doc_ids, engine.module.config)
+    inputs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return engine(input_ids=input_ids.to(device), labels=labels.to(device), **inputs).loss
 
 
 class _NoPaddingMaskWarning:

@@ -1,0 +1,118 @@
+"""What a pipeline stage's decoder layers need besides the hidden state, built once per micro-batch.
+
+Between stages travel only the hidden state and the document ids (B, T): 0 padding, 1..k the k-th
+document packed in a row (a 0/1 padding mask is the one-document case). From them each stage builds,
+for its first block and reused by the others (cached on the document-id tensor itself), row by row what
+HF builds: for a row holding one document, its padding mask and positions 0 .. T-1; for a packed row,
+HF's packed-sequence format (positions restart at each document, padding a segment of its own):
+  - position ids (B, T) (learned and rotary positions count from each document's start);
+  - the attention mask for each layer kind (causal, sliding-window, chunked), by HF's own mask builders
+    with the rows' rule added (so eager, sdpa and flex masks agree with HF's), never crossing a document
+    or padding boundary. With sdpa the mask is handed over additive, in the activations' dtype: torch
+    turns a bool mask into that at every call, a (B, 1, T, T) copy per layer that the memory-efficient
+    kernel keeps for backward; given once, every layer refers to the same tensor. flash_attention_2 gets
+    no mask but the variable-length arguments (cu_seq_lens_q/k, max_length_q/k) over the micro-batch's
+    flattened documents, which is how transformers' flash path keeps documents apart at any batch size
+    (from position_ids it finds packing only at batch size 1).
+No host synchronisation: nothing here reads a value of the device tensors, except flash's variable
+lengths (their count is the data's), which cost one device-to-host copy of the document starts per
+micro-batch and stage.
+"""
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from models.spec import document_positions
+
+FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+_KEY = "_dstk_stage_inputs"  # attribute of the document-id tensor: {what: value}
+
+
+def _memo(doc_ids: torch.Tensor, what, build):
+    """`build()` once per document-id tensor (one micro-batch on one stage: every block of the stage
+    gets the same tensor object; recomputation under activation checkpointing gets a new one)."""
+    memo = getattr(doc_ids, _KEY, None)
+    if memo is None or memo[0]() is not doc_ids:
+        memo = (weakref.ref(doc_ids), {})
+        setattr(doc_ids, _KEY, memo)
+    if what not in memo[1]:
+        memo[1][what] = build()
+    return memo[1][what]
+
+
+def _single(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the rows holding at most one document (a padded row is one)."""
+    return _memo(doc_ids, "single", lambda: doc_ids.amax(dim=1) <= 1)
+
+
+def positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions: 0 .. T-1 in a one-document row (HF's default), restarting at each document of a
+    packed row; once per micro-batch."""
+    def build():
+        counting = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+        return torch.where(_single(doc_ids)[:, None], counting, document_positions(doc_ids))
+    return _memo(doc_ids, "positions", build)
+
+
+def _rows_rule(doc_ids: torch.Tensor):
+    """HF's mask_function form of the rows' rule, added to the layer kind's causal rule: a one-document row
+    attends to its tokens, not its padding (HF's padding mask); a packed row stays inside each document."""
+    single = _single(doc_ids)
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return torch.where(single[batch_idx], doc_ids[batch_idx, kv_idx] > 0,
+                           doc_ids[batch_idx, q_idx] == doc_ids[batch_idx, kv_idx])
+    return inner
+
+
+def layer_inputs(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_fn) -> dict:
+    """attention_mask and position_ids (and flash's variable-length arguments) for one decoder layer of
+    kind `mask_fn` (HF's create_causal_mask, create_sliding_window_causal_mask, ...)."""
+    impl = config._attn_implementation
+    out = {"position_ids": positions(doc_ids)}
+    if impl in FLASH:
+        out.update(_memo(doc_ids, "varlen", lambda: varlen_arguments(doc_ids)))
+    out["attention_mask"] = _memo(doc_ids, (mask_fn, impl, hidden.dtype),
+                                  lambda: document_mask(doc_ids, hidden, config, mask_fn))
+    return out
+
+
+def document_mask(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_fn):
+    """HF's mask of kind `mask_fn` for these rows with attention kept inside each document (None where
+    the implementation takes no mask, e.g. flash without padding). sdpa: additive, in hidden's dtype."""
+    mask = mask_fn(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
+                   and_mask_function=_rows_rule(doc_ids))
+    if config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(hidden.dtype).min)
+    return mask
+
+
+def varlen_arguments(doc_ids: torch.Tensor) -> dict:
+    """flash_attention_2's variable-length arguments for a (B, T) micro-batch: the B rows flattened into
+    one sequence of documents (padding runs count as documents of their own; a row's end ends one).
+    cu_seq_lens: int32 offsets (documents + 1); max_length: the longest, a host int."""
+    rows, length = doc_ids.shape
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True).reshape(-1)  # (B*T,) row starts too
+    offsets = starts.cpu().nonzero().reshape(-1)  # the one device-to-host copy
+    cu = torch.cat([offsets, torch.tensor([rows * length])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())  # host tensors: no device sync
+    cu = cu.to(doc_ids.device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def model_inputs(doc_ids: torch.Tensor, config) -> dict:
+    """pp = 1, where the HF model's own forward builds its masks: attention_mask, position_ids and
+    use_cache=False (with a cache HF ignores the packed format) from a batch's document ids while they are
+    still on the host (models.spec.attention_inputs); flash with packed rows also gets the variable-length
+    arguments (transformers finds packing from position_ids only at batch size 1). Host tensors: the
+    caller moves them to the device."""
+    from models.spec import attention_inputs
+
+    mask, position_ids = attention_inputs(doc_ids)
+    out = {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
+    if mask is None and config._attn_implementation in FLASH:
+        out.update(varlen_arguments(doc_ids))
+    return out

@@ -1,0 +1,124 @@
+"""Attention inputs on the GPU path (models/attention.py), checked on CPU with real models:
+- a pipeline stage's forward and backward read no value of a tensor (no .item(), int(), .tolist() or
+  bool(): each is a host sync on a GPU) and build each mask kind once per micro-batch, not per block;
+- flash_attention_2 with packed rows and micro-batch > 1 keeps documents apart, through the pipeline and
+  through the HF model at pp = 1. flash-attn cannot run here: a stand-in computes what flash-attn's kernels
+  compute (the variable-length kernel over cu_seq_lens, else causal attention over each whole row), so
+  the check is that dstk hands transformers' flash path the arguments that keep documents apart.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+import models.attention
+from models.attention import model_inputs
+from toolkit.train.parity import (TOLERANCE, batch, ensure_world_of_one, packed_batch, packed_vs_alone,
+                                  small_model)
+
+DENSE = {"llama": {}, "gpt2": {}, "qwen2": {}, "gpt_neox": {}, "mistral": {"sliding_window": 4},
+         "gemma3_text": {"sliding_window": 4, "num_hidden_layers": 6}, "phi3": {}}
+
+
+def _stage(model_type, attention, **overrides):
+    hf = small_model(model_type, attn_implementation=attention, **overrides)
+    spec = models.pipeline_layers(hf)
+    ensure_world_of_one()
+    return hf, spec, models.build_pipeline_module(spec, num_stages=1)
+
+
+def _refuse_reads(monkeypatch):
+    def read(tensor, *args):
+        raise AssertionError("a forward pass read a tensor's value (a host sync on a GPU)")
+
+    for name in ("item", "tolist", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+
+@pytest.mark.parametrize("model_type, attention", [(m, "sdpa") for m in DENSE] + [("llama", "eager"),
+                                                                                 ("gemma3_text", "eager")])
+def test_a_stage_reads_no_tensor_value_and_builds_each_mask_once(ds_world1, monkeypatch, model_type, attention):
+    hf, spec, module = _stage(model_type, attention, **DENSE[model_type])
+    built = []
+    real = models.attention.document_mask
+    monkeypatch.setattr(models.attention, "document_mask", lambda *a: built.append(a[3]) or real(*a))
+    padded, packed = batch(hf.config, spec.task, seq_len=16), packed_batch(hf.config)[:2]
+    for inputs, labels in (padded, packed):
+        built.clear()
+        with monkeypatch.context() as m:
+            _refuse_reads(m)
+            spec.loss_fn(module(inputs), labels).backward()
+        kinds = set(getattr(hf.config, "layer_types", None) or ["one"])  # gemma3: sliding and full layers
+        assert len(built) == len(kinds), built  # once per micro-batch and kind, not per block
+
+
+def test_stage_masks_equal_hf_on_padded_rows(ds_world1):
+    """The rows' rule keeps HF's own result for a padded one-document row, padding positions included."""
+    hf, spec, module = _stage("llama", "sdpa")
+    inputs, labels = batch(hf.config, spec.task, seq_len=16)
+    with torch.no_grad():
+        assert (module(inputs) - hf(input_ids=inputs[0], attention_mask=inputs[1]).logits).abs().max() <= TOLERANCE
+
+
+def _flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
+                    cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    """What transformers' flash_attention_2 computes without a padding mask: flash_attn_varlen_func over
+    cu_seq_lens when given (the rows flattened into one sequence of documents), else flash_attn_func,
+    causal over each whole row. q, k, v: (B, heads, T, D); returns (B, T, heads, D) like the real one."""
+    assert attention_mask is None and dropout == 0.0
+    rows, heads, length, dim = query.shape
+    key, value = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (key, value))  # grouped-query heads
+    q, k, v = (x.transpose(1, 2).reshape(rows * length, heads, dim) for x in (query, key, value))
+    if cu_seq_lens_q is None:
+        bounds = list(range(0, rows * length + 1, length))
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        assert torch.equal(cu_seq_lens_q, cu_seq_lens_k) and cu_seq_lens_q.dtype == torch.int32
+        assert isinstance(max_length_q, int) and max_length_q == max_length_k == max(
+            b - a for a, b in zip(bounds, bounds[1:]))  # flash-attn takes the longest as a host int
+    out = [F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                          scale=scaling).transpose(0, 1) for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(out).reshape(rows, length, heads, dim), None
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", _flash_stand_in)
+
+    def as_flash(hf):
+        hf.config._attn_implementation = "flash_attention_2"
+        return hf
+    return as_flash
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_flash_keeps_packed_documents_apart_at_micro_batch_2_in_a_pipeline(ds_world1, flash, model_type):
+    hf, spec, module = _stage(model_type, "sdpa")
+    flash(hf)
+    inputs, labels, docs = packed_batch(hf.config)  # 2 rows: 3 documents + padding, 1 document + padding
+    with torch.no_grad():
+        logits = module(inputs)
+        assert max(packed_vs_alone(logits, spec.loss_fn(logits, labels), hf, docs)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_flash_keeps_packed_documents_apart_at_micro_batch_2_at_pp1(ds_world1, flash, model_type):
+    """What toolkit.train.loop._forward hands the HF model at pp = 1."""
+    hf = flash(small_model(model_type))
+    (ids, doc_ids), labels, docs = packed_batch(hf.config)
+    with torch.no_grad():
+        out = hf(input_ids=ids, labels=labels, **model_inputs(doc_ids, hf.config))
+        assert max(packed_vs_alone(out.logits, out.loss, hf, docs)) <= TOLERANCE
+
+
+def test_the_flash_stand_in_would_catch_documents_attending_to_each_other(ds_world1, flash):
+    """Without the variable-length arguments (transformers' own path at batch size > 1) the documents mix."""
+    hf = flash(small_model("llama"))
+    (ids, doc_ids), labels, docs = packed_batch(hf.config)
+    inputs = {k: v for k, v in model_inputs(doc_ids, hf.config).items() if not k.startswith(("cu_", "max_"))}
+    with torch.no_grad():
+        out = hf(input_ids=ids, labels=labels, **inputs)
+        assert packed_vs_alone(out.logits, out.loss, hf, docs)[0] > 1e-2
