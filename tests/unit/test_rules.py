@@ -1,5 +1,7 @@
 """Cross-field rules on config dicts, for a given world size and stage count."""
 
+import pytest
+
 from toolkit.config.problems import ERROR, NOTE
 from toolkit.config.rules import check_rules
 
@@ -70,3 +72,17 @@ def test_parts_must_match_stages():
 def test_auto_batch_is_left_to_the_trainer():
     cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     assert check_rules(cfg, world_size=8) == []
+
+
+@pytest.mark.parametrize("optimizer, offload, noted", [
+    ({"type": "AdamW", "params": {"lr": 1e-4}}, None, "$.optimizer.params"),  # FusedAdam: JIT-built
+    ({"type": "Adam", "params": {"torch_adam": False}}, None, "$.optimizer.params"),
+    ({"type": "Lamb", "params": {}}, None, "$.optimizer.type"),
+    ({"type": "AdamW", "params": {"torch_adam": True, "fused": True}}, None, None),  # generate-config's default
+    ({"type": "AdamW", "params": {}}, "cpu", None),  # offload: DeepSpeedCPUAdam, the reason to offload
+])
+def test_optimizers_deepspeed_jit_builds_get_a_note(optimizer, offload, noted):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "optimizer": optimizer,
+           "zero_optimization": {"stage": 2, **({"offload_optimizer": {"device": offload}} if offload else {})}}
+    notes = [p for p in check_rules(cfg, world_size=2) if "compiled at the first run" in p.message]
+    assert [p.path for p in notes] == ([noted] if noted else []) and all(p.severity == NOTE for p in notes)

@@ -44,7 +44,7 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None)
         tp = 1
     ctx = Context(world_size, pp or file_pp or 1, tp)
     for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
-                 _null_types, tensor_parallel_problems):
+                 _null_types, _jit_built_optimizer, tensor_parallel_problems):
         problems += rule(cfg, ctx)
     return problems
 
@@ -217,6 +217,24 @@ def _null_types(cfg: dict, ctx: Context) -> list[Problem]:
                                     f'(the HF Trainer, seeing "{key}", does not build one either); name a type, or '
                                     f'remove "{key}"', WARNING))
     return problems
+
+
+def _jit_built_optimizer(cfg: dict, ctx: Context) -> list[Problem]:
+    """DeepSpeed's own Adam (FusedAdam) and Lamb (FusedLamb) are CUDA ops compiled at the first run
+    (runtime/engine.py get_optimizer_configuration): nvcc and CUDA_HOME needed, minutes lost, and a
+    failure there only after every rank has loaded the model. Said once, as a NOTE."""
+    section = _section(cfg, "optimizer")
+    kind, params = section.get("type"), section.get("params")
+    params = params if isinstance(params, dict) else {}
+    offload = _section(_section(cfg, "zero_optimization"), "offload_optimizer").get("device") not in (None, "none")
+    if kind in ("Adam", "AdamW") and params.get("torch_adam") is not True and not offload:
+        return [Problem("$.optimizer.params", f'{kind} without "torch_adam": true builds DeepSpeed\'s FusedAdam, a CUDA '
+                        "op compiled at the first run (needs nvcc and CUDA_HOME); add \"torch_adam\": true and "
+                        "\"fused\": true for torch's fused AdamW, unless FusedAdam is what you want", NOTE)]
+    if kind == "Lamb":
+        return [Problem("$.optimizer.type", "Lamb is DeepSpeed's FusedLamb, a CUDA op compiled at the first run "
+                        "(needs nvcc and CUDA_HOME)", NOTE)]
+    return []
 
 
 __all__ = ["check_rules", "Context"]
