@@ -177,6 +177,19 @@ def cuda_index(local: int, visible: int) -> int:
     return local % visible
 
 
+def engine_args():
+    """`args` for deepspeed.initialize: on a GPU, the device init() selected (device_rank). Without it
+    DeepSpeed's engine selects cuda:LOCAL_RANK itself (engine._set_distributed_vars), which does not exist
+    where each rank sees one GPU (local rank 5 of a node, cuda:0 its only device). None on CPU."""
+    import argparse
+
+    import torch
+
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+        return None
+    return argparse.Namespace(device_rank=torch.cuda.current_device())
+
+
 def device_line(devices: list) -> str:
     """One line naming each rank's GPU, for `devices` = [(host, local rank, cuda index, visible
     devices, CUDA_VISIBLE_DEVICES or None)] by global rank; ranks of one host sharing a GPU are flagged."""

@@ -97,3 +97,20 @@ def test_the_device_line_names_each_ranks_gpu_and_flags_a_shared_one():
     assert "rank 3 (n2 local 1) -> cuda:1 of 2" in line and "WARNING" not in line
     shared = dist.device_line([("n1", 0, 0, 1, None), ("n1", 1, 0, 1, None)])  # two ranks, one GPU each sees
     assert shared.endswith("WARNING: ranks [[0, 1]] share a GPU (NCCL refuses that): fewer ranks per node, or more GPUs")
+
+
+def test_the_engine_gets_the_gpu_init_selected_not_cuda_local_rank(monkeypatch):
+    """No GPU here: CUDA is faked (is_available, current_device) to show what deepspeed.initialize gets, and
+    DeepSpeed's engine is checked to take args.device_rank over LOCAL_RANK."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert dist.engine_args() is None  # CPU: DeepSpeed's own choice (its CPU accelerator ignores the index)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # slurm --gpus-per-task=1: one GPU visible
+    assert dist.engine_args().device_rank == 0
+    assert "args.device_rank if args is not None" in inspect.getsource(DeepSpeedEngine._set_distributed_vars)

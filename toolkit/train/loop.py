@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.dist import all_reduce_sum
+from toolkit.dist import all_reduce_sum, engine_args
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.topology import config_batch
 from toolkit.train import checkpoint, data, hf
@@ -74,7 +74,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     param_names = [[names[id(p)] for p in g["params"]] for g in groups]
     if topo.pp == 1:
         layout["param_groups"] = param_names
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=deepspeed_config(cfg, topo))
+    engine, *_ = deepspeed.initialize(args=engine_args(), model=model, model_parameters=groups,
+                                      config=deepspeed_config(cfg, topo))
     # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
     # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
     layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
