@@ -37,8 +37,9 @@ LAUNCHER_VARS = {
     "MV2_COMM_WORLD_RANK": "MVAPICH",
     "SLURM_PROCID": "slurm",
 }
-# Local rank (GPU index on the node) as each launcher names it.
-LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+# Local rank (the rank's place on its node) as each launcher names it; DSTK_NODE_LOCAL_RANK is select_gpu's
+# copy of it where LOCAL_RANK was made a device index.
+LOCAL_RANK_VARS = ("DSTK_NODE_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
                    "SLURM_LOCALID")
 WORLD_OF_ONE = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
 DEFAULT_PORT = 29500  # DeepSpeed's and torch's default rendezvous port
@@ -156,7 +157,7 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False):
     prepare(cpu)
     use_cuda = torch.cuda.is_available() and not cpu
     if use_cuda:
-        torch.cuda.set_device(cuda_index(local_rank(), torch.cuda.device_count()))
+        select_gpu()
     import deepspeed
 
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: keep the launcher's
@@ -165,6 +166,21 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False):
     if use_cuda:
         _print_devices(tdist)
     return tdist
+
+
+def select_gpu() -> int:
+    """Make cuda:(local rank % visible GPUs) this rank's device; returns its index. DeepSpeed takes
+    LOCAL_RANK as the device index (the engine's set_device, PipelineModule's .to(cuda:LOCAL_RANK)), so
+    where they differ (each rank sees one GPU) LOCAL_RANK becomes the index, and the rank's place on its
+    node stays readable through local_rank() (DSTK_NODE_LOCAL_RANK): who tokenizes once per node."""
+    import torch
+
+    node_local = local_rank()
+    index = cuda_index(node_local, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    if index != node_local:
+        os.environ.update(DSTK_NODE_LOCAL_RANK=str(node_local), LOCAL_RANK=str(index))
+    return index
 
 
 def cuda_index(local: int, visible: int) -> int:

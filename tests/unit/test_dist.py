@@ -1,6 +1,8 @@
 """toolkit.dist's reading of launcher environments (no process group): which launcher, rank, world
 size and local rank each sets, and what a slurm task's rendezvous is derived from."""
 
+import os
+
 import pytest
 
 from toolkit import dist
@@ -114,3 +116,19 @@ def test_the_engine_gets_the_gpu_init_selected_not_cuda_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # slurm --gpus-per-task=1: one GPU visible
     assert dist.engine_args().device_rank == 0
     assert "args.device_rank if args is not None" in inspect.getsource(DeepSpeedEngine._set_distributed_vars)
+
+
+@pytest.mark.parametrize("visible, device, local_env", [(1, 0, "0"), (8, 5, "5")])
+def test_select_gpu_makes_local_rank_the_device_deepspeed_will_use(monkeypatch, visible, device, local_env):
+    """No GPU here: torch.cuda's device count and set_device are faked. Local rank 5 seeing one GPU takes
+    cuda:0, and LOCAL_RANK becomes 0 for DeepSpeed (its engine and PipelineModule read it as a device
+    index); local_rank() still says 5 (who prepares data once per node)."""
+    import torch
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.delenv("DSTK_NODE_LOCAL_RANK", raising=False)
+    assert dist.select_gpu() == device and chosen == [device]
+    assert os.environ["LOCAL_RANK"] == local_env and dist.local_rank() == 5

@@ -187,12 +187,12 @@ def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
     import datasets
     import torch.distributed as dist
 
-    from toolkit.dist import patient_group
+    from toolkit.dist import local_rank, patient_group
 
     if not dist.is_initialized():
         return prepare(opts, tokenizer)
     result, failure = None, None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if local_rank() == 0:
         try:
             result = prepare(opts, tokenizer)
         except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below

@@ -199,14 +199,13 @@ def quantized_model(path: str, config, task: str, compute_dtype: str, checkpoint
     from transformers import BitsAndBytesConfig
 
     import models
-    from toolkit.dist import local_rank
     from toolkit.train.hf import MODEL_TASKS
 
     dtype = getattr(torch, compute_dtype)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype)
     model = models.auto_class(MODEL_TASKS[task]).from_pretrained(
-        path, config=config, quantization_config=quant, dtype=torch.float32, device_map={"": local_rank()},
+        path, config=config, quantization_config=quant, dtype=torch.float32, device_map={"": torch.cuda.current_device()},
         attn_implementation=config._attn_implementation)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
                                            gradient_checkpointing_kwargs={"use_reentrant": False})
