@@ -202,3 +202,11 @@ def test_eval_batches_is_accepted_with_a_note_and_a_bad_chat_template_is_refused
     assert ok.returncode == 0 and "note: --eval-batches is ignored" in ok.stderr, ok.stderr[-2000:]
     refused(train_cli(tmp_path, "--chat-template", str(tmp_path / "none.jinja"), "--check"), 1,
             "--chat-template", "cannot read it")
+
+
+def test_flash_attention_with_an_fp32_config_is_refused_before_anything_is_built(tmp_path):
+    """flash-attn takes fp16/bf16 only (its first forward would fail on every rank); said before any check
+    that needs CUDA, so a login node without GPUs says it too."""
+    refused(train_cli(tmp_path, "--attention", "flash_attention_2", "--check"), 1,
+            "--attention flash_attention_2 with an fp32 config", '"bf16": {"enabled": true}')
+    assert not (tmp_path / "run").exists()

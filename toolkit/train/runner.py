@@ -72,6 +72,15 @@ def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tu
     return cfg, stages
 
 
+def check_attention_precision(attention: str, cfg: dict) -> None:
+    """flash-attn computes in fp16/bf16 only: under an fp32 config the first forward fails on every rank."""
+    if attention == "flash_attention_2" and not any((cfg.get(key) or {}).get("enabled") is True
+                                                   for key in ("bf16", "bfloat16", "fp16")):
+        raise ConfigError('--attention flash_attention_2 with an fp32 config: flash-attn computes in fp16/bf16 only, '
+                          'so the first forward would fail; add "bf16": {"enabled": true} to the config, or use '
+                          "--attention sdpa")
+
+
 def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group and no model: the config (for `world_size` processes
     when known), the data file, the run folder. Every rank runs them first, so a mistake costs
@@ -79,6 +88,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     from toolkit.train import data, hf, lora, rundir
 
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
+    check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     hf.check_model(args.model)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
