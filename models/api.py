@@ -12,7 +12,8 @@ AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForM
 TASKS = tuple(AUTO_CLASSES)
 
 
-def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attention=None, adapt=None) -> PipelineSpec:
+def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attention=None, adapt=None,
+                    dtype=None) -> PipelineSpec:
     """Wrap a model as a pipeline layer list.
 
     model_or_path_or_config: a HF PreTrainedModel (its modules are shared, not copied), a local
@@ -24,8 +25,10 @@ def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attenti
     (a live model keeps its own); None: transformers' default.
     adapt: for a directory, adapt(module, hf_name) -> module is applied to each HF module a stage reads
     (LoRA injection); a live model is adapted by its owner before it is wrapped.
+    dtype: for a directory, the dtype of the parameters its stages load (None: fp32; a run passes the
+    one DeepSpeed's bf16/fp16 mode casts them to, so none is held in fp32 first); buffers stay as built.
     """
-    source, config, task = _resolve(model_or_path_or_config, task, attention, adapt)
+    source, config, task = _resolve(model_or_path_or_config, task, attention, adapt, dtype)
     if seq_len is not None and seq_len > getattr(config, "max_position_embeddings", seq_len):
         raise ConfigError(f"seq_len {seq_len} > max_position_embeddings {config.max_position_embeddings} "
                           f"of model_type {config.model_type!r}: use --seq-len <= {config.max_position_embeddings}")
@@ -49,7 +52,7 @@ def _build(source, config, task) -> PipelineSpec:
     return build_generic(source, config)
 
 
-def _resolve(obj, task, attention=None, adapt=None):
+def _resolve(obj, task, attention=None, adapt=None, dtype=None):
     """(source, config, task) from a model, a directory or a config."""
     from torch import nn
 
@@ -59,7 +62,7 @@ def _resolve(obj, task, attention=None, adapt=None):
             raise ConfigError(f"{type(obj).__name__} is not a HF PreTrainedModel (no .config)")
         return LiveSource(obj), config, task or _task_of_class(type(obj).__name__, config)
     if isinstance(obj, (str, os.PathLike)):
-        return _resolve_dir(os.fspath(obj), task, attention, adapt)
+        return _resolve_dir(os.fspath(obj), task, attention, adapt, dtype)
     if hasattr(obj, "model_type"):  # a PretrainedConfig: random weights
         task = task or default_task(obj)
         if attention:
@@ -70,7 +73,7 @@ def _resolve(obj, task, attention=None, adapt=None):
     raise ConfigError(f"cannot wrap a {type(obj).__name__}: pass a HF model, a local HF directory or a config")
 
 
-def _resolve_dir(path, task, attention=None, adapt=None):
+def _resolve_dir(path, task, attention=None, adapt=None, dtype=None):
     from transformers import AutoConfig
 
     if not os.path.isdir(path):
@@ -82,7 +85,7 @@ def _resolve_dir(path, task, attention=None, adapt=None):
     if attention:
         config._attn_implementation = attention  # every stage runs the kernel the run chose
     task = task or default_task(config)
-    return DirSource(path, auto_class(task, config), config, adapt), config, task
+    return DirSource(path, auto_class(task, config), config, adapt, dtype), config, task
 
 
 def auto_class(task, config=None):

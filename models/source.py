@@ -4,9 +4,12 @@ A stage asks its source for modules by their dotted HF name ("model.layers.3"). 
 hands out the model's own modules (so parameters are shared with the HF model: what the parity
 tests need). A `DirSource` keeps a skeleton of the whole model on the meta device (no memory) and
 materialises only the asked-for module, filling it from the directory's safetensors with
-`safe_open`: a stage reads its own tensors and no rank builds the full model. A DirSource may be
-given `adapt(module, name) -> module`, applied to each module once it is filled (LoRA: freeze it and
-inject adapters, toolkit.train.lora.StageAdapters).
+`safe_open`: a stage reads its own tensors and no rank builds the full model. Its parameters come out in
+the DirSource's `dtype` (the run's: DeepSpeed's bf16/fp16 modes cast parameters to it anyway, so a bf16
+checkpoint needs no fp32 copy on the host), its buffers in the dtype an fp32 build gives them (DeepSpeed
+casts no buffer). Only what the directory does not hold is initialised (non-persistent buffers such as
+rotary inv_freq; a head a base checkpoint lacks). A DirSource may be given `adapt(module, name) -> module`,
+applied to each module once it is filled (LoRA: freeze it and inject adapters, lora.StageAdapters).
 """
 
 import copy
@@ -36,53 +39,58 @@ class LiveSource:
 class DirSource:
     """Modules of a model saved in a local HF directory, built one at a time from safetensors."""
 
-    def __init__(self, path: str, model_cls, config, adapt=None):
+    def __init__(self, path: str, model_cls, config, adapt=None, dtype=None):
         self.path = path
         self.adapt = adapt
-        with torch.device("meta"):
-            # shapes only, no memory; fp32 whatever the checkpoint's dtype: trainable weights are the
-            # optimizer's masters (DeepSpeed's bf16/fp16 modes cast the module and keep fp32 copies)
+        self.dtype = dtype or torch.float32  # of the parameters; fp32: they are the optimizer's masters
+        with torch.device("meta"):  # shapes only, no memory; fp32, as buffers come out of a model built in code
             self.skeleton = model_cls._from_config(config, dtype=torch.float32)
         self.prefix = model_cls.base_model_prefix  # "model", "transformer", "bert", ...
         self.weight_map = _weight_map(path)  # tensor name -> safetensors file
 
     def module(self, name: str, allow_missing: bool = False) -> nn.Module:
-        """Materialise HF module `name` on CPU and fill it from the directory."""
-        module = copy.deepcopy(self.skeleton.get_submodule(name)).to_empty(device="cpu")
-        with torch.no_grad():
-            module.apply(self.skeleton._init_weights)  # sets non-persistent buffers (rotary, scales)
-        wanted = module.state_dict()
-        missing = self._load_into(name, wanted)
+        """Materialise HF module `name` on CPU, parameters in self.dtype, and fill it from the directory."""
+        module = copy.deepcopy(self.skeleton.get_submodule(name))
+        for p in module.parameters():
+            p.data = p.data.to(self.dtype)  # still on meta: no memory
+        module.to_empty(device="cpu")
+        wanted = module.state_dict(keep_vars=True)  # the module's own tensors: filled in place
+        stored = self._stored(name, wanted)
+        _init_unstored(module, self.skeleton._init_weights, [wanted[key] for key in stored])
+        self._load_into(wanted, stored)
+        missing = set(wanted) - set(stored)
         if missing and not allow_missing:
             raise ConfigError(f"{self.path}: tensors for {name!r} missing from the safetensors files: "
                               f"{sorted(missing)[:4]}; the directory does not match its config.json")
-        # state_dict() tensors share storage with the module: filled in place
         return self.adapt(module, name) if self.adapt else module
 
     def parameter(self, name: str, allow_missing: bool = False) -> nn.Parameter:
         module_name, _, attr = name.rpartition(".")
-        values = {attr: torch.empty_like(self.skeleton.get_parameter(name), device="cpu")}
-        values[attr].zero_()  # a head bias absent from a base-model checkpoint starts at 0, as in HF
-        missing = self._load_into(module_name, values)
-        if missing and not allow_missing:
+        values = {attr: torch.zeros(self.skeleton.get_parameter(name).shape, dtype=self.dtype)}
+        # (a head bias absent from a base-model checkpoint starts at 0, as in HF)
+        stored = self._stored(module_name, values)
+        if not stored and not allow_missing:
             raise ConfigError(f"{self.path}: tensor {name!r} missing from the safetensors files")
+        self._load_into(values, stored)
         return nn.Parameter(values[attr])
 
-    def _load_into(self, name: str, tensors: dict) -> set:
-        """Copy the stored tensors `name.<key>` into `tensors` in place; return the keys not found."""
+    def _stored(self, name: str, tensors: dict) -> dict:
+        """{key: the checkpoint's name} for the keys of `tensors` (module `name`'s) the directory holds."""
+        found = {key: self._stored_name(f"{name}.{key}") for key in tensors}
+        return {key: stored for key, stored in found.items() if stored is not None}
+
+    def _load_into(self, tensors: dict, stored: dict) -> None:
+        """Copy each stored tensor into `tensors[key]` in place, cast to its dtype, one file open at a time."""
         from safetensors import safe_open
 
-        found, by_file = set(), {}
-        for key in tensors:
-            stored = self._stored_name(f"{name}.{key}")
-            if stored is not None:
-                by_file.setdefault(self.weight_map[stored], []).append((key, stored))
-        for file, pairs in by_file.items():
-            with safe_open(os.path.join(self.path, file), framework="pt") as f:
-                for key, stored in pairs:
-                    tensors[key].copy_(f.get_tensor(stored).to(tensors[key].dtype))
-                    found.add(key)
-        return set(tensors) - found
+        by_file = {}
+        for key, name in stored.items():
+            by_file.setdefault(self.weight_map[name], []).append((key, name))
+        with torch.no_grad():
+            for file, pairs in by_file.items():
+                with safe_open(os.path.join(self.path, file), framework="pt") as f:
+                    for key, name in pairs:
+                        tensors[key].copy_(f.get_tensor(name))  # copy_ casts, as .to() would
 
     def _stored_name(self, full_name: str):
         """The checkpoint's name for a tensor: with the base prefix, or without (a saved base model)."""
@@ -90,6 +98,28 @@ class DirSource:
             return full_name
         short = full_name.removeprefix(self.prefix + ".")
         return short if short in self.weight_map else None
+
+
+def _init_unstored(module: nn.Module, init_weights, loaded: list) -> None:
+    """HF's init (`init_weights`, per sub-module) for what the checkpoint does not hold: tensors in `loaded`
+    are flagged `_is_hf_initialized`, which transformers' init functions skip (from_pretrained's own rule),
+    so no random matrix is drawn only to be overwritten. Sub-modules wholly loaded are not visited."""
+    from transformers import initialization
+
+    skip = {id(t) for t in loaded}
+
+    def init(sub):  # non-persistent buffers are never loaded; a parent may init its children's tensors
+        if any(id(t) not in skip for t in [*sub.parameters(), *sub.buffers()]):
+            init_weights(sub)
+
+    for t in loaded:
+        t._is_hf_initialized = True
+    try:
+        with torch.no_grad(), initialization.guard_torch_init_functions():  # torch.nn.init.* checks the flag too
+            module.apply(init)  # children first, as module.apply(init_weights) did
+    finally:
+        for t in {id(t): t for t in loaded}.values():  # a tensor tied within the module is listed twice
+            del t._is_hf_initialized
 
 
 def _weight_map(path: str) -> dict:

@@ -156,11 +156,13 @@ def check_tensor_parallel(config, tp: int, custom_plan: bool = False) -> None:
 def build_model(model: str, config, task: str, seed: int, ds_config: dict | None = None):
     """Pretrained weights from a directory, or random ones from `seed` (the same on every rank).
 
-    Always fp32: transformers 5 loads a bf16 checkpoint as bf16 (dtype="auto"), and an optimizer
-    stepping bf16 weights loses every update below bf16's resolution. The trainable weights are the
-    masters; DeepSpeed's bf16/fp16 modes cast the module and keep fp32 copies themselves.
-    ZeRO-3 (`ds_config` stage 3): built already partitioned (deepspeed.zero.Init; from_pretrained
-    through HF's HfDeepSpeedConfig), so no rank ever holds the whole model."""
+    A directory's weights load in the dtype DeepSpeed gives the parameters under `ds_config` (param_dtype):
+    bf16 under bf16, never a whole fp32 copy first (DeepSpeed's bf16/fp16 modes cast the module and keep
+    fp32 masters themselves, made from those values); fp32 under an fp32 config, each tensor cast as it is
+    read (transformers 5 would keep a bf16 checkpoint bf16, dtype="auto", and an optimizer stepping bf16
+    weights loses every update below bf16's resolution). Buffers keep the dtype an fp32 build gives them.
+    Random weights are drawn in fp32. ZeRO-3 (`ds_config` stage 3): built already partitioned
+    (deepspeed.zero.Init; from_pretrained through HF's HfDeepSpeedConfig), so no rank ever holds the whole model."""
     import torch
 
     import models
@@ -173,6 +175,9 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # an earlier ZeRO-3 model in this process must not make this one ZeRO-3
+    dtype = param_dtype(ds_config) if Path(model).is_dir() else torch.float32
+    with torch.device("meta"):  # the fp32 build's buffers (shapes and dtypes only); never under zero.Init
+        reference = cls.from_config(config, dtype=torch.float32, **attn) if dtype != torch.float32 else None
 
     # ZeRO-3: transformers builds (and initialises, and loads) inside deepspeed.zero.Init while an
     # HfDeepSpeedConfig is alive (it holds it by weak reference; HF's docs ask to keep it for the
@@ -182,12 +187,56 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
     # when the config names an autotp_size; AutoTP shards the loaded model later, in deepspeed.initialize.
     loading = {k: v for k, v in (ds_config or {}).items() if k != "tensor_parallel"}
     zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
-    if Path(model).is_dir():
-        built = cls.from_pretrained(model, config=config, dtype=torch.float32, **attn)
+    if Path(model).is_dir():  # transformers 5 initialises only what the checkpoint lacks
+        built = cls.from_pretrained(model, config=config, dtype=dtype, **attn)
+        if reference is not None:
+            fp32_buffers(built, reference)
     else:
         built = cls.from_config(config, dtype=torch.float32, **attn)
     built.dstk_hf_deepspeed_config = zero3_config
     return built
+
+
+def param_dtype(ds_config: dict | None):
+    """The dtype DeepSpeed casts a module's parameters to under `ds_config` (engine._mixed_precision_dtypes):
+    fp16 or bf16 when that mode is enabled, read as DeepSpeed reads it (the old "bfloat16" key included),
+    else fp32."""
+    import torch
+
+    if not ds_config:
+        return torch.float32
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    if get_float16_config(ds_config).enabled:
+        return torch.float16
+    return torch.bfloat16 if get_bfloat16_config(ds_config).enabled else torch.float32
+
+
+def fp32_buffers(model, reference) -> None:
+    """Give `model`, loaded in 16 bits, the buffers of `reference` (the same model built in fp32 on the meta
+    device). transformers builds under the load dtype as torch's default, so a buffer made from a Python
+    float (gemma's embed_scale) comes out in 16 bits where the fp32 build keeps it fp32, and DeepSpeed
+    casts parameters only. Such a buffer is recomputed by the model's own init on a copy of its module
+    whose parameters stay on meta; a persistent one (read from the checkpoint) is cast back."""
+    import copy
+
+    import torch
+    from transformers import initialization
+
+    wanted = dict(reference.named_buffers())
+    for name, buf in list(model.named_buffers()):
+        if name not in wanted or buf.dtype == wanted[name].dtype:
+            continue
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attr not in owner._non_persistent_buffers_set:
+            owner._buffers[attr] = buf.to(wanted[name].dtype)
+            continue
+        fresh = copy.deepcopy(reference.get_submodule(owner_name))
+        fresh._buffers[attr] = torch.empty_like(wanted[name], device=buf.device)
+        with torch.no_grad(), initialization.guard_torch_init_functions():
+            model._init_weights(fresh)  # its meta parameters take no memory and no values
+        owner._buffers[attr] = fresh._buffers[attr]
 
 
 def max_positions(config):

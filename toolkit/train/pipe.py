@@ -2,7 +2,8 @@
 that export needs to turn layer_XX-model_states.pt files back into a HF state dict.
 
 A local HF directory is never built whole: models.pipeline_layers(dir) gives LayerSpecs that each
-read only their own tensors (safetensors) on the stage that owns them. Built-in names arrive as
+read only their own tensors (safetensors) on the stage that owns them, in the dtype DeepSpeed trains
+the parameters in (hf.param_dtype: a bf16 run never holds them in fp32). Built-in names arrive as
 a live (tiny, seeded) model, the same on every rank, whose modules the layers share.
 
 LoRA (`lora=` settings): a live model arrives already wrapped (toolkit.train.lora.apply, its HF model
@@ -17,7 +18,7 @@ import logging
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.hf import MODEL_TASKS
+from toolkit.train.hf import MODEL_TASKS, param_dtype
 from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, layout_entry, peft_config, wrap
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     adapters = _peft_config(config, task, lora) if lora is not None else None
     adapt = StageAdapters(adapters, task, seed) if adapters is not None and is_dir else None
     spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task], attention=attention,
-                                  adapt=adapt)
+                                  adapt=adapt, dtype=param_dtype(cfg))  # no fp32 copy of a bf16 run's weights
     if is_dir and config is not None:
         _check_labels(str(model), spec.config, config)
     if topo.pp > spec.num_layers:
