@@ -1,18 +1,28 @@
-# One-command entry points. Each does its own set-up into .venv/ on a fresh machine with Python 3.11.
-PY ?= python3.11
+# One-command entry points. Each does its own set-up into .venv/ on a fresh machine with Python >= 3.11.
+# The interpreter: python3.11 when present, else python3 when it is 3.11 or newer (`make PY=python3.12 ...`).
+ifeq ($(origin PY), undefined)
+PY := $(shell command -v python3.11 2>/dev/null || { python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && command -v python3; })
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dstk-installed
 MPI_STAMP := $(VENV)/.dstk-mpi
 
-.PHONY: demo test test-all test-unit bench setup presets clean
+.PHONY: demo test test-all test-unit bench setup setup-mpi presets clean
 
-setup: $(STAMP) $(MPI_STAMP)
+# .venv/ only: all that a one-node run needs, on CPUs or GPUs (no system packages, no compiler).
+setup: $(STAMP)
+
+# What `launch.sh --launcher openmpi` and its test need besides (make test / test-all install it too).
+setup-mpi: $(MPI_STAMP)
 
 # Order matters: torch first (the CPU wheel on disk; a bare "torch" pulls CUDA), then deepspeed
 # without build isolation (its setup.py imports torch), then dstk itself with its test extras.
+# DS_BUILD_OPS=0: deepspeed builds no op at install time (its setup.py would need nvcc and CUDA_HOME on
+# a CUDA machine). At run time an op is JIT-built only where the config asks for one: FusedAdam (Adam/AdamW
+# without "torch_adam": true; nvcc needed), FusedLamb, DeepSpeedCPUAdam (optimizer offload).
 $(STAMP): setup.cfg pyproject.toml
-	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
+	@[ -n "$(PY)" ] && command -v $(PY) >/dev/null || { echo "need Python >= 3.11: python3.11, or a python3 of 3.11 or newer (or make PY=/path/to/python)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0

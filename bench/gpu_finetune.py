@@ -1,48 +1,54 @@
 """GPU fine-tuning throughput of THE trainer: each case runs `toolkit.train` through launch.sh (the deepspeed
-launcher) as its own subprocess, on a ~1B Llama-style model (llama-3.2-1b's published dimensions, random
-weights, dstk's byte tokenizer), bf16, `--attention sdpa`, seq 2048, on the shipped corpus. Skips, exit 0,
-without CUDA.
+launcher) as its own subprocess on a ~1B Llama-shaped model (llama-3.2-1b's published dimensions, dstk's
+byte tokenizer), built from its config with random weights and saved in bf16 with save_pretrained first
+(bench/gpu_inputs.py): every case loads that directory. bf16, seq 2048, the shipped corpus (packed text) or
+the same stories as chat rows. Skips, exit 0, without CUDA (bench/gpu.sh refuses instead).
 
     bench/gpu.sh                                                # plan_gpu.py, this, report.py (CUDA only)
-    .venv/bin/python bench/gpu_finetune.py [--quick] [--gpus N] [--gpu h100-sxm] [--fused-adam]
-    .venv/bin/python bench/gpu_finetune.py --dry-run            # same code on CPU: tiny-llama, seq 64, 2 steps
+    .venv/bin/python bench/gpu_finetune.py [--quick] [--gpus N] [--gpu h100-sxm] [--fused-adam] [--budget S]
+    .venv/bin/python bench/gpu_finetune.py --dry-run            # same code on CPU: tiny-llama, seq 128, 2 steps
                                                                 # (a machine without CUDA: gloo ranks)
 
 Cases (CASES), each 8 sequences per replica per step, a fresh --out, and the config
 toolkit.config.generate.build_config writes (`dstk generate-config --precision bf16 --zero Z --pp P
---world-size W --mbs M --gas G`, torch's AdamW "torch_adam" unless --fused-adam):
-    pp1-zero1  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2
+--world-size W --mbs M --gas G`: torch's AdamW, "torch_adam" with torch's fused kernel, unless --fused-adam;
+no op is JIT-built):
+    pp1-zero1  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, sdpa
+    pp1-fa2    1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --attention flash_attention_2 (skipped without flash_attn)
+    pp1-lora   1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --lora (r 16, every block linear)
+    pp1-qlora  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --qlora (4-bit NF4 base: bitsandbytes; skipped without it)
+    pp1-chat   1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, chat rows, --packing (loss on the assistant's tokens)
     pp1-zero3  1 GPU    pp 1, ZeRO 3, mbs 4 x gas 2
     pp2        2 GPUs   pp 2, ZeRO 1, mbs 2 x gas 4
-    pp2-dp2    4 GPUs   pp 2 x dp 2, ZeRO 1, mbs 2 x gas 4
-    pp1-lora   1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --lora (r 16, every block linear)
     pp2-lora   2 GPUs   pp 2, ZeRO 1, mbs 2 x gas 4, --lora
-    pp1-qlora  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --qlora (4-bit NF4 base: bitsandbytes; skipped without it)
-A case needing more GPUs than torch.cuda.device_count() (or --gpus N: the first N) is reported as
-skipped; one that fails is reported as failed, with the tail of its log.
+    pp2-dp2    4 GPUs   pp 2 x dp 2, ZeRO 1, mbs 2 x gas 4
+A case needing more GPUs than torch.cuda.device_count() (or --gpus N: the first N) is reported as skipped
+(NCCL refuses two ranks on one GPU: pp 2 is not run, nor simulated, on one); one that fails is reported as
+failed, with the tail of its log; with --budget S, a case that cannot start S seconds after this script did
+is reported as skipped, and the one running then is stopped.
 
-Per case: tokens/s over the steps after the warm-up ones (metrics.jsonl's per-step rates); MFU =
-6 N T / time / (GPUs x peak), N = parameters in matmuls (all but a learned position table; a tied
-embedding counted once, as the LM head), peak = dense bf16 TFLOPs of the toolkit.plan.gpus preset
-matched from the device name (--gpu, --peak-tflops to choose); the JSON also gives MFU with attention's
-12 L s h_attn FLOPs per token. Peak GPU memory: the summary's peak_gpu_mib_per_rank (largest rank) next
-to `dstk plan`'s estimate for the same layout (toolkit.plan.planner.estimate_layout). Loss: first and
-last step. Writes bench/results/gpu.json and gpu.md (--dry-run: into --out-dir or a temp dir, never
-over real figures). Checkpoints (the trainer saves one at the end, ~14 GB at 1B) are deleted per case.
+Per case: tokens/s over the steps after the warm-up ones (metrics.jsonl's per-step rates); MFU = tokens/s
+x FLOPs per token / (GPUs x peak): FLOPs per token from the planner's cost model (toolkit.plan.mfu: 6N +
+attention's 12 L s h_attn, LoRA's frozen weights without weight gradients), peak = the dense bf16 TFLOPs
+of the toolkit.plan.gpus preset matched from the device name (--gpu, --peak-tflops to choose). Peak GPU
+memory: the summary's peak_gpu_mib_per_rank (largest rank) next to `dstk plan`'s estimate for the same
+layout (toolkit.plan.planner.estimate_layout; none for QLoRA: the planner has no 4-bit base). Loss: first
+and last step. Writes bench/results/gpu.json and gpu.md (--dry-run: into --out-dir or a temp dir, never
+over real figures), with gpu.sh's steps (--step) and their failures. Checkpoints (the trainer saves one at
+the end, ~14 GB at 1B) are deleted per case.
 """
 
 import argparse
 import importlib.util
 import json
-import math
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,16 +56,13 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 import common  # noqa: E402
+import gpu_inputs  # noqa: E402
+from gpu_report import record_steps, report_case, save  # noqa: E402
 
-CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 LR = 1e-4
+LORA_R = 16
+MIN_CASE_S = 60  # under --budget, a case is not started with less time than this left
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# torch.cuda.get_device_name() (lower case) -> toolkit.plan.gpus preset; the first match wins. None: a card
-# with no preset (H100 NVL: 835 dense bf16 TFLOPs, not the SXM's 989); give --gpu or --peak-tflops.
-DEVICE_NAMES = [(r"h200", "h200"), (r"h100.*nvl", None), (r"h100.*pcie", "h100-pcie"), (r"h100", "h100-sxm"),
-                (r"a100.*pcie.*80|a100.*80.*pcie", "a100-pcie-80gb"), (r"a100.*40", "a100-40gb"),
-                (r"a100", "a100-80gb"), (r"\bl4\b", "l4"), (r"a10g", "a10g"), (r"v100.*16", "v100-16gb"),
-                (r"v100", "v100-32gb"), (r"4090", "rtx-4090")]
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class Case:
     mbs: int
     gas: int
     adapters: str = ""  # "", "lora" or "qlora": the dstk train flag
+    attention: str = "sdpa"  # dstk train --attention
+    data: str = "text"  # "text" (the corpus, packed) or "chat" (chat rows, --packing)
 
     @property
     def world(self) -> int:
@@ -81,47 +86,25 @@ class Case:
         return self.mbs * self.gas * self.dp
 
 
-CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-zero3", 1, 1, 3, 4, 2), Case("pp2", 2, 1, 1, 2, 4),
-         Case("pp2-dp2", 2, 2, 1, 2, 4), Case("pp1-lora", 1, 1, 1, 4, 2, "lora"), Case("pp2-lora", 2, 1, 1, 2, 4, "lora"),
-         Case("pp1-qlora", 1, 1, 1, 4, 2, "qlora")]
-LORA_R = 16
+CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-fa2", 1, 1, 1, 4, 2, attention="flash_attention_2"),
+         Case("pp1-lora", 1, 1, 1, 4, 2, "lora"), Case("pp1-qlora", 1, 1, 1, 4, 2, "qlora"),
+         Case("pp1-chat", 1, 1, 1, 4, 2, data="chat"), Case("pp1-zero3", 1, 1, 3, 4, 2),
+         Case("pp2", 2, 1, 1, 2, 4), Case("pp2-lora", 2, 1, 1, 2, 4, "lora"), Case("pp2-dp2", 2, 2, 1, 2, 4)]
 
 
-def match_gpu(device_name: str) -> str | None:
-    """The toolkit.plan.gpus preset for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm"), or None."""
-    for pattern, preset in DEVICE_NAMES:
-        if re.search(pattern, device_name.lower()):
-            return preset
-    return None
+def matmul_params(arch) -> int:
+    """N of 6N: the parameters a token multiplies (all but a learned position table; a tied embedding once)."""
+    return arch.active_params() - (arch.max_positions * arch.hidden if arch.learned_positions else 0)
 
 
-def trained_model_dir(model: str, work: Path) -> Path:
-    """config.json of the model exactly as `dstk train --model NAME` builds it (byte tokenizer's vocabulary),
-    so the FLOP count and the planner see the trained model, not the published vocabulary."""
-    from toolkit.train import hf
-
-    path = work / f"{model}-as-trained"
-    hf.builtin_config(model, hf.byte_tokenizer()).save_pretrained(path)
-    return path
-
-
-def flops_per_token(arch, seq_len: int) -> dict:
-    """Training FLOPs per token: 6N (forward 2N, backward 4N), and with attention's 12 L s h_attn added
-    (scores and weighted sum, forward and backward, without the causal saving: PaLM's convention).
-    N counts the parameters a token uses: an MoE block's top-k experts, not all of them."""
-    matmul_params = arch.active_params() - (arch.max_positions * arch.hidden if arch.learned_positions else 0)
-    six_n = 6 * matmul_params
-    return {"matmul_params": matmul_params, "6N": six_n,
-            "6N+attention": six_n + 12 * arch.layers * seq_len * arch.heads * arch.head_dim}
-
-
-def ds_config(case: Case, fused: bool) -> dict:
-    """What `dstk generate-config --world-size W --pp P --mbs M --gas G --zero Z --precision bf16 [--cpu]` writes."""
+def ds_config(case: Case, fused_adam: bool, cpu: bool) -> dict:
+    """What `dstk generate-config --world-size W --pp P --mbs M --gas G --zero Z --precision bf16 [--fused-adam]
+    [--cpu]` writes: torch's AdamW (fused kernel on GPUs), or DeepSpeed's JIT-built FusedAdam with --fused-adam."""
     from toolkit.config.generate import build_config
     from toolkit.config.options import GenerateOptions
 
     return build_config(GenerateOptions(world_size=case.world, pp=case.pp, mbs=case.mbs, gas=case.gas,
-                                        zero=case.zero, precision="bf16", lr=LR, cpu=not fused,
+                                        zero=case.zero, precision="bf16", lr=LR, cpu=cpu, fused_adam=fused_adam,
                                         steps_per_print=10**6))
 
 
@@ -132,41 +115,37 @@ def plan_cases(names: list[str], gpus: int, dry_run: bool) -> list[tuple[Case, s
         why = None
         if case.adapters == "qlora" and (dry_run or importlib.util.find_spec("bitsandbytes") is None):
             why = "--qlora needs CUDA and bitsandbytes (pip install bitsandbytes)"
+        elif case.attention == "flash_attention_2" and (dry_run or importlib.util.find_spec("flash_attn") is None):
+            why = ("flash_attention_2 needs CUDA and the flash-attn package, which is not installed "
+                   "(pip install flash-attn --no-build-isolation)")
         elif case.world > gpus:
             why = (f"needs {case.world} CPU processes; the dry run starts at most {gpus} (--gpus {case.world} "
                    f"includes it, about a minute on 2 cores)" if dry_run else
-                   f"needs {case.world} GPUs, {gpus} available")
+                   f"needs {case.world} GPUs, {gpus} available: one rank per GPU (NCCL refuses two ranks on one "
+                   f"GPU), so pp {case.pp} x dp {case.dp} is not run here, nor simulated")
         out.append((case, why))
     return out
 
 
-def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int:
-    """`dstk plan`'s peak memory per GPU for this layout (the stage holding the most)."""
+def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int | None:
+    """`dstk plan`'s peak memory per GPU for this layout (the stage holding the most); None for QLoRA
+    (the planner holds the frozen base in bf16, not in 4 bits)."""
+    if case.adapters == "qlora":
+        return None
     from toolkit.plan.estimate import Layout
     from toolkit.plan.planner import PlanRequest, estimate_layout
 
     req = PlanRequest(model=str(model_dir), gbs=case.gbs, gpus_per_node=case.world, gpu=preset, seq_len=seq,
-                      precision="bf16", attention="sdpa", lora=LORA_R if case.adapters else None)
+                      precision="bf16", attention=case.attention, lora=LORA_R if case.adapters else None)
     return estimate_layout(req, Layout(pp=case.pp, dp=case.dp, zero=case.zero, mbs=case.mbs, gas=case.gas)).memory
 
 
-def corpus_file(tokens: int, work: Path) -> Path:
-    """The shipped corpus, repeated into a temporary .txt when it holds fewer than `tokens` bytes
-    (the byte tokenizer: one token per byte) plus 10% for the packing's end-of-text tokens and remainders."""
-    text = CORPUS.read_text()
-    repeats = math.ceil(tokens * 1.1 / len(text.encode()))
-    if repeats <= 1:
-        return CORPUS
-    path = work / "corpus.txt"
-    path.write_text("\n\n".join([text.strip()] * repeats) + "\n")
-    return path
-
-
-def launch_command(case: Case, config: Path, data: Path, out: Path, opts) -> list[str]:
+def launch_command(case: Case, config: Path, data: Path, model: Path, out: Path, opts) -> list[str]:
     return ["bash", str(REPO / "launch.sh"), "--num-gpus", str(case.world), "--config", str(config), "--",
-            "--model", opts.model, "--data", str(data), "--seq-len", str(opts.seq_len),
-            "--steps", str(opts.warmup + opts.steps), "--attention", "sdpa", "--no-export", "--eval-fraction", "0",
-            "--out", str(out), *([f"--{case.adapters}", "--lora-r", str(LORA_R)] if case.adapters else [])]
+            "--model", str(model), "--data", str(data), "--seq-len", str(opts.seq_len),
+            "--steps", str(opts.warmup + opts.steps), "--attention", case.attention, "--no-export",
+            "--eval-fraction", "0", "--out", str(out), *(["--packing"] if case.data == "chat" else []),
+            *([f"--{case.adapters}", "--lora-r", str(LORA_R)] if case.adapters else [])]
 
 
 def child_env(dry_run: bool) -> dict:
@@ -211,19 +190,19 @@ def timed_rate(records: list[dict], warmup: int, tokens_per_step: int) -> float 
     return len(timed) * tokens_per_step / sum(tokens_per_step / r for r in timed) if timed else None
 
 
-def run_case(case: Case, ctx: dict, opts) -> dict:
+def run_case(case: Case, ctx: dict, opts, timeout: float) -> dict:
     """Launch one case, read what the trainer wrote, delete its checkpoints; the case's JSON entry."""
     config = ctx["work"] / f"{case.name}.json"
-    config.write_text(json.dumps(ds_config(case, opts.fused_adam), indent=2))
+    config.write_text(json.dumps(ds_config(case, opts.fused_adam, cpu=opts.dry_run), indent=2))
     out, log = ctx["work"] / case.name, ctx["work"] / f"{case.name}.log"
-    cmd = launch_command(case, config, ctx["data"], out, opts)
-    rc, wall = launch(cmd, log, child_env(opts.dry_run), opts.timeout)
+    cmd = launch_command(case, config, ctx["data"][case.data], ctx["model_dir"], out, opts)
+    rc, wall = launch(cmd, log, child_env(opts.dry_run), timeout)
     records, summary = read_metrics(out)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     entry = {**asdict(case), "world": case.world, "gbs": case.gbs, "seq_len": opts.seq_len, "command": cmd,
              "config": json.loads(config.read_text()), "wall_s": round(wall, 1), "log": str(log)}
     if rc != 0 or summary is None:
-        why = f"timed out after {opts.timeout:.0f} s" if rc is None else f"exit code {rc}" if rc else "no summary"
+        why = f"timed out after {timeout:.0f} s" if rc is None else f"exit code {rc}" if rc else "no summary"
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         return {**entry, "status": "failed", "reason": why, "log_tail": tail}
     return {**entry, "status": "ok", **figures(case, records, summary, ctx, opts)}
@@ -231,61 +210,21 @@ def run_case(case: Case, ctx: dict, opts) -> dict:
 
 def figures(case: Case, records: list[dict], summary: dict, ctx: dict, opts) -> dict:
     """Tokens/s, MFU, peak memory against the planner, and the loss, from one finished run."""
+    from toolkit.plan.mfu import flops_per_token, mfu
+
     rate = timed_rate(records, opts.warmup, case.gbs * opts.seq_len)
-    peak = ctx["peak_tflops"] * 1e12 * case.world if ctx["peak_tflops"] else None
+    flops = flops_per_token(ctx["arch"], opts.seq_len, LORA_R if case.adapters else None)
     gpu_mib = [m for m in summary["peak_gpu_mib_per_rank"] if m is not None]
     measured = max(gpu_mib) * 2**20 if gpu_mib else None
     predicted = predicted_bytes(case, opts.seq_len, ctx["model_dir"], ctx["preset"] or "h100-sxm")
-    return {"tokens_per_s": rate, "mfu": rate * ctx["flops"]["6N"] / peak if rate and peak else None,
-            "mfu_with_attention": rate * ctx["flops"]["6N+attention"] / peak if rate and peak else None,
+    return {"tokens_per_s": rate, "flops_per_token": flops,
+            "mfu": mfu(rate, flops, case.world, ctx["peak_tflops"]) if rate and ctx["peak_tflops"] else None,
+            "trainer_mfu": summary.get("mfu"),  # the trainer's own, over every step (warm-up included)
             "peak_gpu_bytes": measured, "predicted_bytes": predicted,
-            "predicted_error": predicted / measured - 1 if measured else None,
+            "predicted_error": predicted / measured - 1 if measured and predicted else None,
             "first_loss": summary["first_loss"], "last_loss": summary["last_loss"],
             "loss_fell": summary["last_loss"] < summary["first_loss"], "losses": [r["loss"] for r in records],
             "summary": summary}
-
-
-def markdown(meta: dict, cases: list) -> list[str]:
-    lines = [f"GPU: **{meta['gpu']}** (peak {meta['peak_tflops'] or '?'} dense bf16 TFLOPs, preset {meta['preset']}); "
-             f"`dstk train --model {meta['model']}` ({meta['matmul_params'] / 1e6:,.1f} M parameters in matmuls, "
-             f"byte tokenizer), seq {meta['seq_len']}, bf16, sdpa, {meta['optimizer']}; {meta['warmup']} warm-up + "
-             f"{meta['steps']} timed steps per case, each through `launch.sh`.", "",
-             "| case | GPUs | pp x dp | ZeRO | mbs x gas | tokens/s | MFU | peak (GiB) | dstk plan (GiB) | "
-             "plan error | loss first -> last |", "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    for c in cases:
-        head = f"| {c['name']} | {c['pp'] * c['dp']} | {c['pp']} x {c['dp']} | {c['zero']} | {c['mbs']} x {c['gas']} |"
-        if c["status"] != "ok":
-            lines.append(f"{head} {c['status']}: {c['reason']} |" + " - |" * 5)
-            continue
-        lines.append(f"{head} {_fmt(c['tokens_per_s'], ',.0f')} | {_fmt(c['mfu'], '.1%')} | "
-                     f"{_gib(c['peak_gpu_bytes'])} | {_gib(c['predicted_bytes'])} | {_fmt(c['predicted_error'], '+.1%')} "
-                     f"| {c['first_loss']:.3f} -> {c['last_loss']:.3f} |")
-    lines += ["", "MFU counts 6N FLOPs per token over all the case's GPUs (gpu.json also gives it with attention's "
-              "12 L s h_attn). Peak: the largest rank's `torch.cuda.max_memory_allocated` (the run's summary); "
-              "dstk plan: `toolkit.plan.planner.estimate_layout` for the same layout. A failed case's log tail "
-              "is in gpu.json."]
-    return lines + plan_gpu_lines(meta["gpu"])
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)  # "-": no CUDA (dry run) or no GPU preset
-
-
-def _gib(n) -> str:
-    return _fmt(None if n is None else n / 2**30, ".2f")
-
-
-def plan_gpu_lines(gpu_name: str) -> list[str]:
-    """bench/plan_gpu.py's table (ZeRO 0/1 peak vs planner), when gpu.sh ran it on this GPU just before."""
-    path = common.RESULTS / "plan_gpu.json"
-    if not path.exists() or json.loads(path.read_text()).get("gpu") != gpu_name:
-        return []
-    lines = ["", "Planner peak memory, `bench/plan_gpu.py` on the same GPU (target: within 15%):", "",
-             "| model | seq x mbs | ZeRO | measured (GiB) | predicted (GiB) | error |", "|---|---|---:|---:|---:|---:|"]
-    for c in json.loads(path.read_text())["cases"]:
-        lines.append(f"| {c['model']} | {c['seq_len']} x {c['mbs']} | {c['zero']} | {_gib(c['measured_bytes'])} | "
-                     f"{_gib(c['predicted_bytes'])} | {c['error']:+.1%} |")
-    return lines
 
 
 def hardware(opts) -> tuple[str, str | None, float | None, int] | str | None:
@@ -293,7 +232,9 @@ def hardware(opts) -> tuple[str, str | None, float | None, int] | str | None:
     run: CPU processes, the preset only for the planner); "cuda" for a dry run where CUDA is."""
     import torch
 
+    from toolkit.errors import ConfigError
     from toolkit.plan.gpus import get_gpu
+    from toolkit.plan.mfu import peak_tflops
 
     if not torch.cuda.is_available():  # counts devices without making a CUDA context
         return ("CPU (dry run)", opts.gpu or "h100-sxm", opts.peak_tflops, opts.gpus or 2) if opts.dry_run else None
@@ -303,20 +244,25 @@ def hardware(opts) -> tuple[str, str | None, float | None, int] | str | None:
     # keep the ranks off a GPU in exclusive-process mode).
     name = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    preset = opts.gpu or match_gpu(name)
-    peak = opts.peak_tflops or (get_gpu(preset).tflops("bf16") if preset else None)
-    return name, preset, peak, min(opts.gpus or torch.cuda.device_count(), torch.cuda.device_count())
+    preset, peak = (opts.gpu, get_gpu(opts.gpu).tflops("bf16")) if opts.gpu else (None, None)
+    if not opts.gpu:
+        try:
+            preset, peak = peak_tflops(name, "bf16")
+        except ConfigError as exc:
+            print(f"gpu_finetune: {exc}: MFU is left out (give --gpu PRESET or --peak-tflops N)", flush=True)
+    return name, preset, opts.peak_tflops or peak, min(opts.gpus or torch.cuda.device_count(), torch.cuda.device_count())
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="CPU processes, tiny-llama, seq 64, 2 steps")
+    parser.add_argument("--dry-run", action="store_true", help="CPU processes, tiny-llama, seq 128, 2 steps")
     parser.add_argument("--quick", action="store_true", help="2 warm-up + 10 timed steps (default: 3 + 30)")
     parser.add_argument("--cases", nargs="+", metavar="NAME", choices=[c.name for c in CASES],
                         default=[c.name for c in CASES])
     parser.add_argument("--gpus", type=int, metavar="N", help="use at most the first N GPUs (dry run: processes, 2)")
-    parser.add_argument("--model", help="a built-in name (default: llama-3.2-1b; dry run: tiny-llama)")
-    parser.add_argument("--seq-len", type=int, help="default: 2048 (dry run: 64)")
+    parser.add_argument("--model", help="the built-in architecture saved and trained (default: llama-3.2-1b; "
+                        "dry run: tiny-llama)")
+    parser.add_argument("--seq-len", type=int, help="default: 2048 (dry run: 128, room for a chat row's prompt)")
     parser.add_argument("--steps", type=int, help="timed optimizer steps per case")
     parser.add_argument("--warmup", type=int, help="untimed steps first")
     parser.add_argument("--gpu", metavar="PRESET",
@@ -324,8 +270,14 @@ def parse_args(argv=None):
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak, overriding the preset")
     parser.add_argument("--fused-adam", action="store_true", help="DeepSpeed's FusedAdam (JIT build; not with --dry-run)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case before it is killed")
+    parser.add_argument("--budget", type=float, metavar="S", help="seconds for the whole script: cases that "
+                        f"cannot start by then (or with under {MIN_CASE_S} s left) are skipped, the running one stopped")
+    parser.add_argument("--step", dest="script_steps", action="append", default=[], metavar="NAME=STATUS",
+                        help="an earlier step of gpu.sh and how it went ('ok[: detail]' or 'failed: why'), kept in gpu.json")
+    parser.add_argument("--record-only", action="store_true",
+                        help="only add the --step entries to this run's gpu.json (gpu.sh: a later step's failure)")
     parser.add_argument("--out-dir", help="where results go (default: bench/results; dry run: a temp dir)")
-    parser.add_argument("--work-dir", help="configs, corpus, logs and runs (default: a new temp dir)")
+    parser.add_argument("--work-dir", help="model, data, configs, logs and runs (default: a new temp dir)")
     opts = parser.parse_args(argv)
     if opts.dry_run and opts.fused_adam:
         parser.error("--fused-adam needs CUDA (FusedAdam is a JIT-built CUDA op); drop it with --dry-run")
@@ -333,20 +285,54 @@ def parse_args(argv=None):
     opts.warmup = warmup if opts.warmup is None else opts.warmup
     opts.steps = steps if opts.steps is None else opts.steps
     opts.model = opts.model or ("tiny-llama" if opts.dry_run else "llama-3.2-1b")
-    opts.seq_len = opts.seq_len or (64 if opts.dry_run else 2048)
+    opts.seq_len = opts.seq_len or (128 if opts.dry_run else 2048)
+    opts.script_steps = [_step(s) for s in opts.script_steps]
     return opts
 
 
-def save(meta: dict, cases: list) -> list[str]:
-    """JSON and the BENCHMARKS.md fragment, rewritten after every case so a cut-short run keeps its figures."""
-    common.write_result("gpu", {**meta, "cases": cases})
-    lines = markdown(meta, cases)
-    common.write_markdown("gpu", f"GPU fine-tuning through `dstk train` ({meta['gpu']})", lines)
-    return lines
+def _step(text: str) -> dict:
+    """'plan_gpu.py=failed: exit code 1' -> {"name": "plan_gpu.py", "status": "failed", "detail": "exit code 1"}."""
+    name, _, how = text.partition("=")
+    status, _, detail = how.partition(":")
+    return {"name": name.strip(), "status": status.strip() or "ok", "detail": detail.strip() or None}
+
+
+def prepare(meta: dict, work: Path, opts, planned: list) -> dict:
+    """The saved model directory, its architecture and the data files every case reads."""
+    from toolkit.plan.arch import load_arch
+
+    print(f"gpu_finetune: saving {opts.model} (random weights, bf16) with save_pretrained", flush=True)
+    model_dir = gpu_inputs.save_model(opts.model, work)
+    arch = load_arch(str(model_dir))
+    most_tokens = max(c.gbs for c, _ in planned) * opts.seq_len * (opts.warmup + opts.steps)
+    meta.update(model_dir=str(model_dir), matmul_params=matmul_params(arch))
+    return {"work": work, "model_dir": model_dir, "arch": arch, "preset": meta["preset"],
+            "peak_tflops": meta["peak_tflops"], "data": {"text": gpu_inputs.text_file(most_tokens, work),
+                                                         "chat": gpu_inputs.chat_file(most_tokens, work)}}
+
+
+def run_cases(cases: list, meta: dict, ctx: dict, planned: list, opts, deadline: float | None) -> None:
+    """Each planned case in turn (or its reason to skip), appended to `cases` and saved after each."""
+    for case, why in planned:
+        left = None if deadline is None else deadline - time.perf_counter()
+        if why is None and left is not None and left < MIN_CASE_S:
+            why = f"the --budget of {opts.budget:.0f} s was spent ({max(left, 0):.0f} s left)"
+        if why:
+            cases.append({**asdict(case), "world": case.world, "status": "skipped", "reason": why})
+            print(f"  {case.name}: skipped: {why}", flush=True)
+        else:
+            cases.append(run_case(case, ctx, opts, opts.timeout if left is None else min(opts.timeout, left)))
+            report_case(cases[-1])
+        save(meta, cases)
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    start = time.perf_counter()
+    if opts.out_dir or opts.dry_run:  # common writes under RESULTS: point it away from the real figures
+        common.RESULTS = Path(opts.out_dir or tempfile.mkdtemp(prefix="dstk-gpu-dry-run-"))
+    if opts.record_only:
+        return record_steps(opts.script_steps)
     found = hardware(opts)
     if found is None:
         print("gpu_finetune: skipped: no CUDA (use --dry-run to check the script on CPU)")
@@ -356,45 +342,29 @@ def main(argv=None) -> int:
               "CUDA_VISIBLE_DEVICES, so CPU ranks cannot be had where GPUs are (run the real benchmark instead)")
         return 2
     gpu_name, preset, peak, gpus = found
-    if opts.out_dir or opts.dry_run:  # common writes under RESULTS: point it away from the real figures
-        common.RESULTS = Path(opts.out_dir or tempfile.mkdtemp(prefix="dstk-gpu-dry-run-"))
     work = Path(opts.work_dir or tempfile.mkdtemp(prefix="dstk-gpu-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = trained_model_dir(opts.model, work)
-    from toolkit.plan.arch import load_arch
-
-    flops = flops_per_token(load_arch(str(model_dir)), opts.seq_len)
     planned = plan_cases(opts.cases, gpus, opts.dry_run)
-    most_tokens = max(c.gbs for c, _ in planned) * opts.seq_len * (opts.warmup + opts.steps)
-    ctx = {"work": work, "model_dir": model_dir, "flops": flops, "preset": preset, "peak_tflops": peak,
-           "data": corpus_file(most_tokens, work)}
     meta = {"gpu": gpu_name, "preset": preset, "peak_tflops": peak, "gpus": gpus, "dry_run": opts.dry_run,
-            "model": opts.model, "seq_len": opts.seq_len, "matmul_params": flops["matmul_params"],
-            "flops_per_token": flops, "optimizer": "DeepSpeed FusedAdam" if opts.fused_adam else
-            "torch AdamW (torch_adam)", "warmup": opts.warmup, "steps": opts.steps, "work_dir": str(work)}
+            "model": opts.model, "seq_len": opts.seq_len, "matmul_params": 0, "optimizer": "DeepSpeed FusedAdam"
+            if opts.fused_adam else "torch AdamW (torch_adam; fused on GPUs)", "warmup": opts.warmup, "steps": opts.steps,
+            "work_dir": str(work), "script_steps": opts.script_steps}
     print(f"gpu_finetune: {meta}", flush=True)
-    cases, start = [], time.perf_counter()
-    for case, why in planned:
-        if why:
-            cases.append({**asdict(case), "world": case.world, "status": "skipped", "reason": why})
-            print(f"  {case.name}: skipped: {why}", flush=True)
-        else:
-            cases.append(run_case(case, ctx, opts))
-            report_case(cases[-1])
-        lines = save(meta, cases)
-    print("\n".join(lines))
+    cases = []
+    try:
+        ctx = prepare(meta, work, opts, planned)
+        run_cases(cases, meta, ctx, planned, opts, None if opts.budget is None else start + opts.budget)
+    except Exception as exc:  # recorded in gpu.json too, then the traceback as usual
+        meta["script_steps"].append({"name": "gpu_finetune.py", "status": "failed", "detail": f"{type(exc).__name__}: "
+                                     f"{exc}", "traceback": traceback.format_exc()[-4000:]})
+        save(meta, cases)
+        raise
+    failed = [c["name"] for c in cases if c["status"] == "failed"]
+    meta["script_steps"].append({"name": "gpu_finetune.py", "status": "failed" if failed else "ok",
+                                 "detail": f"case(s) failed: {', '.join(failed)}" if failed else None})
+    print("\n".join(save(meta, cases)))
     print(f"gpu_finetune: {time.perf_counter() - start:.0f} s; wrote {common.RESULTS / 'gpu.json'}; logs in {work}")
-    return 1 if any(c["status"] == "failed" for c in cases) else 0
-
-
-def report_case(c: dict) -> None:
-    if c["status"] == "failed":
-        print(f"  {c['name']}: FAILED ({c['reason']}, {c['wall_s']} s); last lines of {c['log']}:\n{c['log_tail']}",
-              flush=True)
-        return
-    mem = f", peak {_gib(c['peak_gpu_bytes'])} GiB (plan {_gib(c['predicted_bytes'])})" if c["peak_gpu_bytes"] else ""
-    print(f"  {c['name']}: {_fmt(c['tokens_per_s'], ',.0f')} tokens/s, MFU {_fmt(c['mfu'], '.1%')}{mem}, "
-          f"loss {c['first_loss']:.3f} -> {c['last_loss']:.3f}, {c['wall_s']} s", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

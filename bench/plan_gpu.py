@@ -6,7 +6,8 @@ steps on one CUDA GPU (issue 5: within 15%). Skips, exit 0, without CUDA.
 Each case: the HF model (random weights, bf16, sdpa attention) under deepspeed.initialize, world of 1
 (dp = pp = 1), ZeRO-0 or 1, torch's AdamW ("torch_adam": no JIT build), 3 steps of random tokens; the
 estimate is toolkit.plan.planner.estimate_layout for the same layout (model states + activations; the
-reserve for the CUDA context is not part of it).
+reserve for the CUDA context is not part of it). A case that fails is recorded with its error, the others
+still run, and the exit status is 1.
 """
 
 import argparse
@@ -74,14 +75,23 @@ def main() -> int:
     dist.init()  # a world of one on a free port (nccl on CUDA)
     rows = []
     for name, seq, mbs, zero in CASES:
-        measured, predicted = measure(name, seq, mbs, zero), predict(name, seq, mbs, zero, opts.gpu)
-        rows.append({"model": name, "seq_len": seq, "mbs": mbs, "zero": zero, "measured_bytes": measured,
-                     "predicted_bytes": predicted, "error": predicted / measured - 1})
+        row = {"model": name, "seq_len": seq, "mbs": mbs, "zero": zero}
+        try:  # one case's failure (out of memory, a DeepSpeed error) is reported; the others still run
+            measured, predicted = measure(name, seq, mbs, zero), predict(name, seq, mbs, zero, opts.gpu)
+        except Exception as exc:
+            rows.append({**row, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            import gc
+
+            gc.collect()  # what the failed case left on the GPU, before the next
+            torch.cuda.empty_cache()
+            print(f"{name:14} seq {seq} mbs {mbs} zero {zero}: FAILED: {rows[-1]['failed']}", flush=True)
+            continue
+        rows.append({**row, "measured_bytes": measured, "predicted_bytes": predicted, "error": predicted / measured - 1})
         print(f"{name:14} seq {seq} mbs {mbs} zero {zero}: measured {measured / 2**30:.2f} GiB, "
               f"predicted {predicted / 2**30:.2f} GiB ({predicted / measured - 1:+.1%})", flush=True)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "cases": rows}, indent=2))
-    return 0
+    return 1 if any("failed" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

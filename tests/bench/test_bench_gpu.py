@@ -1,7 +1,10 @@
-"""bench/gpu_finetune.py: its arithmetic, cases and reporting without processes, and one dry run on CPU that
-launches the trainer (`toolkit.train` through launch.sh) for every case two CPU processes allow."""
+"""bench/gpu_finetune.py (with gpu_inputs.py and gpu_report.py) and bench/gpu.sh: their arithmetic, cases and
+reporting without processes; gpu.sh's refusals and step bookkeeping on this machine (a stand-in python where
+CUDA would be needed); and one dry run on CPU that launches the trainer (`toolkit.train` through launch.sh)
+for every case two CPU processes allow."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,71 +15,88 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_finetune  # noqa: E402
+import gpu_inputs  # noqa: E402
+import gpu_report  # noqa: E402
 
 NAMES = [c.name for c in gpu_finetune.CASES]
 
 
-@pytest.mark.parametrize("name,preset", [("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
-                                         ("NVIDIA H200", "h200"), ("NVIDIA H100 NVL", None),
-                                         ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-                                         ("NVIDIA A100 80GB PCIe", "a100-pcie-80gb"), ("NVIDIA L4", "l4"),
-                                         ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 4090", "rtx-4090")])
-def test_gpu_names_match_presets(name, preset):
-    assert gpu_finetune.match_gpu(name) == preset
+def test_the_1b_model_is_saved_as_dstk_train_builds_it():
+    """The config saved for every case is llama-3.2-1b's with the byte tokenizer's 257 rows: N is llama-3.2-1b
+    less 128,256 - 257 of its (tied) embedding rows, still ~1B; its tokenizer has a chat template."""
+    from toolkit.plan.arch import arch_from_config, load_arch
 
-
-def test_flops_per_token_gpt2():
-    from toolkit.plan.arch import load_arch
-
-    # GPT-2 124M: 124,439,808 parameters less the 1024 x 768 position table; attention 12 * L * s * h.
-    flops = gpu_finetune.flops_per_token(load_arch("gpt2"), 1024)
-    assert flops["6N"] == 6 * (124_439_808 - 1024 * 768)
-    assert flops["6N+attention"] == flops["6N"] + 12 * 12 * 1024 * 768
-
-
-def test_the_1b_model_is_counted_as_trained(tmp_path):
-    """dstk train gives built-ins the byte tokenizer's 257 rows: N is llama-3.2-1b less 128,256 - 257 of
-    its (tied) embedding rows, still ~1B."""
-    from toolkit.plan.arch import load_arch
-
-    arch = load_arch(str(gpu_finetune.trained_model_dir("llama-3.2-1b", tmp_path)))
-    n = gpu_finetune.flops_per_token(arch, 2048)["matmul_params"]
+    config, tokenizer = gpu_inputs.config_and_tokenizer("llama-3.2-1b")
+    n = gpu_finetune.matmul_params(arch_from_config(config.to_dict(), "saved"))
     assert n == load_arch("llama-3.2-1b").num_params() - (128_256 - 257) * 2048
-    assert 0.9e9 < n < 1.1e9
+    assert 0.9e9 < n < 1.1e9 and len(tokenizer) == config.vocab_size == 257 and tokenizer.chat_template
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_each_case_gets_generate_configs_layout(fused):
+def test_save_model_writes_a_bf16_directory_dstk_train_loads(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    path = gpu_inputs.save_model("tiny-llama", tmp_path)
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert AutoTokenizer.from_pretrained(path).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) \
+        == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_chat_rows_come_from_the_corpus_and_hold_the_tokens_asked_for(tmp_path):
+    rows = [json.loads(line) for line in gpu_inputs.chat_file(500_000, tmp_path).read_text().splitlines()]
+    assert len(rows) > 700 and all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+    assert rows[0]["messages"][0]["content"].startswith("Tell me the story that begins: Once a")
+    rendered = sum(len(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n") for r in rows for m in r["messages"])
+    assert rendered > 1.1 * 500_000  # ChatML, in bytes: the byte tokenizer's tokens
+    assert len(gpu_inputs.chat_file(10, tmp_path).read_text().splitlines()) == 700  # each story at least once
+
+
+@pytest.mark.parametrize("fused,cpu", [(False, False), (True, False), (False, True)])
+def test_each_case_gets_generate_configs_layout(fused, cpu):
     for case in gpu_finetune.CASES:
-        cfg = gpu_finetune.ds_config(case, fused)
+        cfg = gpu_finetune.ds_config(case, fused, cpu)
         assert cfg["pipeline"]["stages"] == case.pp and cfg["zero_optimization"]["stage"] == case.zero
         assert cfg["train_batch_size"] == case.gbs == 8 * case.dp  # 8 sequences per replica per step
         assert cfg["bf16"] == {"enabled": True}
-        assert cfg["optimizer"]["params"].get("torch_adam") is (None if fused else True)
+        params = cfg["optimizer"]["params"]
+        assert params.get("torch_adam") is (None if fused else True)  # FusedAdam (JIT-built) only when asked
+        assert params.get("fused") is (None if fused or cpu else True)
 
 
-def test_cases_that_need_more_gpus_are_skipped_with_the_reason():
+def test_cases_that_cannot_run_are_skipped_with_the_reason(monkeypatch):
+    real = gpu_finetune.importlib.util.find_spec
+    monkeypatch.setattr(gpu_finetune.importlib.util, "find_spec",
+                        lambda name: None if name in ("flash_attn", "bitsandbytes") else real(name))
     one = dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 1, dry_run=False))
-    assert one["pp1-zero1"] is None and one["pp1-zero3"] is None
-    assert one["pp2"] == "needs 2 GPUs, 1 available" and one["pp2-dp2"] == "needs 4 GPUs, 1 available"
+    assert [name for name, why in one.items() if why is None] == ["pp1-zero1", "pp1-lora", "pp1-chat", "pp1-zero3"]
+    assert one["pp2"].startswith("needs 2 GPUs, 1 available") and "NCCL refuses two ranks on one GPU" in one["pp2"]
+    assert one["pp2-dp2"].startswith("needs 4 GPUs, 1 available")
+    assert "flash-attn package, which is not installed" in one["pp1-fa2"] and "bitsandbytes" in one["pp1-qlora"]
+    monkeypatch.setattr(gpu_finetune.importlib.util, "find_spec", lambda name: object())  # both installed
     four = {c.name: why for c, why in gpu_finetune.plan_cases(NAMES, 4, dry_run=False)}
-    assert all(why is None for name, why in four.items() if name != "pp1-qlora")
-    assert "bitsandbytes" in dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 4, True))["pp1-qlora"]
+    assert all(why is None for why in four.values())
+    dry = dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 2, True))
+    assert "bitsandbytes" in dry["pp1-qlora"] and "flash-attn" in dry["pp1-fa2"]  # CUDA only: never in a dry run
 
 
-def test_the_case_runs_the_trainer_through_launch_sh():
+def test_the_case_runs_the_trainer_through_launch_sh_on_the_saved_model():
     opts = gpu_finetune.parse_args([])
-    case = next(c for c in gpu_finetune.CASES if c.name == "pp2-dp2")
-    cmd = gpu_finetune.launch_command(case, Path("c.json"), Path("d.txt"), Path("out"), opts)
+    cases = {c.name: c for c in gpu_finetune.CASES}
+    cmd = gpu_finetune.launch_command(cases["pp2-dp2"], Path("c.json"), Path("d.txt"), Path("m"), Path("out"), opts)
     assert cmd[:4] == ["bash", str(ROOT / "launch.sh"), "--num-gpus", "4"]
     args = " ".join(cmd[cmd.index("--") + 1:])
-    assert "--model llama-3.2-1b" in args and "--seq-len 2048" in args and "--steps 33" in args
+    assert "--model m " in args and "--seq-len 2048" in args and "--steps 33" in args
     for flag in ("--attention sdpa", "--no-export", "--eval-fraction 0", "--out out"):
         assert flag in args
-    assert "--lora" not in args
-    lora = next(c for c in gpu_finetune.CASES if c.name == "pp2-lora")
-    args = gpu_finetune.launch_command(lora, Path("c.json"), Path("d.txt"), Path("out"), opts)
-    assert args[-3:] == ["--lora", "--lora-r", "16"]
+    assert "--lora" not in args and "--packing" not in args
+    lora = gpu_finetune.launch_command(cases["pp2-lora"], Path("c.json"), Path("d.txt"), Path("m"), Path("out"), opts)
+    assert lora[-3:] == ["--lora", "--lora-r", "16"]
+    fa2 = gpu_finetune.launch_command(cases["pp1-fa2"], Path("c.json"), Path("d.txt"), Path("m"), Path("out"), opts)
+    assert "--attention flash_attention_2" in " ".join(fa2)
+    chat = gpu_finetune.launch_command(cases["pp1-chat"], Path("c.json"), Path("chat.jsonl"), Path("m"), Path("o"), opts)
+    assert chat[-1] == "--packing" and "--data chat.jsonl" in " ".join(chat)
 
 
 def test_tokens_per_s_leaves_out_the_warmup_steps():
@@ -86,16 +106,32 @@ def test_tokens_per_s_leaves_out_the_warmup_steps():
 
 
 def test_figures_of_a_finished_run(monkeypatch):
-    """MFU over all the case's GPUs, the largest rank's peak against the planner, the loss."""
+    """MFU over all the case's GPUs with the planner's FLOPs per token, the largest rank's peak against the
+    planner, the loss."""
+    from toolkit.plan.arch import load_arch
+    from toolkit.plan.mfu import flops_per_token
+
     monkeypatch.setattr(gpu_finetune, "predicted_bytes", lambda *args: int(2.2 * 2**30))
-    case, opts = gpu_finetune.CASES[2], gpu_finetune.parse_args([])  # pp2: 2 GPUs, 16,384 tokens a step
+    case, opts = next(c for c in gpu_finetune.CASES if c.name == "pp2"), gpu_finetune.parse_args([])
     records = [{"step": s, "tokens_per_s": 10.0 if s <= 3 else 1e4, "loss": 6.0 - s / 10} for s in range(1, 34)]
-    summary = {"peak_gpu_mib_per_rank": [1000.0, 2048.0], "first_loss": 5.9, "last_loss": 2.7}
-    ctx = {"peak_tflops": 1000, "flops": {"6N": 6e9, "6N+attention": 7e9}, "model_dir": None, "preset": "h200"}
+    summary = {"peak_gpu_mib_per_rank": [1000.0, 2048.0], "first_loss": 5.9, "last_loss": 2.7, "mfu": 0.1}
+    arch = load_arch("llama-3.2-1b")
+    ctx = {"peak_tflops": 1000, "arch": arch, "model_dir": None, "preset": "h200"}
     out = gpu_finetune.figures(case, records, summary, ctx, opts)
-    assert out["tokens_per_s"] == pytest.approx(1e4) and out["mfu"] == pytest.approx(1e4 * 6e9 / 2e15)
+    flops = flops_per_token(arch, 2048)
+    assert out["tokens_per_s"] == pytest.approx(1e4) and out["mfu"] == pytest.approx(1e4 * flops / 2e15)
+    assert out["flops_per_token"] == flops and out["trainer_mfu"] == 0.1
     assert out["peak_gpu_bytes"] == 2 * 2**30 and out["predicted_error"] == pytest.approx(0.1)
     assert out["loss_fell"] and len(out["losses"]) == 33
+
+
+def test_no_prediction_for_qlora():
+    qlora = next(c for c in gpu_finetune.CASES if c.name == "pp1-qlora")
+    assert gpu_finetune.predicted_bytes(qlora, 2048, None, "h200") is None  # the planner has no 4-bit base
+
+
+META = {"gpu": "g", "peak_tflops": 989, "preset": "h100-sxm", "model": "m", "matmul_params": 1e9, "seq_len": 2048,
+        "optimizer": "o", "warmup": 1, "steps": 2}
 
 
 def test_a_failed_case_is_reported_with_its_log(tmp_path, monkeypatch):
@@ -105,15 +141,53 @@ def test_a_failed_case_is_reported_with_its_log(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_finetune, "launch", crash)
     opts = gpu_finetune.parse_args(["--dry-run"])
-    entry = gpu_finetune.run_case(gpu_finetune.CASES[0], {"work": tmp_path, "data": tmp_path / "d.txt"}, opts)
+    ctx = {"work": tmp_path, "data": {"text": tmp_path / "d.txt"}, "model_dir": tmp_path / "m"}
+    entry = gpu_finetune.run_case(gpu_finetune.CASES[0], ctx, opts, 60)
     assert entry["status"] == "failed" and entry["reason"] == "exit code 1"
     assert entry["log_tail"].endswith("CUDA out of memory")
-    skipped = {**vars(gpu_finetune.CASES[3]), "status": "skipped", "reason": "needs 4 GPUs, 1 available"}
-    meta = {"gpu": "g", "peak_tflops": 989, "preset": "h100-sxm", "model": "m", "matmul_params": 1e9,
-            "seq_len": 2048, "optimizer": "o", "warmup": 1, "steps": 2}
-    text = "\n".join(gpu_finetune.markdown(meta, [entry, skipped]))
-    assert "| pp1-zero1 | 1 | 1 x 1 | 1 | 4 x 2 | failed: exit code 1 |" in text
-    assert "| pp2-dp2 | 4 | 2 x 2 | 1 | 2 x 4 | skipped: needs 4 GPUs, 1 available |" in text
+    skipped = {**vars(gpu_finetune.CASES[-1]), "status": "skipped", "reason": "needs 4 GPUs, 1 available"}
+    text = "\n".join(gpu_report.markdown(META, [entry, skipped]))
+    assert "| pp1-zero1 | 1 | 1 x 1 | 1 | 4 x 2 | sdpa | text | failed: exit code 1 |" in text
+    assert "| pp2-dp2 | 4 | 2 x 2 | 1 | 2 x 4 | sdpa | text | skipped: needs 4 GPUs, 1 available |" in text
+
+
+def test_cases_past_the_budget_are_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_finetune.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(gpu_finetune, "run_case", lambda case, ctx, opts, timeout: pytest.fail("started"))
+    opts = gpu_finetune.parse_args(["--budget", "100"])
+    cases, planned = [], [(gpu_finetune.CASES[0], None)]
+    gpu_finetune.run_cases(cases, dict(META), {}, planned, opts, deadline=gpu_finetune.time.perf_counter() + 30)
+    assert cases[0]["status"] == "skipped" and cases[0]["reason"].startswith("the --budget of 100 s was spent")
+
+
+def test_a_crash_and_earlier_steps_are_recorded_in_gpu_json(tmp_path, monkeypatch):
+    """gpu.sh's earlier steps (--step) go into gpu.json; a crash of this script too, before its traceback;
+    --record-only adds a later step's failure; the table names every failed step and leaves out plan_gpu.py's
+    figures when that step failed."""
+    monkeypatch.setattr(gpu_finetune.common, "RESULTS", gpu_finetune.common.RESULTS)  # main() repoints it
+    monkeypatch.setattr(gpu_finetune, "hardware", lambda opts: ("NVIDIA H200", "h200", 989.0, 1))
+
+    def broken(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(gpu_finetune, "prepare", broken)
+    args = ["--out-dir", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"),
+            "--step", "make setup=ok: 41 s", "--step", "plan_gpu.py=failed: exit code 3"]
+    with pytest.raises(RuntimeError, match="disk full"):
+        gpu_finetune.main(args)
+    result = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    steps = result["script_steps"]
+    assert steps[:2] == [{"name": "make setup", "status": "ok", "detail": "41 s"},
+                         {"name": "plan_gpu.py", "status": "failed", "detail": "exit code 3"}]
+    assert steps[2]["name"] == "gpu_finetune.py" and steps[2]["detail"] == "RuntimeError: disk full"
+    assert "Traceback" in steps[2]["traceback"]
+    md = (tmp_path / "out" / "gpu.md").read_text()
+    assert "**Steps that failed:** plan_gpu.py (exit code 3); gpu_finetune.py (RuntimeError: disk full)." in md
+    (tmp_path / "out" / "plan_gpu.json").write_text(json.dumps({"gpu": "NVIDIA H200", "cases": []}))
+    assert gpu_report.plan_gpu_lines({**result, "gpu": "NVIDIA H200"}) == []  # its step failed: no stale table
+    assert gpu_finetune.main(["--record-only", "--step", "report.py=failed: exit code 4", *args[:2]]) == 0
+    steps = json.loads((tmp_path / "out" / "gpu.json").read_text())["script_steps"]
+    assert steps[-1] == {"name": "report.py", "status": "failed", "detail": "exit code 4"} and len(steps) == 4
 
 
 def test_gpu_finetune_skips_without_cuda(capsys):
@@ -125,11 +199,79 @@ def test_gpu_finetune_skips_without_cuda(capsys):
     assert "skipped: no CUDA" in capsys.readouterr().out
 
 
+def _gpu_sh(env_changes: dict, *args, path_first: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PY"}
+    env.update(env_changes)
+    if path_first:
+        env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
+    return subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=120)
+
+
+def _stand_in(folder: Path, name: str, body: str) -> Path:
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_gpu_sh_refuses_in_one_line_and_exit_1_where_it_cannot_run(tmp_path):
+    """No usable CUDA (this machine), torch not importable, the set-up failing: one line saying why, exit 1,
+    nothing benchmarked and nothing written."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: gpu.sh would run the real benchmark")
+    proc = _gpu_sh({"PY": sys.executable})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["gpu.sh: cannot run: torch.cuda.is_available() is False (no CUDA device or "
+                                        f"driver; torch {torch.__version__}, built for CUDA {torch.version.cuda})"]
+    _stand_in(tmp_path / "fake_torch", "torch.py", "").write_text("raise ImportError('simulated')\n")
+    proc = _gpu_sh({"PY": sys.executable, "PYTHONPATH": str(tmp_path / "fake_torch")})
+    assert (proc.returncode, proc.stdout) == (1, "gpu.sh: cannot run: torch not importable: ImportError: simulated\n")
+    # without PY: the README's `make setup` first (a stand-in make here, logging its arguments)
+    log = tmp_path / "make.log"
+    _stand_in(tmp_path / "bin", "make", f'echo "$*" >> {log}\nexit 0\n')
+    proc = _gpu_sh({}, path_first=tmp_path / "bin")
+    assert proc.returncode == 1 and log.read_text() == "setup\n"
+    assert proc.stdout.startswith("== make setup\ngpu.sh: set-up took ") and "cannot run: torch.cuda" in proc.stdout
+    _stand_in(tmp_path / "bin", "make", "exit 2\n")
+    proc = _gpu_sh({}, path_first=tmp_path / "bin")
+    assert (proc.returncode, proc.stdout.splitlines()[-1]) == (1, "gpu.sh: cannot run: make setup failed (exit code "
+                                                                  "2; its output is above)")
+
+
+def test_gpu_sh_reports_each_failed_step_and_goes_on(tmp_path):
+    """With a stand-in python where CUDA is 'usable': plan_gpu.py fails, gpu_finetune.py still runs and is told
+    so (--step, for gpu.json), report.py runs, fails, and its failure is recorded; exit 1 with the list."""
+    log = tmp_path / "calls.log"
+    fake = _stand_in(tmp_path / "bin", "python", f"""echo "$*" >> {log}
+case "$1" in
+    -) cat >/dev/null ;;
+    bench/plan_gpu.py) echo "plan_gpu: CUDA out of memory"; exit 3 ;;
+    bench/report.py) exit 4 ;;
+esac
+exit 0
+""")
+    proc = _gpu_sh({"PY": str(fake), "GPU_SH_BUDGET": "400"}, "--quick")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "gpu.sh: step plan_gpu.py FAILED (exit code 3)" in out and "gpu.sh: step report.py FAILED (exit code 4)" in out
+    assert "gpu.sh: ops JIT-built during the run: none" in out
+    assert out.splitlines()[-1].endswith("s: plan_gpu.py (exit code 3) report.py (exit code 4)")
+    calls = log.read_text().splitlines()
+    finetune = next(c for c in calls if c.startswith("bench/gpu_finetune.py --step"))
+    assert finetune.startswith("bench/gpu_finetune.py --step plan_gpu.py=failed: exit code 3 --budget ")
+    assert finetune.endswith(" --quick") and 300 < int(finetune.split("--budget ")[1].split()[0]) <= 385
+    assert calls[-1] == "bench/gpu_finetune.py --record-only --step report.py=failed: exit code 4 --quick"
+
+
 @pytest.mark.distributed
-@pytest.mark.heavy  # five real launches through launch.sh, the bench's own path (~2 min on 2 cores)
+@pytest.mark.heavy  # six real launches through launch.sh, the bench's own path (~3 min on 2 cores)
 def test_gpu_finetune_dry_run_on_cpu(tmp_path):
-    """Every case two CPU processes allow runs the trainer (tiny-llama, seq 64, 2 steps); pp2 x dp2 and
-    QLoRA (CUDA) are reported as skipped. About 2 minutes on 2 cores (five launches)."""
+    """Every case two CPU processes allow runs the trainer (tiny-llama saved with save_pretrained in bf16, seq
+    128, 2 steps); flash_attention_2, QLoRA (CUDA) and pp2 x dp2 are reported as skipped."""
     import torch
 
     if torch.cuda.is_available():
@@ -138,23 +280,31 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
            "--work-dir", str(tmp_path / "work")]
     from tests.conftest import child_env
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=child_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "gpu.json").read_text())
     cases = {c["name"]: c for c in result["cases"]}
     assert list(cases) == NAMES
-    assert [c["status"] for c in cases.values()] == ["ok", "ok", "ok", "skipped", "ok", "ok", "skipped"]
+    assert {n: c["status"] for n, c in cases.items() if c["status"] != "ok"} == {
+        "pp1-fa2": "skipped", "pp1-qlora": "skipped", "pp2-dp2": "skipped"}
     lora = cases["pp2-lora"]["summary"]
     assert all(0 < t < p for t, p in zip(lora["trainable_params_per_rank"], lora["params_per_rank"]))  # a frozen base
     assert "needs 4 CPU processes" in cases["pp2-dp2"]["reason"]
+    model = tmp_path / "work" / "tiny-llama"
+    assert (model / "model.safetensors").is_file() and result["model_dir"] == str(model)
     for case in (c for c in cases.values() if c["status"] == "ok"):
         per_rank = case["summary"]["params_per_rank"]  # the trainer's own summary, one entry per rank
         assert len(per_rank) == case["pp"] * case["dp"] and min(per_rank) > 0
         assert case["config"]["pipeline"]["stages"] == case["pp"] and "launch.sh" in case["command"][1]
+        assert case["command"][case["command"].index("--model") + 1] == str(model)  # the saved directory, every case
         assert len(case["losses"]) == 2 and case["first_loss"] == case["losses"][0]
         assert case["last_loss"] == case["losses"][-1] and case["tokens_per_s"] > 0 and case["predicted_bytes"] > 0
+        assert case["flops_per_token"] > 0 and case["mfu"] is None and case["summary"]["mfu"] is None  # no GPU peak
+    chat = cases["pp1-chat"]["summary"]["data"]
+    assert chat["format"] == "chat" and chat["packing"] is True
     assert sum(cases["pp2"]["summary"]["params_per_rank"]) == result["matmul_params"]  # two stages, one model
+    assert result["script_steps"] == [{"name": "gpu_finetune.py", "status": "ok", "detail": None}]
     md = (tmp_path / "out" / "gpu.md").read_text()
-    assert "| pp2 | 2 | 2 x 1 | 1 | 2 x 4 |" in md and "| pp2-dp2 | 4 | 2 x 2 | 1 | 2 x 4 | skipped:" in md
+    assert "| pp2 | 2 | 2 x 1 | 1 | 2 x 4 |" in md and "| pp2-dp2 | 4 | 2 x 2 | 1 | 2 x 4 | sdpa | text | skipped:" in md
     real = ROOT / "bench" / "results" / "gpu.json"
     assert not real.exists() or "CPU" not in real.read_text()  # a dry run never overwrites GPU figures

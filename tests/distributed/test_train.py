@@ -95,6 +95,22 @@ def test_a_run_prints_progress_and_the_loss_table_and_nothing_else(layouts):
     assert (layouts / "pp2dp1" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_last_line_gives_tokens_per_s_and_no_mfu_on_cpu(train_runs):
+    """Every run ends with its tokens/s; MFU only on CUDA: here the summary says why there is none, with the
+    FLOPs per token it would have used (the planner's cost model of the run's saved config)."""
+    import re
+
+    from toolkit.plan.arch import load_arch
+    from toolkit.plan.mfu import flops_per_token
+
+    out = train_runs.get("pp2dp1")
+    last = [line for line in (out.parent / "pp2dp1.log").read_text().splitlines() if " -> " in line][-1]
+    assert re.fullmatch(r"loss \d+\.\d{3} -> \d+\.\d{3}(, eval \d+\.\d{3})?, \d+ tokens/s, \d+ s", last), last
+    got = summary(out)
+    assert got["gpu"] is None and got["mfu"] is None and got["mfu_note"].startswith("no CUDA device")
+    assert got["flops_per_token"] == flops_per_token(load_arch(str(out / "checkpoints" / "dstk")), 32)
+
+
 def test_every_layout_gives_the_same_loss_and_the_loss_falls(layouts):
     ref = losses(layouts / "pp1dp1")
     assert ref[10] < ref[1] - 0.5

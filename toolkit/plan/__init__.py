@@ -10,7 +10,8 @@
     partition_report.py  `dstk partition`: a split and what each stage costs
     profile.py           measured per-layer times (`--method profile`; imports torch)
     memory.py            bytes per rank under ZeRO 0-3 (a frozen base too: LoRA) and 1F1B activations
-    gpus.py              GPU presets and sizes
+    gpus.py              GPU presets (datasheet peaks, memory, links), CUDA device names, sizes
+    mfu.py               model FLOPs utilisation: FLOPs per token (costs.py) over a preset's peak
     estimate.py          memory and step time of one layout
     planner.py           every layout, ranked (`dstk plan`)
     report.py            the plan as text, JSON, or a DeepSpeed config

@@ -1,11 +1,13 @@
 """GPU presets for `dstk plan`: memory, dense peak throughput and link bandwidths, and memory sizes
 written as text ("80GiB", "24GB").
 
-Figures are the vendors' datasheet numbers: dense (no sparsity) tensor-core TFLOPs; memory as
+Figures are the vendors' datasheet numbers (the datasheet is named on each row): dense (no sparsity)
+tensor-core TFLOPs, i.e. half the "with sparsity" figure the datasheets print first; memory as
 `nvidia-smi` reports it (MiB); bandwidths in GB/s per GPU per direction: `nvlink` between GPUs of
 one node (PCIe when the card has no NVLink), `network` per GPU between nodes (a typical InfiniBand /
 EFA share for that generation), `pcie` between GPU and host (used by offload). They are defaults;
-`dstk plan --tflops/--intra-bw/--inter-bw` override them.
+`dstk plan --tflops/--intra-bw/--inter-bw` override them. The same table gives the peak that MFU is
+measured against (toolkit.plan.mfu), with the CUDA device name matched by `preset_for_device`.
 """
 
 import difflib
@@ -39,23 +41,51 @@ class Gpu:
 
 
 GPUS = {g.name: g for g in [
+    # NVIDIA A100 Tensor Core GPU datasheet: BF16/FP16 312 (624 sparse), FP32 19.5
     Gpu("a100-40gb", 40960 * MiB, 312, 312, 19.5, nvlink=300, network=25, pcie=25),
     Gpu("a100-80gb", 81920 * MiB, 312, 312, 19.5, nvlink=300, network=25, pcie=25),
     Gpu("a100-pcie-80gb", 81920 * MiB, 312, 312, 19.5, nvlink=25, network=25, pcie=25),
+    # NVIDIA H100 Tensor Core GPU datasheet: BF16/FP16 SXM 989, PCIe 756, NVL 835 (1,979 / 1,513 / 1,671
+    # sparse); FP32 67 / 51 / 60; NVL: 94 GB, NVLink bridge 600 GB/s both ways
     Gpu("h100-sxm", 81559 * MiB, 989, 989, 67, nvlink=450, network=50, pcie=50),
     Gpu("h100-pcie", 81559 * MiB, 756, 756, 51, nvlink=50, network=25, pcie=50),
+    Gpu("h100-nvl", 95830 * MiB, 835, 835, 60, nvlink=300, network=50, pcie=50),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16/FP16 989 (1,979 sparse), FP32 67, 141 GB
     Gpu("h200", 143771 * MiB, 989, 989, 67, nvlink=450, network=50, pcie=50),
+    # NVIDIA L40S datasheet: BF16/FP16 362 (733 sparse), FP32 91.6, 48 GB GDDR6, PCIe Gen4, no NVLink
+    Gpu("l40s", 46068 * MiB, 362, 362, 91.6, nvlink=25, network=12.5, pcie=25),
+    # NVIDIA L4 datasheet: BF16/FP16 121 (242 sparse), FP32 30.3
     Gpu("l4", 23034 * MiB, 121, 121, 30.3, nvlink=25, network=12.5, pcie=25),
+    # A10G (AWS G5 instances): no NVIDIA datasheet; BF16/FP16 70 dense and FP32 31.2 as commonly cited
     Gpu("a10g", 23028 * MiB, 70, 70, 31.2, nvlink=25, network=12.5, pcie=25),
+    # NVIDIA V100 datasheet: no bf16; FP16 tensor 125, FP32 15.7 (SXM2)
     Gpu("v100-16gb", 16384 * MiB, None, 125, 15.7, nvlink=150, network=12.5, pcie=12.5),
     Gpu("v100-32gb", 32768 * MiB, None, 125, 15.7, nvlink=150, network=12.5, pcie=12.5),
+    # NVIDIA Ada GPU architecture whitepaper (RTX 4090): BF16/FP16 with FP32 accumulate 165 (330 sparse), FP32 82.6
     Gpu("rtx-4090", 24564 * MiB, 165, 165, 82.6, nvlink=25, network=12.5, pcie=25),
 ]}
 # Short names that leave no doubt about the memory. "a100" and "v100" are not here: each comes in two
 # memory sizes, and a plan for the wrong one says a layout fits when it does not (get_gpu lists them).
-# "h100" means the SXM card: both H100 variants hold 80 GB; `dstk plan` prints the preset it used.
+# "h100" means the SXM card: it and the PCIe card hold 80 GB (the NVL, 94 GB, is h100-nvl); `dstk plan`
+# prints the preset it used.
 ALIASES = {"a100-80g": "a100-80gb", "a100-40g": "a100-40gb", "h100": "h100-sxm",
            "h100-80gb": "h100-sxm", "h200-141gb": "h200", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
+# torch.cuda.get_device_name() (lower case) -> preset; the first match wins. None: a card with no preset
+# (its peak differs from its family's: GH200 is an H100 with 96/144 GB, H200 NVL runs at 835), so MFU is
+# not guessed; `dstk plan --gpu-mem/--tflops` and the GPU bench's --peak-tflops take its figures.
+DEVICE_NAMES = [(r"gh200", None), (r"h200.*nvl", None), (r"h200", "h200"), (r"h100.*nvl", "h100-nvl"),
+                (r"h100.*pcie", "h100-pcie"), (r"h100", "h100-sxm"),
+                (r"a100.*pcie.*80|a100.*80.*pcie", "a100-pcie-80gb"), (r"a100.*40", "a100-40gb"), (r"a100", "a100-80gb"),
+                (r"l40s", "l40s"), (r"\bl4\b", "l4"), (r"a10g", "a10g"), (r"v100.*16", "v100-16gb"), (r"v100", "v100-32gb"),
+                (r"4090", "rtx-4090")]
+
+
+def preset_for_device(device_name: str) -> str | None:
+    """The preset for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm"), or None for a card with none."""
+    for pattern, preset in DEVICE_NAMES:
+        if re.search(pattern, device_name.lower()):
+            return preset
+    return None
 
 
 def get_gpu(name: str) -> Gpu:

@@ -1,7 +1,7 @@
 """What a person reads during and after a run: rank 0's progress (ProgressLog: metrics.jsonl, a bar or
-plain lines), the per-rank numbers of the summary (per_rank), and at the end a short table of the loss
-curve and OUT/loss.png, made from OUT/metrics.jsonl (one JSON line per step, the summary last), so they
-can be redrawn for any finished or interrupted run.
+plain lines), the per-rank numbers of the summary (per_rank), its throughput (tokens/s, and MFU on CUDA:
+mfu_fields), and at the end a short table of the loss curve and OUT/loss.png, made from OUT/metrics.jsonl
+(one JSON line per step, the summary last), so they can be redrawn for any finished or interrupted run.
 """
 
 import json
@@ -31,8 +31,63 @@ def table(steps: list, summary: dict | None) -> str:
     if summary and summary.get("first_loss") is not None:
         evaluated = f", eval {summary['eval_loss']:.3f}" if summary.get("eval_loss") is not None else ""
         lines.append(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}{evaluated}, "
-                     f"{summary['tokens_per_s']:.0f} tokens/s, {summary['seconds']:.0f} s")
+                     f"{summary['tokens_per_s']:.0f} tokens/s{_mfu_text(summary)}, {summary['seconds']:.0f} s")
     return "\n".join(lines)
+
+
+def _mfu_text(summary: dict) -> str:
+    """", MFU 41.2% (1 GPU x h200, 989 bf16 TFLOPs)" on a GPU (a dash and the reason when it cannot be counted);
+    nothing on CPU (a summary without "gpu", or from before MFU was recorded)."""
+    if not summary.get("gpu"):
+        return ""
+    value = "-" if summary.get("mfu") is None else f"{summary['mfu']:.1%}"
+    return f", MFU {value} ({summary.get('mfu_note')})"
+
+
+def mfu_fields(tokens_per_s: float, model_config: dict, run, precision: str, gpu: str | None, gpus: int) -> dict:
+    """The summary's throughput fields: flops_per_token (toolkit.plan.mfu: the planner's cost model of the
+    model in `model_config`, a HF config.json dict, at run.seq_len, with run.lora_r under --lora/--qlora),
+    gpu (the CUDA device name, or None), mfu (share of `gpus` x the preset peak of `precision` that
+    `tokens_per_s` used; None off CUDA or where it cannot be counted) and mfu_note (what it was measured
+    against, or why there is none)."""
+    from toolkit.errors import ConfigError
+    from toolkit.plan.arch import arch_from_config
+    from toolkit.plan.mfu import flops_per_token, mfu, peak_tflops
+
+    out = {"flops_per_token": None, "gpu": gpu, "mfu": None}
+    if run.task != "causal-lm":
+        return {**out, "mfu_note": f"FLOPs are counted for causal LMs only, not --task {run.task}"}
+    try:
+        arch = arch_from_config(model_config, run.model)
+        out["flops_per_token"] = flops_per_token(arch, run.seq_len, run.lora_r if run.lora or run.qlora else None)
+        if gpu is None:
+            return {**out, "mfu_note": "no CUDA device: MFU is measured against a GPU's peak"}
+        preset, tflops = peak_tflops(gpu, precision)
+    except ConfigError as exc:  # an architecture the planner cannot cost, a GPU without a preset
+        return {**out, "mfu_note": str(exc)}
+    gpu_word = "GPU" if gpus == 1 else "GPUs"
+    return {**out, "mfu": mfu(tokens_per_s, out["flops_per_token"], gpus, tflops),
+            "mfu_note": f"{gpus} {gpu_word} x {preset}, {tflops:g} {precision} TFLOPs"}
+
+
+def _run_throughput(summary: dict, job, args) -> dict:
+    """mfu_fields for this rank's engine: the run's HF config as saved in the checkpoint folder, its
+    precision, its CUDA device (None on CPU), the world size."""
+    import torch.distributed as dist
+
+    from toolkit.train.checkpoint import META
+
+    engine, saved = job.engine, Path(job.ckpt_dir) / META / "config.json"
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    gpu = None
+    if engine.device.type == "cuda":
+        import torch
+
+        gpu = torch.cuda.get_device_name(engine.device)
+    if not saved.is_file():
+        return {"flops_per_token": None, "gpu": gpu, "mfu": None, "mfu_note": f"no {saved} to count FLOPs from"}
+    return mfu_fields(summary["tokens_per_s"], json.loads(saved.read_text()), args, precision, gpu,
+                      dist.get_world_size())
 
 
 def loss_png(steps: list, summary: dict | None, path) -> Path:
@@ -96,6 +151,7 @@ class ProgressLog:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a")
+        self.job, self.args = job, args
         self.every = args.log_every or max(1, (job.steps - job.start_step) // 20)
         self.last = job.steps
         tty = args.progress and sys.stderr.isatty()
@@ -114,6 +170,8 @@ class ProgressLog:
             self.bar.write(f"step {record['step']}/{self.last} " + " ".join(f"{k} {v}" for k, v in shown.items()))
 
     def close(self, summary: dict):
+        """Add the throughput fields (mfu_fields) to `summary`, the caller's dict too, and write it last."""
+        summary.update(_run_throughput(summary, self.job, self.args))
         self.file.write(json.dumps({"summary": summary}) + "\n")
         self.file.close()
         self.bar.close()
