@@ -131,11 +131,12 @@ def prepare(cpu: bool = False) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def init(cpu: bool = False, verbose: bool = False, alone: bool = False):
+def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=None):
     """Start this rank's process group through DeepSpeed (a no-op when one exists); returns
     torch.distributed. cpu=True: gloo on CPU even where CUDA exists. alone=True: a world of one
     whatever launcher variables say (in-process checks such as `dstk parity`, which would otherwise
-    wait for the other ranks of an `sbatch -n 8` allocation that never start).
+    wait for the other ranks of an `sbatch -n 8` allocation that never start). timeout: a datetime.timedelta
+    for the group's collectives, else DeepSpeed's (10 minutes, DEEPSPEED_TIMEOUT).
 
     Started through `deepspeed.init_distributed`, not torch's: DeepSpeed's config code reads the
     world size from deepspeed.comm and silently takes 1 when that was not initialised."""
@@ -162,7 +163,8 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False):
 
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: keep the launcher's
     port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port, verbose=verbose)
+    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port, verbose=verbose,
+                               **({"timeout": timeout} if timeout is not None else {}))
     if use_cuda:
         _print_devices(tdist)
     return tdist

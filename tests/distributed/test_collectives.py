@@ -41,10 +41,9 @@ def test_every_collective_tensor_is_on_the_engines_device(tmp_path, pp):
 
 WAIT = """
 import datetime, sys, time
-import deepspeed, torch.distributed as dist
+import torch.distributed as dist
 from toolkit import dist as toolkit_dist
-toolkit_dist.prepare(cpu=True)
-deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=2))
+toolkit_dist.init(cpu=True, timeout=datetime.timedelta(seconds=2))
 group = toolkit_dist.patient_group() if sys.argv[1] == "patient" else None
 if dist.get_rank() == 0:
     time.sleep(4)  # rank 0's long work (tokenizing, clearing a run folder): twice the group's timeout
