@@ -94,6 +94,8 @@ def test_pp1_batches_follow_the_engine_device():
 
     class Engine:
         device = torch.device("meta")
+        module = hf.build_model("tiny-llama", hf.load_config("tiny-llama", hf.byte_tokenizer(), "causal-lm"),
+                                "causal-lm", 0)  # what the engine wraps: its config names the attention
 
         def __call__(self, **inputs):
             self.seen = {k: v.device for k, v in inputs.items() if isinstance(v, torch.Tensor)}  # not use_cache
