@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,27 @@ def time_command(cmd: list[str], env=None) -> float:
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
+
+
+def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = None) -> tuple:
+    """Run `cmd` in `cwd` (the repository by default), launcher and ranks in one new process group, output in
+    `log`; (exit code or None when killed at `timeout`, wall seconds). At the timeout SIGTERM goes to the
+    group (the launcher forwards it to the ranks), SIGKILL 30 s later."""
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd or Path(__file__).resolve().parents[1], env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = None
+    return rc, time.perf_counter() - start
 
 
 def alternate(cases: dict, reps: int) -> dict:

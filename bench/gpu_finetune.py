@@ -43,7 +43,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -157,25 +156,6 @@ def child_env(dry_run: bool) -> dict:
     return env
 
 
-def launch(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int | None, float]:
-    """Run `cmd` (launcher and ranks in one new process group) with its output in `log`; (exit code or None
-    when killed at `timeout`, wall seconds)."""
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the launcher forwards it to the ranks
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
-    return rc, time.perf_counter() - start
-
-
 def read_metrics(out: Path) -> tuple[list[dict], dict | None]:
     """(per-step records, the run's summary or None) from OUT/metrics.jsonl."""
     path = out / "metrics.jsonl"
@@ -196,7 +176,7 @@ def run_case(case: Case, ctx: dict, opts, timeout: float) -> dict:
     config.write_text(json.dumps(ds_config(case, opts.fused_adam, cpu=opts.dry_run), indent=2))
     out, log = ctx["work"] / case.name, ctx["work"] / f"{case.name}.log"
     cmd = launch_command(case, config, ctx["data"][case.data], ctx["model_dir"], out, opts)
-    rc, wall = launch(cmd, log, child_env(opts.dry_run), timeout)
+    rc, wall = common.launch(cmd, log, child_env(opts.dry_run), timeout)
     records, summary = read_metrics(out)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     entry = {**asdict(case), "world": case.world, "gbs": case.gbs, "seq_len": opts.seq_len, "command": cmd,

@@ -26,12 +26,10 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -109,7 +107,8 @@ def run_one(variant: str, case: str, n: int, ctx: dict) -> dict:
     name = f"{variant}-{case}-{n}"
     out, log, tree = ctx["work"] / name, ctx["work"] / f"{name}.log", ctx["trees"][variant]
     cmd = train_command(case, tree, ctx["config"], ctx["model"], out)
-    rc, wall = launch(cmd, tree, log, ctx["timeout"])
+    # python -m puts the working directory first on sys.path: the variant's code is the one imported
+    rc, wall = common.launch(cmd, log, child_env(tree), ctx["timeout"], cwd=tree)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the trainer saves one at the last step
     if rc != 0:
         why = f"timed out after {ctx['timeout']:.0f} s" if rc is None else f"exit code {rc}"
@@ -122,27 +121,6 @@ def run_one(variant: str, case: str, n: int, ctx: dict) -> dict:
     keys = ("params_per_rank", "trainable_params_per_rank", "model_state_mib_per_rank", "peak_rss_mib_per_rank")
     figures = {k: summaries[-1][k] for k in keys}
     return {"variant": variant, "case": case, "repeat": n, "wall_s": round(wall, 1), **figures}
-
-
-def launch(cmd: list, tree: Path, log: Path, timeout: float) -> tuple[int | None, float]:
-    """Run `cmd` in `tree` (`python -m` puts the working directory first on sys.path: the variant's code is
-    the one imported), launcher and ranks in one new process group, output in `log`; (exit code or None when
-    killed at `timeout`, wall seconds)."""
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tree, env=child_env(tree), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the launcher forwards it to the ranks
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            rc = None
-    return rc, time.perf_counter() - start
 
 
 def summarize(runs: list[dict]) -> dict:

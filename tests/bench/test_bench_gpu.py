@@ -135,11 +135,11 @@ META = {"gpu": "g", "peak_tflops": 989, "preset": "h100-sxm", "model": "m", "mat
 
 
 def test_a_failed_case_is_reported_with_its_log(tmp_path, monkeypatch):
-    def crash(cmd, log, env, timeout):
+    def crash(cmd, log, env, timeout, cwd=None):
         log.write_text("starting\nRuntimeError: CUDA out of memory\n")
         return 1, 2.0
 
-    monkeypatch.setattr(gpu_finetune, "launch", crash)
+    monkeypatch.setattr(gpu_finetune.common, "launch", crash)
     opts = gpu_finetune.parse_args(["--dry-run"])
     ctx = {"work": tmp_path, "data": {"text": tmp_path / "d.txt"}, "model_dir": tmp_path / "m"}
     entry = gpu_finetune.run_case(gpu_finetune.CASES[0], ctx, opts, 60)
