@@ -110,8 +110,6 @@ if [[ -n "$node_rank" && -z "$hostfile" ]]; then
   for ((n = 0; n < num_nodes; n++)); do echo "node$n slots=$num_gpus" >> "$hostfile"; done
 fi
 [[ -n "$hostfile" ]] && cmd+=(--hostfile "$hostfile")
-[[ -n "$num_nodes" ]] && cmd+=(--num_nodes "$num_nodes")
-[[ -n "$num_gpus" ]] && cmd+=(--num_gpus "$num_gpus")
 [[ -n "$launcher" ]] && cmd+=(--launcher "$launcher")
 [[ -n "$node_rank" ]] && cmd+=(--no_ssh --node_rank "$node_rank")
 if [[ -n "$launcher" && "$launcher" != pdsh ]]; then
@@ -143,8 +141,8 @@ all_local() {
   awk -v a="$here" -v b="$short" '$1 !~ /^#/ && NF && $1 != "localhost" && $1 != "127.0.0.1" && $1 != a && $1 != b \
     { remote = 1 } END { exit remote }' "$hostfile"
 }
-# (DS_ACCELERATOR=cpu already set: no torch import to ask, ~1.5 s a launch)
-if all_local && { [[ "${DS_ACCELERATOR:-}" == cpu ]] ||
+# (DS_ACCELERATOR=cpu already set: no torch import to ask, ~1.5 s a launch; DS_ACCELERATOR=cuda: kept)
+if all_local && [[ "${DS_ACCELERATOR:-}" != cuda ]] && { [[ "${DS_ACCELERATOR:-}" == cpu ]] ||
     ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }; then
   export DS_ACCELERATOR=cpu
   procs=${num_gpus:-1}
@@ -155,15 +153,44 @@ if all_local && { [[ "${DS_ACCELERATOR:-}" == cpu ]] ||
   cores=$(nproc)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / ${procs:-1} > 0 ? cores / ${procs:-1} : 1 ))}
 fi
+# Under a scheduler's allocation (CUDA_VISIBLE_DEVICES=4,5) DeepSpeed's runner, given --num_gpus, drops the
+# variable and starts the ranks on GPUs 0..N-1, other jobs' GPUs: on one node the visible GPUs are named.
+if [[ -n "$num_gpus" && -z "$hostfile" && "${num_nodes:-1}" == 1 && -n "${CUDA_VISIBLE_DEVICES:-}" &&
+      "${DS_ACCELERATOR:-}" != cpu ]]; then
+  IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  (( num_gpus <= ${#visible[@]} )) || die "--num-gpus $num_gpus, but CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES shows \
+${#visible[@]} GPU(s); use --num-gpus ${#visible[@]} or fewer"
+  cmd+=(--include "localhost:$(IFS=,; echo "${visible[*]:0:num_gpus}")")
+  num_nodes=""
+else
+  [[ -n "$num_gpus" ]] && cmd+=(--num_gpus "$num_gpus")
+fi
+[[ -n "$num_nodes" ]] && cmd+=(--num_nodes "$num_nodes")
+# NCCL_* settings (interfaces, IB, debug) for the other nodes: DeepSpeed's runner forwards them only when its
+# own accelerator is CUDA, so from a login node without a GPU it forwards none.
+nccl_vars=$(compgen -e | { grep '^NCCL_' || true; } | paste -sd ' ' -)
 if [[ "$launcher" == openmpi ]]; then
   # mpirun passes only PYTHON*/UCX_* (DeepSpeed's list) to other nodes: add dstk's variables.
-  for var in DS_ACCELERATOR OMP_NUM_THREADS MASTER_PORT; do
+  # MASTER_ADDR with --master-addr: toolkit.dist then takes the ranks from OpenMPI's variables and this
+  # address, where DeepSpeed's MPI discovery would take the first address of `hostname -I` on rank 0.
+  [[ -n "$master_addr" ]] && export MASTER_ADDR=$master_addr
+  for var in DS_ACCELERATOR OMP_NUM_THREADS MASTER_PORT MASTER_ADDR $nccl_vars; do
     [[ -n "${!var:-}" ]] && launcher_args="-x $var${launcher_args:+ $launcher_args}"
   done
   if [[ $(id -u) == 0 ]]; then  # mpirun refuses root unless told twice
     export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1}
     export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-1}
   fi
+fi
+if [[ -z "$launcher" || "$launcher" == pdsh ]] && [[ -n "$nccl_vars" && -n "$hostfile" && -z "$node_rank" ]]; then
+  # pdsh: DeepSpeed's runner exports what its env file lists (DS_ENV_FILE, ~ and . searched; an absolute
+  # name is that file): NCCL_* plus the user's own ~/.deepspeed_env and ./.deepspeed_env lines.
+  env_file=$(mktemp "${TMPDIR:-/tmp}/dstk-env.XXXXXX")
+  for var in $nccl_vars; do printf '%s=%s\n' "$var" "${!var}" >> "$env_file"; done
+  for own in ~/"${DS_ENV_FILE:-.deepspeed_env}" "./${DS_ENV_FILE:-.deepspeed_env}"; do
+    if [[ -f "$own" ]]; then grep -v '^\s*$' "$own" >> "$env_file" || true; fi
+  done
+  export DS_ENV_FILE=$env_file
 fi
 [[ -n "$launcher_args" ]] && cmd+=(--launcher_args "$launcher_args")
 # The launcher's INFO lines (and the no-hostfile warning) only with dstk train --verbose.
@@ -172,7 +199,8 @@ for arg in "${train_args[@]}"; do [[ "$arg" == --verbose ]] && log_level=info; d
 cmd+=(--log_level "$log_level" --module toolkit.train --config "$config" "${train_args[@]}")
 
 if [[ $dry_run == 1 ]]; then
-  echo "DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-} $(printf '%q ' "${cmd[@]}")"
+  echo "DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-}${DS_ENV_FILE:+ DS_ENV_FILE=$DS_ENV_FILE} \
+$(printf '%q ' "${cmd[@]}")"
   exit 0
 fi
 exec "${cmd[@]}"

@@ -9,16 +9,18 @@ Launchers tell ranks apart through the environment. The deepspeed launcher (pdsh
 torchrun set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_*; DeepSpeed's openmpi and slurm runners (mpirun,
 srun) do not. Under mpirun `deepspeed.init_distributed` discovers them through mpi4py: rank and size
 from MPI, MASTER_ADDR = the first address of `hostname -I` on rank 0, MASTER_PORT = the port it is
-given (here MASTER_PORT, else 29500). DeepSpeed reads no slurm variable: under srun it tries mpi4py
-too, which needs an MPI built with slurm support (Debian's OpenMPI aborts in MPI_Init when it sees
-srun's variables; without mpi4py, an ImportError). So under slurm (SLURM_PROCID, no MPI or torch
-variable) init() fills RANK/LOCAL_RANK/WORLD_SIZE from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS and
-MASTER_ADDR from the first host of the step's node list (slurm_env).
+given (here MASTER_PORT, else 29500); when MASTER_ADDR is given (launch.sh --master-addr), init() fills
+the rest from OpenMPI's variables instead (openmpi_env) and no discovery runs. DeepSpeed reads no slurm
+variable: under srun it tries mpi4py too, which needs an MPI built with slurm support (Debian's OpenMPI
+aborts in MPI_Init when it sees srun's variables; without mpi4py, an ImportError). So under slurm
+(SLURM_PROCID, no torch or OpenMPI variable; srun's PMI_RANK/PMIX_RANK when equal to it) init() fills
+RANK/LOCAL_RANK/WORLD_SIZE from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS and MASTER_ADDR from the first
+host of the step's node list (slurm_env).
 A world of one is assumed only when no launcher variable at all is present; filling RANK=0 under
 mpirun would turn N ranks into N independent runs writing the same output folder.
 
 On a machine without CUDA: DeepSpeed's CPU accelerator and gloo. With CUDA: this rank's GPU is
-selected from its local rank before NCCL starts (else every rank of a node opens GPU 0).
+cuda:(local rank % visible GPUs), selected before NCCL starts (else every rank of a node opens GPU 0).
 """
 
 import itertools
@@ -53,9 +55,20 @@ def free_port() -> int:
 
 
 def launcher(env=None) -> str | None:
-    """The launcher that started this process (from its variables), or None when started by hand."""
+    """The launcher that started this process (from its variables), or None when started by hand. An srun
+    task is slurm's also where srun's MPI plugin (MpiDefault=pmix or pmi2) adds PMIX_RANK / PMI_RANK: they
+    then equal SLURM_PROCID (an MPI launcher that srun started per node, such as MPICH's hydra, numbers its
+    ranks otherwise, and its PMI_SIZE is not SLURM_NTASKS)."""
     env = os.environ if env is None else env
+    if "RANK" not in env and "OMPI_COMM_WORLD_RANK" not in env and _srun_task(env):
+        return "slurm"
     return next((name for var, name in LAUNCHER_VARS.items() if var in env), None)
+
+
+def _srun_task(env) -> bool:
+    procid = env.get("SLURM_PROCID")
+    return (procid is not None and all(env[var] == procid for var in ("PMI_RANK", "PMIX_RANK") if var in env)
+            and env.get("PMI_SIZE", env.get("SLURM_NTASKS")) == env.get("SLURM_NTASKS"))
 
 
 def env_rank(env=None) -> int:
@@ -118,6 +131,15 @@ def slurm_env(env=None) -> dict:
                 MASTER_PORT=env.get("MASTER_PORT") or str(port))
 
 
+def openmpi_env(env=None) -> dict:
+    """RANK/LOCAL_RANK/WORLD_SIZE (and MASTER_PORT) from OpenMPI's variables, for ranks told MASTER_ADDR
+    (launch.sh --launcher openmpi --master-addr): with all five set, DeepSpeed skips its MPI discovery, which
+    would replace MASTER_ADDR by the first address of `hostname -I` on rank 0 (and needs mpi4py)."""
+    env = os.environ if env is None else env
+    return dict(RANK=env["OMPI_COMM_WORLD_RANK"], LOCAL_RANK=env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+                WORLD_SIZE=env["OMPI_COMM_WORLD_SIZE"], MASTER_PORT=env.get("MASTER_PORT", str(DEFAULT_PORT)))
+
+
 def prepare(cpu: bool = False) -> None:
     """Before DeepSpeed starts: its CPU accelerator when there is no CUDA (or `cpu`), and the
     `deepspeed_shm_comm` op off. That op serves only inference all-reduce on CPU, and loading it
@@ -153,6 +175,9 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     elif launcher() == "slurm":  # DeepSpeed reads no SLURM_* variable (see the module docstring)
         for key, value in slurm_env().items():
+            os.environ.setdefault(key, value)
+    elif launcher() == "OpenMPI" and "MASTER_ADDR" in os.environ:  # launch.sh --master-addr: no MPI discovery
+        for key, value in openmpi_env().items():
             os.environ.setdefault(key, value)
     cpu = cpu or os.environ.get("DS_ACCELERATOR") == "cpu"  # a CPU run asked for on a machine with GPUs
     prepare(cpu)

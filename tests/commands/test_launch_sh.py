@@ -27,7 +27,7 @@ def test_dry_run_prints_the_deepspeed_command(tmp_path):
     cfg.write_text("{}")
     run = dry_run("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
     assert run.returncode == 0, run.stderr
-    assert "-m deepspeed.launcher.runner --num_gpus 2 --master_port " in run.stdout  # a free port
+    assert "-m deepspeed.launcher.runner --master_port " in run.stdout and " --num_gpus 2 " in run.stdout  # a free port
     assert (f"--log_level error --module toolkit.train --config {cfg} "
             "--model tiny-gpt2 --steps 5") in run.stdout
 
@@ -38,7 +38,8 @@ def test_node_rank_without_ssh_writes_a_hostfile_and_passes_the_master(tmp_path)
     run = dry_run("--num-nodes", "2", "--num-gpus", "1", "--node-rank", "1", "--master-addr", "10.0.0.1",
                   "--master-port", "29555", "--config", str(cfg), "--dry-run", "--", "--model", "m")
     assert run.returncode == 0, run.stderr
-    assert "--num_nodes 2 --num_gpus 1 --no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29555" in run.stdout
+    assert "--no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29555" in run.stdout
+    assert "--num_gpus 1 --num_nodes 2 " in run.stdout
     hostfile = run.stdout.split("--hostfile ")[1].split()[0]
     assert Path(hostfile).read_text() == "node0 slots=1\nnode1 slots=1\n"
 
@@ -76,3 +77,69 @@ def test_launcher_logs_only_with_verbose(tmp_path):
     loud = subprocess.run(base + ["--model", "m", "--verbose"], capture_output=True, text=True, env=env, cwd=REPO)
     assert "--log_level error --module toolkit.train" in quiet.stdout
     assert "--log_level info --module toolkit.train" in loud.stdout
+
+
+@pytest.mark.parametrize("visible, gpus, expect", [("4,5,6", 2, "--include localhost:4\\,5 "), ("4,5", 2, "--include localhost:4\\,5 "),
+                                                   ("", 2, "--num_gpus 2 ")])
+def test_num_gpus_takes_the_gpus_a_scheduler_made_visible(tmp_path, visible, gpus, expect):
+    """DeepSpeed's runner, given --num_gpus, drops CUDA_VISIBLE_DEVICES and uses GPUs 0..N-1 (other jobs' GPUs
+    under an allocation of 4,5): launch.sh names the visible ones instead. DS_ACCELERATOR=cuda says "a GPU
+    machine" here, where there is none (the dry run starts nothing)."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cuda", CUDA_VISIBLE_DEVICES=visible)
+    run = subprocess.run(["bash", str(REPO / "launch.sh"), "--num-gpus", str(gpus), "--config", str(cfg), "--dry-run",
+                          "--", "--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 0 and expect in run.stdout, run.stdout + run.stderr
+    assert ("--num_gpus" in run.stdout) == (not visible)
+
+
+def test_more_gpus_than_visible_are_refused(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cuda", CUDA_VISIBLE_DEVICES="4")
+    run = subprocess.run(["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(cfg), "--dry-run",
+                          "--", "--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert run.returncode == 2 and "--num-gpus 2, but CUDA_VISIBLE_DEVICES=4 shows 1 GPU(s); use --num-gpus 1" in run.stderr
+
+
+RECORDER = """#!/bin/sh
+printf '%s\\n' "$@" > "$RECORD/$(basename "$0").args"
+echo 10.0.0.5  # ssh NODE hostname -I: the address DeepSpeed's runner asks node 0 for
+"""
+
+
+def _remote_launch(tmp_path, *launch_args):
+    """launch.sh -> DeepSpeed's runner -> the command it starts for two nodes. The nodes cannot exist here:
+    stand-ins for pdsh, ssh and mpirun record their arguments (what would run) and start nothing. From a
+    machine without a GPU (a login node), with NCCL_SOCKET_IFNAME set and a ~/.deepspeed_env of the user's."""
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir(), home.mkdir()
+    for name in ("pdsh", "ssh", "mpirun"):
+        (bin_dir / name).write_text(RECORDER)
+        (bin_dir / name).chmod(0o755)
+    (home / ".deepspeed_env").write_text("MY_SETTING=7\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("nodeA slots=1\nnodeB slots=1\n")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env.update(PYTHON=sys.executable, PATH=f"{bin_dir}:{env['PATH']}", HOME=str(home), RECORD=str(tmp_path),
+               NCCL_SOCKET_IFNAME="ib0", NCCL_DEBUG="WARN")
+    cmd = ["bash", str(REPO / "launch.sh"), "--hostfile", str(hosts), *launch_args, "--config",
+           str(train_config(tmp_path)), "--", "--model", "tiny-gpt2", "--data", str(CORPUS), "--out", str(tmp_path / "run")]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run
+
+
+def test_pdsh_nodes_get_the_nccl_settings_from_a_login_node_without_gpus(tmp_path):
+    _remote_launch(tmp_path)
+    remote = (tmp_path / "pdsh.args").read_text()
+    assert "export NCCL_SOCKET_IFNAME=ib0;" in remote and "export NCCL_DEBUG=WARN;" in remote
+    assert "export MY_SETTING=7" in remote  # the user's own ~/.deepspeed_env still counts
+
+
+def test_openmpi_nodes_get_the_nccl_settings_and_the_master_address(tmp_path):
+    _remote_launch(tmp_path, "--launcher", "openmpi", "--master-addr", "10.1.1.1")
+    remote = (tmp_path / "mpirun.args").read_text().split("\n")
+    exported = {remote[i + 1] for i, arg in enumerate(remote) if arg == "-x"}
+    assert {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "MASTER_ADDR"} <= exported, remote

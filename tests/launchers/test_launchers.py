@@ -148,11 +148,15 @@ def probe(folder: Path, results, ranks=2) -> list:
 
 
 @pytest.mark.heavy
-def test_slurm_tasks_form_one_world_through_dist_init(tmp_path):
+@pytest.mark.parametrize("mpi", ["none", "pmix", "pmi2"])
+def test_slurm_tasks_form_one_world_through_dist_init(tmp_path, mpi):
     """No MASTER_ADDR: it is the node list's first host (a bracket range that resolves here); DeepSpeed's
-    own comm sees the world too (without RANK it would ask MPI, which aborts under srun's variables)."""
+    own comm sees the world too (without RANK it would ask MPI, which aborts under srun's variables). The
+    same with srun's MPI plugin's variables (MpiDefault=pmix or pmi2), which used to hide the slurm set-up."""
     port = str(free_port())
-    envs = [slurm_task(r, SLURM_NODELIST="127.0.0.[1-2]", MASTER_PORT=port) for r in (0, 1)]
+    plugin = {"none": lambda r: {}, "pmix": lambda r: {"PMIX_RANK": str(r)},
+              "pmi2": lambda r: {"PMI_RANK": str(r), "PMI_SIZE": "2"}}[mpi]
+    envs = [slurm_task(r, SLURM_NODELIST="127.0.0.[1-2]", MASTER_PORT=port, **plugin(r)) for r in (0, 1)]
     got = probe(tmp_path, run_tasks([sys.executable, "-c", PROBE, str(tmp_path)], envs, timeout=120))
     assert [(r["rank"], r["world"], r["ds_world"], r["total"]) for r in got] == [(0, 2, 2, 3.0), (1, 2, 2, 3.0)]
     assert [r["env"] for r in got] == [dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -160,14 +164,19 @@ def test_slurm_tasks_form_one_world_through_dist_init(tmp_path):
 
 
 @pytest.mark.heavy
-def test_openmpi_ranks_form_one_world_through_dist_init(tmp_path):
-    """mpirun directly: ranks from mpi4py, rank 0's address from `hostname -I`, the port from MASTER_PORT."""
+@pytest.mark.parametrize("master", [None, "127.0.0.1"])
+def test_openmpi_ranks_form_one_world_through_dist_init(tmp_path, master):
+    """mpirun directly: ranks from mpi4py, rank 0's address from `hostname -I`, the port from MASTER_PORT;
+    given MASTER_ADDR (launch.sh --master-addr passes it with -x), that address and OpenMPI's variables."""
     port = str(free_port())
-    cmd = ["mpirun", "-n", "2", "-x", "MASTER_PORT", sys.executable, "-c", PROBE, str(tmp_path)]
-    root = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "-n", "2", "-x", "MASTER_PORT", *(["-x", "MASTER_ADDR"] if master else []),
+           sys.executable, "-c", PROBE, str(tmp_path)]
+    root = dict(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **({"MASTER_ADDR": master} if master else {}))
     got = probe(tmp_path, run_tasks(cmd, [env(MASTER_PORT=port, **root)], timeout=120))
     assert [(r["rank"], r["world"], r["ds_world"], r["total"]) for r in got] == [(0, 2, 2, 3.0), (1, 2, 2, 3.0)]
     assert {r["env"]["MASTER_PORT"] for r in got} == {port} and len({r["env"]["MASTER_ADDR"] for r in got}) == 1
+    if master:
+        assert {r["env"]["MASTER_ADDR"] for r in got} == {master}
 
 
 @pytest.mark.heavy

@@ -20,7 +20,11 @@ SRUN = dict(SLURM_PROCID="2", SLURM_LOCALID="0", SLURM_NTASKS="4", SLURM_NODELIS
     (MPIRUN, "OpenMPI"),
     (SRUN, "slurm"),
     ({**SRUN, **MPIRUN}, "OpenMPI"),  # mpirun inside a slurm allocation: every rank inherits SLURM_PROCID=0
-    ({**SRUN, "PMIX_RANK": "2"}, "PMIx"),  # srun --mpi=pmix
+    ({**SRUN, "PMIX_RANK": "2"}, "slurm"),  # srun --mpi=pmix (MpiDefault=pmix): still srun's task
+    ({**SRUN, "PMI_RANK": "2", "PMI_SIZE": "4"}, "slurm"),  # srun --mpi=pmi2
+    ({**SRUN, "PMI_RANK": "5", "PMI_SIZE": "8"}, "MPICH / Intel MPI"),  # hydra's ranks, its proxies started by srun
+    ({**SRUN, "SLURM_PROCID": "0", "PMI_RANK": "0", "PMI_SIZE": "8"}, "MPICH / Intel MPI"),  # its rank 0 too
+    ({"PMIX_RANK": "3"}, "PMIx"),
     ({**SRUN, **TORCHRUN}, "torchrun / deepspeed"),  # the deepspeed launcher inside a slurm job
     ({"PMI_RANK": "1"}, "MPICH / Intel MPI"),
 ])
@@ -132,3 +136,12 @@ def test_select_gpu_makes_local_rank_the_device_deepspeed_will_use(monkeypatch, 
     monkeypatch.delenv("DSTK_NODE_LOCAL_RANK", raising=False)
     assert dist.select_gpu() == device and chosen == [device]
     assert os.environ["LOCAL_RANK"] == local_env and dist.local_rank() == 5
+
+
+def test_openmpi_ranks_told_the_master_address_need_no_mpi_discovery():
+    """launch.sh --launcher openmpi --master-addr passes MASTER_ADDR: RANK, LOCAL_RANK, WORLD_SIZE and
+    MASTER_PORT come from OpenMPI's variables, so DeepSpeed (which discovers only when one of the five is
+    missing) keeps that address instead of rank 0's `hostname -I`."""
+    env = {**MPIRUN, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29555"}
+    assert dist.openmpi_env(env) == dict(RANK=MPIRUN["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=MPIRUN["OMPI_COMM_WORLD_SIZE"],
+                                         LOCAL_RANK=MPIRUN.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), MASTER_PORT="29555")
