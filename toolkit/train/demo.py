@@ -43,8 +43,24 @@ def train(out: Path, steps: int, lr: float, model: str) -> int:
            "--overwrite"]
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                os.environ.get("PYTHONPATH")])))
+    why = on_cpu_because(_gpu_count())
+    if why:
+        env["DS_ACCELERATOR"] = "cpu"
+        click.echo(f"demo: {why}: its 2 pipeline stages run as CPU processes")
     click.echo("$ " + " ".join(cmd))
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def on_cpu_because(gpus: int) -> str | None:
+    """Why the demo's two ranks run on CPU: a machine with one GPU cannot hold both (NCCL refuses two ranks
+    on one GPU). None with two GPUs or more, and without any (CPU already)."""
+    return "1 GPU here, and NCCL refuses two ranks on one GPU" if gpus == 1 else None
 
 
 def report(out: Path) -> None:
