@@ -221,3 +221,10 @@ def test_zero0_masters_from_fusedadams_flat_groups():
     with pytest.raises(UnusableInput, match="do not match the parameter order"):
         _zero0_masters({"module": saved["module"], "optimizer": {"fp32_groups": [[torch.ones(6)]]}},
                        {"param_groups": [["w", "b"]]})
+
+
+@pytest.mark.parametrize("cfg, name", [({"fp16": {"enabled": True}}, "float16"), ({"bf16": {"enabled": True}}, "bfloat16"),
+                                       ({"bfloat16": {"enabled": True}}, "bfloat16"), ({}, "float32")])
+def test_qlora_computes_in_the_runs_precision(cfg, name):
+    """QLoRA's bnb_4bit_compute_dtype (loop._model) is the run's: an fp16 config computed in fp32 before."""
+    assert str(hf.param_dtype(cfg)).removeprefix("torch.") == name and hasattr(torch, name)

@@ -178,7 +178,7 @@ def _model(args, config, topo, cfg: dict):
     if topo.pp == 1:
         if settings is not None and settings.qlora:
             torch.manual_seed(args.seed)
-            compute = "bfloat16" if (cfg.get("bf16") or {}).get("enabled") else "float32"
+            compute = str(hf.param_dtype(cfg)).removeprefix("torch.")  # the run's precision: fp16 computes in fp16
             model = lora.quantized_model(args.model, config, args.task, compute, checkpointing)
         else:
             model = hf.build_model(args.model, config, args.task, args.seed, cfg)
