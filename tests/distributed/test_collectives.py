@@ -65,3 +65,42 @@ def test_ranks_waiting_for_rank_0_outlast_the_process_groups_timeout_in_the_pati
         assert rc == 0 and sorted(log.split()).count("waited") == 2, log[-3000:]
     else:
         assert rc != 0 and "rank 1 waited" not in log, log[-3000:]  # rank 1 timed out in the world's barrier
+
+
+SLOW_DATA = """
+import datetime, sys, time
+import torch.distributed as dist
+from toolkit import dist as toolkit_dist
+from toolkit.train import data, hf
+toolkit_dist.init(cpu=True, timeout=datetime.timedelta(seconds=2))
+tokenizer = hf.byte_tokenizer()
+
+
+class Slow(type(tokenizer)):  # a tokenizer slower than the group's timeout: 4 s at its first batch
+    slept = False
+
+    def __call__(self, *args, **kwargs):
+        if not Slow.slept:
+            Slow.slept = True
+            time.sleep(4)
+        return super().__call__(*args, **kwargs)
+
+
+tokenizer.__class__ = Slow
+opts = data.DataOptions(path=sys.argv[1], seq_len=32, cache_dir=sys.argv[2])
+prepared = data.prepare_once_per_node(opts, tokenizer)
+print(f"rank {dist.get_rank()} rows {len(prepared.train)}", flush=True)
+toolkit_dist.shutdown()
+"""
+
+
+def test_ranks_wait_for_a_slow_tokenizer_past_the_groups_timeout(tmp_path):
+    """Local rank 0 tokenizes --data (4 s, twice the 2 s timeout of this world) while rank 1 waits for it in
+    toolkit.data's exchange: nobody times out, and rank 1 reads the same rows from the cache."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_DATA)
+    rc, log = run_ranks([script, Path(__file__).parents[2] / "toolkit" / "corpus" / "corpus.txt", tmp_path / "cache"], 2,
+                        timeout=120)
+    assert rc == 0, log[-3000:]
+    rows = sorted(line for line in log.splitlines() if line.startswith("rank "))
+    assert len(rows) == 2 and rows[0].split()[-1] == rows[1].split()[-1], log[-3000:]
