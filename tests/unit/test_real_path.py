@@ -158,9 +158,9 @@ def test_an_encoder_is_not_trained_as_a_causal_lm():
 
 
 def test_zero3_builds_the_model_partitioned(ds_world1):
-    """Under a ZeRO-3 config the model is created inside deepspeed.zero.Init: every parameter is a
-    placeholder (no elements held) with its full size recorded for DeepSpeed, so no rank materialises
-    the whole model; other stages build it whole."""
+    """Under a ZeRO-3 config every parameter is a placeholder (no elements held) with its full size
+    recorded for DeepSpeed; other stages build it whole. (A built-in is built whole first, then
+    partitioned, for the same random weights at every stage; a directory loads inside zero.Init.)"""
     tok = hf.byte_tokenizer()
     config = hf.load_config("tiny-llama", tok, "causal-lm")
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},

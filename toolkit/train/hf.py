@@ -161,8 +161,9 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
     fp32 masters themselves, made from those values); fp32 under an fp32 config, each tensor cast as it is
     read (transformers 5 would keep a bf16 checkpoint bf16, dtype="auto", and an optimizer stepping bf16
     weights loses every update below bf16's resolution). Buffers keep the dtype an fp32 build gives them.
-    Random weights are drawn in fp32. ZeRO-3 (`ds_config` stage 3): built already partitioned
-    (deepspeed.zero.Init; from_pretrained through HF's HfDeepSpeedConfig), so no rank ever holds the whole model."""
+    Random weights are drawn in fp32, the same at every ZeRO stage. ZeRO-3 (`ds_config` stage 3): a directory's
+    model is built already partitioned (deepspeed.zero.Init; from_pretrained through HF's HfDeepSpeedConfig), so
+    no rank ever holds it whole; a built-in is built whole, then partitioned (`partition`)."""
     import torch
 
     import models
@@ -186,15 +187,32 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
     # "Weight conversions ... with DeepSpeed Tensor Parallelism are not yet implemented", llama included)
     # when the config names an autotp_size; AutoTP shards the loaded model later, in deepspeed.initialize.
     loading = {k: v for k, v in (ds_config or {}).items() if k != "tensor_parallel"}
-    zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
     if Path(model).is_dir():  # transformers 5 initialises only what the checkpoint lacks
+        zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
         built = cls.from_pretrained(model, config=config, dtype=dtype, **attn)
         if reference is not None:
             fp32_buffers(built, reference)
-    else:
+    else:  # random: built whole, as at ZeRO 0-2 (under zero.Init HF draws other weights: another first loss)
         built = cls.from_config(config, dtype=torch.float32, **attn)
+        zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
+        if zero3:
+            partition(built, zero3_config.config)
     built.dstk_hf_deepspeed_config = zero3_config
     return built
+
+
+def partition(model, ds_config: dict) -> None:
+    """Partition a built model's parameters as deepspeed.zero.Init would have built them: in the dtype
+    DeepSpeed trains them in (param_dtype: the engine casts only models that were not built partitioned),
+    each rank keeping its share. For the built-in models, whose random weights must not depend on the
+    ZeRO stage; each rank holds the whole fp32 model for a moment (as at ZeRO 0-2)."""
+    import deepspeed
+
+    dtype = param_dtype(ds_config)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    deepspeed.zero.Init(module=model, config_dict_or_path=ds_config)
 
 
 def param_dtype(ds_config: dict | None):
