@@ -273,6 +273,40 @@ def all_reduce_sum(values, device) -> list:
 
 
 _PATIENT = {}
+SHARED_WAIT = 10.0  # seconds a rank looks for rank 0's marker (NFS clients may cache a directory that long)
+
+
+def shared_with_rank0(directory) -> list:
+    """[(host, sees it)] per global rank, for a file rank 0 writes into `directory` (created there): all
+    True when the directory is one folder for the whole world (a shared file system), False on a node whose
+    `directory` is its own disk. A rank that does not see the file looks again for SHARED_WAIT seconds."""
+    import secrets
+    import time
+    from pathlib import Path
+
+    import torch.distributed as tdist
+
+    group, directory = patient_group(), Path(directory)
+    box = [secrets.token_hex(8)]
+    if tdist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f".dstk-shared-{box[0]}").write_text(box[0])
+    tdist.broadcast_object_list(box, src=0, group=group)
+    marker, deadline = directory / f".dstk-shared-{box[0]}", time.monotonic() + SHARED_WAIT
+    while not (seen := marker.name in _listing(directory)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    views = [None] * tdist.get_world_size()
+    tdist.all_gather_object(views, (socket.gethostname(), seen), group=group)
+    if tdist.get_rank() == 0:
+        marker.unlink(missing_ok=True)
+    return views
+
+
+def _listing(directory) -> list:
+    try:
+        return os.listdir(directory)  # a directory read, which revalidates an NFS client's cached entries
+    except OSError:
+        return []
 
 
 def patient_group():

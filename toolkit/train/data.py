@@ -182,17 +182,20 @@ def _cache_file(opts: DataOptions, name: str) -> str:
 
 
 def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
-    """prepare() on each node's local rank 0 first (it builds the caches, with progress bars), then on
-    the other local ranks (cache hits, quiet). A refusal there is raised on every rank, same message."""
+    """prepare() on one rank first (it builds the caches, with progress bars), then on the others (cache hits,
+    quiet): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
+    the same cache files at once would race), else each node's local rank 0. A refusal there is raised on
+    every rank, same message."""
     import datasets
     import torch.distributed as dist
 
-    from toolkit.dist import local_rank, patient_group
+    from toolkit.dist import local_rank, patient_group, shared_with_rank0
 
     if not dist.is_initialized():
         return prepare(opts, tokenizer)
     result, failure = None, None
-    if local_rank() == 0:
+    shared = all(seen for _, seen in shared_with_rank0(opts.cache_dir or datasets.config.HF_DATASETS_CACHE))
+    if (dist.get_rank() if shared else local_rank()) == 0:
         try:
             result = prepare(opts, tokenizer)
         except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below

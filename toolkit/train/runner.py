@@ -81,6 +81,19 @@ def check_attention_precision(attention: str, cfg: dict) -> None:
                           "--attention sdpa")
 
 
+def check_shared_out(out) -> None:
+    """Every rank writes its part of each checkpoint into --out and rank 0 reads them all (resume, export):
+    refuse an --out that is each node's own disk, before anything is built."""
+    views = toolkit_dist.shared_with_rank0(out)
+    blind = [rank for rank, (_, seen) in enumerate(views) if not seen]
+    if blind:
+        hosts = ", ".join(sorted({views[r][0] for r in blind}))
+        raise ConfigError(f"--out {out} is not one folder for every node: rank 0 ({views[0][0]}) wrote a file there "
+                          f"that rank(s) {blind} on {hosts} do not see after {toolkit_dist.SHARED_WAIT:.0f} s; every "
+                          "rank writes its part of each checkpoint there and rank 0 reads them all (resume, export): "
+                          "put --out on a file system every node mounts (NFS, Lustre, ...)")
+
+
 def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group and no model: the config (for `world_size` processes
     when known), the data file, the run folder. Every rank runs them first, so a mistake costs
@@ -143,6 +156,12 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     topo = Topology(dist.get_world_size(), pp, tp_of(cfg))
     stage, dp_rank = topo.coords(dist.get_rank())
     ckpt_dir = Path(args.out) / "checkpoints"
+    try:
+        check_shared_out(args.out)
+    except ConfigError:
+        if teardown:
+            toolkit_dist.shutdown()  # every rank refuses: they meet in its barrier (gloo's threads, exit -6)
+        raise
     resume_tag = checkpoint.agreed_latest(ckpt_dir) if args.resume else None
     if resume_tag:
         checkpoint.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag)
