@@ -18,6 +18,13 @@ Three things DeepSpeed 0.19 gets wrong for these layer lists, put right on the m
   every tied weight's gradient between its stages, and under bf16 reads `weight._hp_grad`, which
   exists only for what BF16_Optimizer optimizes (AttributeError at the first step). Frozen tied
   weights are left out of `get_tied_weights_and_groups`: they have no gradient to reduce.
+
+And one thing it does too early: `PipelineModule.__init__` moves the stage to its device right after
+building it (runtime/pipe/module.py: `self._build(); self.to(device)`), before the engine casts the
+parameters to bf16/fp16 and before dstk shards the blocks over a tp group, so a GPU would briefly hold the
+whole stage in the dtype it was built in (4 bytes x every parameter for a model built in fp32).
+`build_pipeline_module(..., on_host=True)` holds that move (and the tied-weight broadcast that follows
+it, which NCCL needs on the device) until the caller has made the stage final and calls `place(module)`.
 """
 
 from toolkit.errors import ConfigError
@@ -39,16 +46,30 @@ def check_parts(parts, num_stages, num_layers) -> list:
 
 def _module_class():
     """Defined lazily so importing models does not import deepspeed."""
+    import torch
     from deepspeed.pipe import PipelineModule
 
     class DstkPipelineModule(PipelineModule):
         """PipelineModule that takes given boundaries and precomputed parameter counts."""
 
-        def __init__(self, layers, *, dstk_parts=None, dstk_param_counts=None, **kwargs):
+        def __init__(self, layers, *, dstk_parts=None, dstk_param_counts=None, dstk_on_host=False, **kwargs):
             self._dstk_parts = dstk_parts  # plain attributes: allowed before nn.Module.__init__
             self._dstk_param_counts = dstk_param_counts
+            self._dstk_held = None  # while held on the host: the device DeepSpeed asked for (place() moves it)
+            self._dstk_holding = dstk_on_host
             super().__init__(layers, **kwargs)
             mark_grad_norm_owners(self)
+
+        def to(self, *args, **kwargs):
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if self._dstk_holding and dtype is None:  # __init__'s move after _build: recorded, done by place()
+                self._dstk_held = device
+                return self
+            return super().to(*args, **kwargs)
+
+        def _synchronize_tied_weights(self):
+            if not self._dstk_holding:  # held with the move: a broadcast on NCCL needs the device
+                super()._synchronize_tied_weights()
 
         def _partition_layers(self, method="uniform"):
             if self._dstk_parts is None:
@@ -102,11 +123,13 @@ def checkpointable_layers(spec) -> list:
 
 
 def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
-                          partition_method="parameters", **kwargs):
+                          partition_method="parameters", on_host=False, **kwargs):
     """deepspeed.pipe.PipelineModule for `spec` (needs torch.distributed initialised, LOCAL_RANK set).
 
     parts: stage boundaries (len num_stages + 1, parts[0] = 0, parts[-1] = spec.num_layers);
         when given they are used as is and partition_method is ignored.
+    on_host: leave the stage where its layers were built (the CPU) and its tied weights unsynchronised
+        until `place(module)`, instead of DeepSpeed moving it to the device as it is built (module doc).
     Other keyword arguments go to PipelineModule (activation_checkpoint_interval, seed_layers, ...);
     checkpointable_layers defaults to the spec's blocks and final norm.
     """
@@ -123,4 +146,23 @@ def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
     cls = _module_class()
     return cls(spec.layers, num_stages=None if topology is not None else num_stages, topology=topology,
                loss_fn=spec.loss_fn, partition_method=partition_method, dstk_parts=parts,
-               dstk_param_counts=spec.param_counts, **kwargs)
+               dstk_param_counts=spec.param_counts, dstk_on_host=on_host, **kwargs)
+
+
+def cast_parameters(module, dtype) -> None:
+    """Parameters to `dtype` in place, as DeepSpeed's engine casts them under bf16/fp16
+    (engine._cast_module_mixed_precision: every floating parameter, no buffer), where they are now."""
+    import torch
+
+    for p in module.parameters():
+        if p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def place(module) -> None:
+    """The move `build_pipeline_module(on_host=True)` held back: the stage, now final, to the device
+    DeepSpeed chose for it, then the tied weights' broadcast from their first stage. Call under no_grad."""
+    module._dstk_holding = False
+    if module._dstk_held is not None:
+        module.to(module._dstk_held)
+    module._synchronize_tied_weights()

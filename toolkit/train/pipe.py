@@ -37,6 +37,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     import torch
 
     import models
+    from models.pipeline import place
 
     is_dir = isinstance(model, (str, Path))
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
@@ -63,19 +64,30 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())  # its prints
     plan = _tp_plan(spec.config, task, cfg, topo.tp) if topo.tp > 1 else None  # refused before anything is built
     with torch.no_grad(), quiet:
-        module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts,
+        module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts, on_host=True,
                                               activation_checkpoint_interval=checkpoint_interval(cfg))
+        _finish_on_host(module, spec, layout, cfg, plan, topo.tp)
+        place(module)  # the stage as it trains (cast, sharded) to its device: nothing bigger goes there first
     if plan is not None:
-        from toolkit.train.tp_stages import shard_stage
-
-        with torch.no_grad():
-            module.dstk_tp_info = shard_stage(module, spec, layout["hf_names"], spec.config, plan, topo.tp)
         models.mark_grad_norm_owners(module)
         layout["tp"] = topo.tp
     if lora is not None:
         for name, p in module.named_parameters():  # PEFT's rule: adapters (and a classifier's copy) train
             p.requires_grad_(is_adapter(name))
     return module, layout
+
+
+def _finish_on_host(module, spec, layout: dict, cfg: dict, plan, tp: int) -> None:
+    """Make a stage built on the host what it trains as: parameters in the dtype DeepSpeed's engine casts
+    them to (a built-in model and LoRA's adapters arrive in fp32), then its blocks sharded over the tp group
+    (AutoTP copies each shard to the accelerator and frees the whole tensor)."""
+    from models.pipeline import cast_parameters
+
+    cast_parameters(module, param_dtype(cfg))
+    if plan is not None:
+        from toolkit.train.tp_stages import shard_stage
+
+        module.dstk_tp_info = shard_stage(module, spec, layout["hf_names"], spec.config, plan, tp)
 
 
 def _topology(topo):

@@ -1,0 +1,59 @@
+"""What a pipeline stage holds when it goes to its device, by peak memory at build, measured on CPU.
+
+DeepSpeed's PipelineModule moves a stage to its device as soon as its layers are built; the engine casts
+the parameters to bf16 later, and dstk shards a stage's blocks over its tp group later still. On a GPU the
+device then briefly held the stage whole, in the dtype it was built in: for a built-in model (a live fp32
+model) 4 bytes x every parameter of the stage. On a CPU that move changes nothing, so the test counts what
+it would carry: scripts/stage_moves.py records the stage's parameter bytes at every `nn.Module.to(device)`
+on the PipelineModule (DeepSpeed's own, dstk's and the engine's), and the bytes the bf16 engine finally
+trains. Every move must carry the final bytes (cast, sharded), no more.
+
+Measured on tiny-llama, per rank: tp 2 over one stage (the whole model, 217,792 parameters): before, the
+first move carried 871,168 bytes (fp32, unsharded), 3.47 x the 251,264 bf16 bytes of the rank's shard;
+LoRA r 4 at pp 2 on a built-in model: 472,832 bytes (the frozen base in fp32), twice the final 236,416.
+A saved directory already loads in bf16 (toolkit.train.hf.param_dtype), so there the unsharded stage was
+the excess. The 4-process pp 2 x tp 2 layout is in the heavy tier.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).parent / "scripts" / "stage_moves.py"
+
+
+def _launch(tmp_path: Path, nprocs: int, *pairs) -> dict:
+    """{(case, i): [rank reports]} for the (case, model) pairs, built in one launch of `nprocs` ranks."""
+    rc, log = run_ranks([SCRIPT, tmp_path, *[str(x) for pair in pairs for x in pair]], nprocs, timeout=240)
+    assert rc == 0, log[-3000:]
+    return {(case, i): [json.loads((tmp_path / f"{case}-{i}-rank{r}.json").read_text()) for r in range(nprocs)]
+            for i, (case, _) in enumerate(pairs)}
+
+
+def _check(report: dict, sharded: bool) -> None:
+    final, as_built = report["final_bytes"], report["stage_params_as_built"]
+    assert report["final_dtypes"] == ["torch.bfloat16"]
+    assert report["moves"] and all(m["bytes"] == final for m in report["moves"]), (report["moves"], final)
+    assert final < 0.6 * 4 * as_built, (final, as_built)  # 4 * as_built: the fp32 stage as built, moved before
+    if sharded:  # the blocks' projections are halved: under the unsharded stage's bf16 bytes
+        assert final < 2 * as_built, (final, as_built)
+
+
+def test_a_stage_goes_to_its_device_cast_and_sharded_not_whole_in_fp32(tmp_path, saved_models):
+    saved = saved_models.get("tiny-llama")  # fp32 safetensors, read per stage in bf16
+    reports = _launch(tmp_path, 2, ("tp2", "tiny-llama"), ("tp2", saved), ("lora-pp2", "tiny-llama"))
+    for (case, _), ranks in reports.items():
+        for report in ranks:
+            _check(report, sharded=case == "tp2")
+
+
+@pytest.mark.heavy
+def test_a_3d_stage_goes_to_its_device_as_its_tp_shard(tmp_path):
+    [ranks] = _launch(tmp_path, 4, ("pp2tp2", "tiny-llama")).values()
+    for report in ranks:
+        _check(report, sharded=True)
