@@ -1,15 +1,19 @@
-"""The cost model against independent counts: torch's FlopCounterMode and the tensors autograd
-saves, on the real layers models/ builds (small widths of real architectures, random weights)."""
+"""The cost model against independent counts: torch's FlopCounterMode, the tensors autograd saves, and
+the bytes the loss allocates at its peak (a dispatch mode that follows every storage ops create), on the
+real layers models/ builds (small widths of real architectures, random weights)."""
 
+import weakref
 from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from toolkit.plan.arch import BUILTINS, load_arch, to_hf_config
-from toolkit.plan.costs import layer_costs
+from toolkit.plan.costs import layer_costs, logits_bytes
 from toolkit.plan.precision import PRECISIONS
 from toolkit.errors import ConfigError
 from toolkit.plan.profile import build_layers, sample_batch
@@ -109,3 +113,60 @@ def test_the_planner_counts_the_attention_mask_once_per_stage_and_micro_batch_in
         req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=2, gpu="h100-sxm", seq_len=T, attention=attention)
         held[attention] = estimate_layout(req, layout).activations  # the heaviest stage: 2 in flight
     assert held["sdpa"] - held["flash_attention_2"] == 2 * (2 * T * T * 2)  # 1 GiB: in flight x mbs * T^2 * bf16
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages torch's ops create while it is active (backward included): alive now, and at
+    their peak. A storage counts until it is freed; an op's output on one of its inputs' storages (a view,
+    an alias) is not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.sizes = 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.sizes.keys() | given:
+                storage = t.untyped_storage()
+                self.sizes[storage.data_ptr()] = storage.nbytes()
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._free, storage.data_ptr())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key):
+        self.live -= self.sizes.pop(key)
+
+
+def _head(dtype):
+    """(head layer, loss_fn, its (B, T, h) input, labels, arch) of llama-3.2-1b's widths with a 4096 vocab;
+    the head frozen: its weight's gradient is a model state, not the loss's."""
+    arch = replace(BUILTINS["llama-3.2-1b"], layers=1, vocab=4096)
+    spec = models.pipeline_layers(to_hf_config(arch))
+    fn, module = build_layers(spec.layers)[-1]
+    module.to(dtype).requires_grad_(False)
+    x = torch.randn(B, T, arch.hidden, dtype=dtype, requires_grad=True)
+    return fn, spec.loss_fn, x, sample_batch(spec.config, T, B)[1], arch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_loss_peaks_at_three_fp32_logits_on_top_of_what_the_stage_holds(dtype):
+    """A pipeline's last stage (DeepSpeed keeps its outputs, the logits, in a buffer): the logits are held, and
+    the loss's forward and backward add 12 * N * V bytes at their peak (bf16 logits: 14 x N * V in all, where
+    the planner had 4 x N * V); the same without the logits kept (pp = 1: dstk drops HF's output)."""
+    fn, loss_fn, x, labels, arch = _head(dtype)
+    [head] = [c for c in layer_costs(arch, T, B, precision="bf16" if dtype == torch.bfloat16 else "fp32")
+              if c.kind == "head"]
+    e, nv = torch.finfo(dtype).bits // 8, B * T * arch.vocab
+    with LiveBytes() as kept:
+        logits = fn(x)
+        held = kept.live
+        loss_fn(logits, labels).backward()
+    assert held == pytest.approx(logits_bytes(arch, T, B, e), rel=0.01)  # + the (B, T, h) input: outside
+    assert head.act_bytes - held == e * B * T * arch.hidden  # the input, saved by the matmul
+    assert kept.peak - held == pytest.approx(head.peak_bytes, rel=0.02) and head.peak_bytes == 12 * nv
+    with LiveBytes() as dropped:
+        loss_fn(fn(x), labels).backward()
+    assert dropped.peak == pytest.approx(head.peak_bytes, rel=0.02)

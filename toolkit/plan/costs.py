@@ -51,9 +51,21 @@ e = bytes per activation element:
           MoE block: the e*N*m*I term becomes toolkit.plan.moe.moe_act_bytes: per routed row (k*N of
           them) its input, 4*I_e intermediates and scaled output; the router's fp32 probabilities (E per token)
   norm    k/2 * e*N*h (LayerNorm: input; RMSNorm: input and normalised)
-  head    e*N*h (x5 BERT's transform) + 4*N*V              input, fp32 log-softmax for the loss
+  head    e*N*h (x5 BERT's transform)                      input, saved by the matmul
+          + e*N*V                                          the logits: DeepSpeed's pipeline engine keeps the
+                                                           last stage's outputs in its buffer per micro-batch
+                                                           in flight (its last-stage backward returns before
+                                                           `pipe_buffers['outputs'][id] = None`, pipe/engine.py);
+                                                           at pp = 1 dstk drops HF's output, and the planner
+                                                           leaves them out (toolkit.plan.planner)
 These follow the tensors HF's modules save for backward (checked in tests/unit/test_costs.py with
 saved_tensors_hooks); dropout masks are not counted.
+Loss peak (peak_bytes, the head only): 12*N*V on top of what is held, once per stage (the last stage runs
+each micro-batch's loss forward and backward back to back). The loss casts the logits to fp32 (4*N*V, freed
+after the log-softmax), keeps the fp32 log-softmax (4*N*V) for backward, and its backward holds that, the
+log-softmax's gradient and the logits' fp32 gradient at once (3 x 4*N*V), whatever the activations' dtype:
+10-12 x N*V bytes with bf16 logits, measured in tests/unit/test_costs.py. Other layers' transient
+temporaries (an MLP's backward) are small next to it and not modelled.
 Attention mask (mask_bytes), for padded or packed rows: e*B*T^2, the (B, 1, T, T) additive mask in the
 activations' dtype that sdpa's memory-efficient kernel and eager keep for backward. A pipeline stage builds
 one per micro-batch (models/attention.py) that all its blocks share: once per stage and micro-batch in
@@ -86,10 +98,11 @@ class LayerCost:
     state_bytes: int  # parameters + gradients + optimizer states of the trainable ones (no ZeRO sharding)
     act_bytes: int  # activations held per micro-batch in flight, until its backward
     trainable: int  # of `params`, those with gradients and optimizer states: all, or LoRA's adapters
+    peak_bytes: int = 0  # transient bytes on top, once per stage (the head: its loss; module docstring)
 
     def memory(self, in_flight: int = 1) -> int:
         """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
-        return self.state_bytes + in_flight * self.act_bytes
+        return self.state_bytes + in_flight * self.act_bytes + self.peak_bytes
 
 
 def _block_flops(arch: Arch, b: int, t: int, moe: bool) -> float:
@@ -162,8 +175,19 @@ def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str, mo
     if kind == "norm":
         return e * n * h * k // 2
     if kind == "head":
-        return e * n * h * (5 if arch.is_encoder else 1) + 4 * n * arch.vocab
+        return e * n * h * (5 if arch.is_encoder else 1) + logits_bytes(arch, t, b, e)
     return 8 * n + arch.is_encoder * 2 * e * n * h  # embed: int64 ids (+ BERT's LayerNorm)
+
+
+def logits_bytes(arch: Arch, seq_len: int, mbs: int, e: int) -> int:
+    """Bytes of one micro-batch's (mbs, seq_len, V) logits in the activations' dtype (e bytes each)."""
+    return e * mbs * seq_len * arch.vocab
+
+
+def loss_peak_bytes(arch: Arch, seq_len: int, mbs: int = 1) -> int:
+    """Bytes the loss allocates beyond what is held, at its peak (module docstring): three fp32 (N, V)
+    tensors, the log-softmax, its gradient and the logits' gradient, whatever the activations' dtype."""
+    return 3 * 4 * mbs * seq_len * arch.vocab
 
 
 # Class names of models/' pipeline layers, which DeepSpeed's "type:REGEX" matches (a tied head is a
@@ -206,7 +230,9 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
             params, trainable = params + adapters[i], adapters[i]
         states = params * p.param + trainable * (p.grad + p.optim)  # all E experts: every rank holds them
         acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention, moe)
-        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable))
+        peak = loss_peak_bytes(arch, seq_len, mbs) if kind == "head" else 0
+        costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable,
+                               peak))
     return costs
 
 

@@ -27,11 +27,18 @@ optimizer states for the adapters only (toolkit.plan.memory), G and the optimize
 adapters', and compute is costs.py's: a frozen matmul's backward computes the input gradient only, about 1 x
 its forward instead of 2 x (a simple FLOP count; kernels' efficiency is not modelled).
 Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`, else `network`.
+
+Memory per GPU = model states (toolkit.plan.memory) + activations of the micro-batches in flight, the stage's
+attention masks and, on the stage holding the head, the loss's transient peak once (toolkit.plan.costs) +
+ZeRO-3's gathered layers + the fixed bytes outside torch's allocator (CUDA context, NCCL buffers:
+toolkit.plan.overhead). A layout fits when that is at most the GPU's memory less `--reserve` (the caching
+allocator's fragmentation, toolkit.plan.planner).
 """
 
 from dataclasses import dataclass, field
 
 from toolkit.plan.memory import activation_bytes, in_flight, model_state_bytes
+from toolkit.plan.overhead import Fixed, fixed_bytes
 from toolkit.plan.precision import weight_bytes
 from toolkit.topology import bubble_fraction
 
@@ -73,10 +80,17 @@ class Estimate:
     pp_comm_bytes: int  # per stage boundary per step, both directions
     times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload, tp_comm
     tp_comm_bytes: int = 0  # per rank per step, over its tp group
+    loss_peak: int = 0  # of `activations`: the loss's transient peak, on the stage holding the head
+    fixed: Fixed = Fixed(0, 0, 0)  # outside torch's allocator: CUDA context, NCCL buffers (toolkit.plan.overhead)
+
+    @property
+    def allocated(self) -> int:
+        """Bytes torch's caching allocator hands out at the peak (what torch.cuda.max_memory_allocated reads)."""
+        return self.states.peak + self.activations + self.working
 
     @property
     def memory(self) -> int:
-        return self.states.peak + self.activations + self.working
+        return self.allocated + self.fixed.total
 
     @property
     def fits(self) -> bool:
@@ -96,6 +110,9 @@ class Estimate:
                 "memory_bytes": self.memory, "capacity_bytes": self.capacity, "heaviest_stage": self.stage,
                 "model_states": self.states.to_dict(), "activation_bytes": self.activations,
                 "zero3_working_bytes": self.working, "host_bytes": self.states.cpu,
+                "loss_peak_bytes": self.loss_peak, "allocated_bytes": self.allocated,
+                "fixed_bytes": {"cuda_context": self.fixed.cuda_context, "nccl": self.fixed.nccl,
+                                "nccl_communicators": self.fixed.communicators},
                 "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
                 "tp": self.layout.tp, "tp_comm_bytes": self.tp_comm_bytes,
                 "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts)}
@@ -117,6 +134,7 @@ class Model:
     tp_comm: float = 0.0  # bytes a tp rank sends per micro-batch of one sequence (0 without tp)
     tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
     stage_act: int = 0  # bytes each stage holds once per micro-batch in flight (its attention mask)
+    peak: list | None = None  # per layer, transient bytes on top, once per stage (the head's loss)
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,8 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
     ckpt = [model.boundary * lay.mbs] * len(per_layer) if lay.checkpointing else None
     acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
     acts = [a + model.stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
+    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs for s in range(lay.pp)]
+    acts = [a + p for a, p in zip(acts, peaks)]  # the loss's peak: once, the last stage runs one loss at a time
     totals = []
     for s in range(lay.pp):
         states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
@@ -162,7 +182,8 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
     w = weight_bytes(precision)
     working = 2 * max(model.params) * w if lay.zero == 3 else 0
     est = Estimate(lay, heaviest, parts, states, acts[heaviest], working, hw.capacity, hw.host_capacity,
-                   bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0)
+                   bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0,
+                   loss_peak=peaks[heaviest], fixed=fixed_bytes(lay.pp, lay.dp, lay.tp))
     _times(est, model, hw, precision)
     return est
 

@@ -9,7 +9,8 @@ A split is DeepSpeed's `parts`: pp+1 boundaries, stage s holds layers parts[s]:p
 Methods:
   compute      exact split minimising the slowest stage's forward+backward FLOPs (default)
   memory       exact split minimising the largest stage memory: model states + activations of the
-               micro-batches 1F1B keeps in flight there (min(pp - s, micro_batches) on stage s)
+               micro-batches 1F1B keeps in flight there (min(pp - s, micro_batches) on stage s) + the
+               loss's peak on the head's stage
   profile      exact split over measured per-layer times (pass `times`; toolkit.plan.profile measures)
   parameters   DeepSpeed's: partition_balanced over parameter counts (a tied head counts its copy)
   uniform      DeepSpeed's: partition_uniform over the layer count
@@ -74,10 +75,11 @@ def _type_weights(costs, regex: str) -> list[int]:
 def _memory_cost(costs, pp, micro_batches):
     states = _prefix([c.state_bytes for c in costs])
     acts = _prefix([c.act_bytes for c in costs])
+    peaks = _prefix([c.peak_bytes for c in costs])  # only the head has one (its loss): once on its stage
 
     def cost(stage, start, stop):
         in_flight = min(pp - stage, micro_batches)  # 1F1B: warm-up forwards before the first backward
-        return states[stop] - states[start] + in_flight * (acts[stop] - acts[start])
+        return states[stop] - states[start] + in_flight * (acts[stop] - acts[start]) + peaks[stop] - peaks[start]
 
     return cost
 

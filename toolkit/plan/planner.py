@@ -50,7 +50,8 @@ class PlanRequest:
     intra_bw: float | None = None  # GB/s per GPU within a node
     inter_bw: float | None = None  # GB/s per GPU between nodes
     mfu: float = 0.5  # share of peak FLOPs a step achieves
-    reserve: float = 0.1  # share of GPU memory kept for the CUDA context, allocator and temporaries
+    reserve: float = 0.1  # share of GPU memory kept free for the caching allocator's fragmentation (the CUDA
+    # context and NCCL's buffers are counted as fixed bytes, toolkit.plan.overhead; the loss's peak as activations)
     host_mem: int = 2**40  # bytes of host memory per node, for offloaded states
     attention: str = "sdpa"
     offload: bool = True  # consider offload layouts
@@ -205,12 +206,27 @@ def _model(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: bool 
         comm = tp_comm_bytes(arch, seq, 1, req.precision, tp, pipeline=pipeline)
         recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
         act, stage_act = _with_masks(per_rank["act"], costs, seq, req, pipeline)  # every tp rank: the whole mask
-        return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"], act,
-                     boundary, seq, tp_comm=comm, tp_recompute=recompute, stage_act=stage_act)
+        return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
+                     _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
+                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"])
     act, stage_act = _with_masks([c.act_bytes for c in costs], costs, seq, req, pipeline)
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
-                 [c.fwd_flops for c in costs], act, boundary, seq,
-                 trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act)
+                 [c.fwd_flops for c in costs], _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq,
+                 trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act,
+                 peak=[c.peak_bytes for c in costs])
+
+
+def _held_logits(act: list, costs, arch, seq: int, req, pipeline: bool) -> list:
+    """Activation bytes per layer with the head's logits held per micro-batch in flight in a pipeline (the
+    engine's output buffer, toolkit.plan.costs), not at pp = 1: dstk reads the loss of HF's output and drops
+    the rest, so the logits live only inside the loss's peak."""
+    from toolkit.plan.costs import logits_bytes
+    from toolkit.plan.precision import PRECISIONS
+
+    if pipeline:
+        return act
+    logits = logits_bytes(arch, seq, 1, PRECISIONS[req.precision].act)
+    return [a - (logits if c.kind == "head" else 0) for a, c in zip(act, costs)]
 
 
 def _with_masks(act: list, costs, seq: int, req, pipeline: bool) -> tuple:

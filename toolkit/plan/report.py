@@ -14,7 +14,8 @@ def render_text(result: PlanResult) -> str:
     active = f", {result.active:,} active per token" if result.active != result.params else ""
     lines = [f"{r.model} ({result.params:,} parameters{active}) on {r.nodes} x {r.gpus_per_node} "
              f"{result.gpu.name} ({fb(result.gpu.memory)} each, "
-             f"{fb(usable)} usable after a {r.reserve:.0%} reserve); seq {result.seq_len}, gbs {r.gbs}, {r.precision}",
+             f"{fb(usable)} usable after a {r.reserve:.0%} reserve for allocator fragmentation); seq {result.seq_len}, "
+             f"gbs {r.gbs}, {r.precision}",
              f"{result.considered} layouts considered, {len(result.fitting)} fit."]
     if r.lora:
         lines.insert(1, f"LoRA r={r.lora} on every block linear: {result.trainable:,} trainable of {result.params:,} "
@@ -40,8 +41,13 @@ def _describe(e: Estimate, label: str) -> list:
     states = (f"params {fb(s.params)}, grads {fb(s.grads)}, master {fb(s.master)}, optimizer {fb(s.optimizer)}"
               + (f", buckets {fb(s.buffers)}" if s.buffers else ""))
     stage = f" (stage {e.stage} of {e.layout.pp})" if e.layout.pp > 1 else ""
+    loss = f" (loss peak {fb(e.loss_peak)})" if e.loss_peak else ""
+    fixed = (f", fixed {fb(e.fixed.total)} (CUDA context {fb(e.fixed.cuda_context)}, NCCL {e.fixed.communicators} "
+             f"x {fb(e.fixed.nccl // e.fixed.communicators)})" if e.fixed.communicators else
+             f", fixed {fb(e.fixed.total)} (CUDA context)")
     memory = (f"   memory/GPU {fb(e.memory)}{stage}: model states {fb(s.peak)} ({states}), "
-              f"activations {fb(e.activations)}" + (f", ZeRO-3 gathered layers {fb(e.working)}" if e.working else ""))
+              f"activations {fb(e.activations)}{loss}" + (f", ZeRO-3 gathered layers {fb(e.working)}" if e.working else "")
+              + fixed)
     if s.cpu:
         memory += f"; host {fb(s.cpu)} offloaded"
     comm = (f"   bubble {e.bubble:.1%}, dp comm {fb(e.dp_comm_bytes)}/step/GPU, "

@@ -105,13 +105,13 @@ def _block_replicated(arch: Arch) -> int:
 
 def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int, pipeline: bool = False) -> dict:
     """Per-layer figures of one tp rank, from the unsharded LayerCosts of one sequence (toolkit.plan.costs):
-    {"params", "tied", "flops", "fwd_flops", "act"}, each a list over the pipeline layers. FLOPs of
+    {"params", "tied", "flops", "fwd_flops", "act", "peak"}, each a list over the pipeline layers. FLOPs of
     blocks and the head divide by tp (their matmuls and attention split; the elementwise rest is small);
     the embedding lookup and the final norm are replicated. pipeline: tp inside pipeline stages, where
     only the blocks are sharded (the embedding, final norm and head keep their whole figures)."""
     e, n, h, v = weight_bytes(precision), seq, arch.hidden, arch.vocab
     k = 2 if arch.norm == "layernorm" else 3  # saved norm tensors per token (costs.py _act_bytes)
-    out = {key: [] for key in ("params", "tied", "flops", "fwd_flops", "act")}
+    out = {key: [] for key in ("params", "tied", "flops", "fwd_flops", "act", "peak")}
     vocab_parallel = arch.tied  # transformers 5 plans a tied embedding embedding_rowwise
     for c in costs:
         if c.kind == "block":
@@ -125,13 +125,13 @@ def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int, pip
             act, flops, fwd = c.act_bytes, c.flops, c.fwd_flops
         elif c.kind == "head":
             params = out["params"][0] if arch.tied else c.params - v * h + _ceil(v * h, tp)
-            logits = 4 * n * v  # fp32 log-softmax: sharded when vocab-parallel, gathered (full) otherwise
-            act = c.act_bytes - logits + (_ceil(logits, tp) if vocab_parallel else logits)
-            flops, fwd = c.flops / tp, c.fwd_flops / tp
+            # whole on every rank: AutoTP's training lm_head gathers its output (module_inject/auto_tp.py:
+            # LinearLayer(gather_output=True)), so the logits, the loss and its peak are the unsharded ones
+            act, flops, fwd = c.act_bytes, c.flops / tp, c.fwd_flops / tp
         else:
             raise ValueError(f"layer {c.name!r}: unknown kind {c.kind!r}")
         for key, value in (("params", params), ("tied", params if c.tied_params else 0), ("flops", flops),
-                           ("fwd_flops", fwd), ("act", act)):
+                           ("fwd_flops", fwd), ("act", act), ("peak", c.peak_bytes)):
             out[key].append(value)
     return out
 

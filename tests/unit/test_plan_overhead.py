@@ -1,0 +1,53 @@
+"""The planner's terms outside the layers: the loss's peak (once, on the head's stage), the logits a pipeline's
+last stage keeps per micro-batch in flight, and the fixed bytes per GPU outside torch's allocator (the CUDA
+context and NCCL's buffers, toolkit.plan.overhead), shown by `dstk plan`."""
+
+import re
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.plan.estimate import Layout
+from toolkit.plan.gpus import MiB
+from toolkit.plan.overhead import CUDA_CONTEXT, NCCL_COMM, communicators, fixed_bytes
+from toolkit.plan.planner import PlanRequest, estimate_layout
+
+T, V = 4096, 128256  # llama-3.2-1b's vocabulary
+
+
+def _estimate(**layout):
+    req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=8, gpu="h100-sxm", seq_len=T)
+    return estimate_layout(req, Layout(**{"zero": 1, "mbs": 2, "gas": 8 // layout["dp"], **layout}))
+
+
+@pytest.mark.parametrize("pp, dp, tp, comms", [(1, 1, 1, 0), (1, 8, 1, 1), (1, 4, 2, 3), (2, 4, 1, 5), (2, 2, 2, 6),
+                                                (8, 1, 1, 4)])
+def test_nccl_communicators_per_rank(pp, dp, tp, comms):
+    """world + the dp group beside pp or tp + pipeline group and two send/recv peers + the tp group."""
+    assert communicators(pp, dp, tp) == comms
+    assert fixed_bytes(pp, dp, tp).total == CUDA_CONTEXT + comms * NCCL_COMM
+
+
+def test_memory_is_what_torch_allocates_plus_the_fixed_bytes():
+    e = _estimate(pp=1, dp=8)
+    assert e.memory == e.allocated + 512 * MiB + 512 * MiB == e.states.peak + e.activations + 1024 * MiB
+    assert e.fits == (e.memory <= e.capacity)
+
+
+def test_the_loss_peak_is_counted_once_on_the_head_stage():
+    """mbs 2 x 4096 tokens x 128k vocab: 12 bytes per token and vocabulary entry at the loss's peak (11.7 GiB),
+    once, at pp 1 and on a pipeline's last stage (the logits that stage keeps per micro-batch in flight:
+    tests/unit/test_tp_plan.py); the old head term was 4 bytes per micro-batch in flight."""
+    alone, piped = _estimate(pp=1, dp=8), _estimate(pp=2, dp=4)
+    assert alone.loss_peak == piped.loss_peak == 12 * 2 * T * V and piped.stage == 1
+    assert alone.activations > alone.loss_peak
+
+
+def test_dstk_plan_shows_the_fixed_bytes_and_the_loss_peak(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-3.2-1b", "--gpus-per-node", "8", "--gpu", "h100-sxm", "--gbs", "16",
+              "--seq-len", "4096", "--top", "1"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    assert "reserve for allocator fragmentation" in out and "loss peak" in out
+    assert re.search(r"fixed [0-9.]+ GiB \(CUDA context 512 MiB, NCCL [1-9] x 512 MiB\)", out), out
