@@ -62,6 +62,8 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
                  **_pipeline_masters(ckpt_dir / tag, layout)}
     elif layout.get("tp", 1) > 1:
         state = _tensor_parallel_state(ckpt_dir / tag, layout)
+    elif _bf16_optimizer_files(ckpt_dir / tag):
+        state = _bf16_optimizer_state(ckpt_dir / tag)
     elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -79,6 +81,32 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
                                 "not a DeepSpeed model checkpoint")
         state = {**saved["module"], **_zero0_masters(saved, layout)}
     return {k: v.float() for k, v in state.items()}, layout
+
+
+def _bf16_optimizer_files(tag_dir: Path) -> list:
+    """pp = 1 files of DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation), [] for
+    any other kind: its partitions carry no "zero_stage", so DeepSpeed's zero_to_fp32 refuses them."""
+    files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    if not files:
+        return []
+    saved = _torch_load(files[0], mmap=True).get("optimizer_state_dict") or {}
+    return files if "zero_stage" not in saved and "param_slice_mappings" in saved else []
+
+
+def _bf16_optimizer_state(tag_dir: Path) -> dict:
+    """The module's tensors, with BF16_Optimizer's fp32 masters (each dp rank's fragments by the module's
+    names, param_slice_mappings) in place of the trained ones; a tied weight's other names
+    (shared_params) get its master too."""
+    saved = _torch_load(tag_dir / "mp_rank_00_model_states.pt")
+    module = dict(saved.get("module") or {})
+    masters = partition_fragments(_bf16_optimizer_files(tag_dir), lambda optim: [
+        {"weights": flat} for flat in optim["single_partition_of_fp32_groups"]]).get("weights", {})
+    for (_, name), fragments in masters.items():
+        module[name] = _cat(fragments).reshape(module[name].shape)
+    for alias, name in (saved.get("shared_params") or {}).items():
+        if (0, name) in masters and alias in module:
+            module[alias] = module[name]
+    return module
 
 
 def _tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:

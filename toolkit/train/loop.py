@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.dist import all_reduce_sum, engine_args
+from toolkit.dist import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.topology import config_batch
-from toolkit.train import checkpoint, data, hf
+from toolkit.train import checkpoint, data, hf, wrappers
 from toolkit.train.report import ProgressLog, per_rank
 
 
@@ -41,8 +41,6 @@ class Job:
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
     """Tokenizer, data, model and engine; resumes from checkpoint `resume_tag` when given."""
-    import deepspeed
-
     tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
     config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
     if topo.tp > 1:
@@ -74,8 +72,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     param_names = [[names[id(p)] for p in g["params"]] for g in groups]
     if topo.pp == 1:
         layout["param_groups"] = param_names
-    engine, *_ = deepspeed.initialize(args=engine_args(), model=model, model_parameters=groups,
-                                      config=deepspeed_config(cfg, topo))
+    engine = wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=args.verbose)
     # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
     # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
     layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
@@ -109,7 +106,7 @@ def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool) -
         return
     # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
     # just read from --model, and only the adapters come from the checkpoint
-    loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=save_frozen)
+    loaded = wrappers.load(engine, ckpt_dir, tag, strict=save_frozen)
     if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
         raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on this rank "
                             f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")

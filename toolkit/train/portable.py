@@ -16,7 +16,8 @@ parameter's state can be named independently of where it lived:
 DeepSpeed keeps fp32 partitions, this rank's share of its high-precision copy and moments (ZeRO-1/2,
 bf16: through the parameter's fragment mapping, then DeepSpeed's own map_to_flat_opt_states; ZeRO-3:
 the parameter's slice of the sub-group's flat partition); a plain torch optimizer (ZeRO-0 fp32) gets
-its state directly. The data position is the global step (the order of rows is the same on every
+its state directly, DeepSpeed's FP16 wrappers (bf16/fp16 at ZeRO-0) in their fp32 masters
+(toolkit.train.wrappers). The data position is the global step (the order of rows is the same on every
 layout) and dropout RNG streams restart from the seed.
 """
 
@@ -27,6 +28,7 @@ from toolkit.errors import UnusableInput
 from toolkit.train.checkpoint import LAYOUT_KEYS
 from toolkit.train.checkpoint_state import (PARTITION_FILE, _masters_by_hf_name, _torch_load, load_state_dict,
                                             partition_fragments, resolve_tag)
+from toolkit.train.wrappers import is_fp16_wrapper, restore_masters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -187,9 +189,10 @@ def _model_states(tag_dir: Path) -> Path:
 
 
 def _from_torch_states(tag_dir: Path, layout: dict) -> tuple:
-    """ZeRO-0: each stage's mp_rank_XX_model_states.pt holds torch's optimizer state_dict, whose state i
-    is the i-th parameter given to the optimizer; `param_names` (saved by dstk with the checkpoint, or
-    the layout's param_groups at pp = 1) names them in that order."""
+    """ZeRO-0: each stage's mp_rank_XX_model_states.pt holds torch's optimizer state_dict (under bf16/fp16 inside
+    the FP16 wrapper's), whose state i is the i-th parameter given to the optimizer (FP16_Optimizer: the i-th
+    group's parameters end to end); `param_names` (saved by dstk with the checkpoint, or the layout's
+    param_groups at pp = 1) names them in that order."""
     pieces = {key: {} for key in MOMENTS}
     step = 0
     for stage in range(layout.get("pp", 1)):
@@ -197,15 +200,34 @@ def _from_torch_states(tag_dir: Path, layout: dict) -> tuple:
         saved = _torch_load(path)
         names = saved.get("param_names") or layout.get("param_groups")
         optimizer = saved.get("optimizer") or {}
+        optimizer = optimizer.get("optimizer_state_dict", optimizer)  # an FP16 wrapper's holds the base optimizer's
         if not names or "state" not in optimizer:
             raise UnusableInput(f"{path} does not name its optimizer's parameters (a checkpoint from an older dstk): "
                                 "resume it with the layout it was written with")
-        order = [n for group in names for n in group]
-        for index, state in optimizer["state"].items():
+        for name, state in _states_by_name(saved, optimizer["state"], names, path):
             step = int(state["step"])
             for key in MOMENTS:
-                pieces[key][(stage, order[index])] = [state[key].reshape(-1)]
+                pieces[key][(stage, name)] = [state[key]]
     return {key: _by_hf_name(found, layout) for key, found in pieces.items()}, step
+
+
+def _states_by_name(saved: dict, states: dict, names: list, path: Path):
+    """(name, {step, moments flat}) per parameter: torch's state per parameter, or FP16_Optimizer's per group
+    (its flat moments cut by the parameters' sizes, which pp = 1 model states hold)."""
+    if "fp32_groups_flat" not in (saved.get("optimizer") or {}):
+        order = [n for group in names for n in group]
+        for index, state in states.items():
+            yield order[index], {k: v.reshape(-1) if k in MOMENTS else v for k, v in state.items()}
+        return
+    module = saved.get("module") or {}
+    if not all(n in module for group in names for n in group):
+        raise UnusableInput(f"{path}: an fp16 pipeline's flat optimizer state (FusedAdam) cannot be cut into its "
+                            "parameters; resume it with the layout it was written with")
+    for index, state in states.items():
+        sizes = [module[n].numel() for n in names[index]]
+        cut = {k: state[k][: sum(sizes)].split(sizes) for k in MOMENTS}
+        for i, name in enumerate(names[index]):
+            yield name, {"step": state["step"], **{k: cut[k][i] for k in MOMENTS}}
 
 
 def _by_hf_name(pieces: dict, layout: dict) -> dict:
@@ -251,7 +273,7 @@ def restore(engine, state: PortableState, names: dict) -> None:
         base = engine.optimizer.optimizer
         for flat in engine.optimizer.fp32_partitioned_groups_flat:
             base.state[flat] = {"step": _step(base, state.optimizer_step), **{k: torch.zeros_like(flat) for k in MOMENTS}}
-    flat_groups = False
+    flat_groups, wrapped = False, {}
     for p, hf in names.items():
         if not p.requires_grad:
             continue  # frozen (LoRA's base): read from --model, never trained
@@ -263,7 +285,9 @@ def restore(engine, state: PortableState, names: dict) -> None:
             continue
         with torch.no_grad():
             p.data.copy_(weight.to(p.dtype))
-        if getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fp32 fragment and moments
+        if is_fp16_wrapper(engine.optimizer):  # bf16/fp16 at ZeRO-0: the wrapper's fp32 masters, gathered below
+            wrapped[id(p)] = (weight, moments)
+        elif getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fp32 fragment and moments
             flat_groups = True
             safe_set_full_fp32_param(p, weight.to(p.device))
             at = p._hp_mapping.lp_fragment_address  # this partition's slice of the flattened parameter
@@ -274,6 +298,9 @@ def restore(engine, state: PortableState, names: dict) -> None:
                                          **{k: v.to(p.device) for k, v in moments.items()}}
     if flat_groups:
         _flat_states(engine.optimizer, state.optimizer_step)
+    if wrapped:
+        with torch.no_grad():
+            restore_masters(engine.optimizer, wrapped, _step(engine.optimizer.optimizer, state.optimizer_step))
     _restore_counters(engine, state.engine)
 
 
