@@ -32,8 +32,10 @@ def _choice(values):
 @click.option("--mbs", type=int, default=1, show_default=True, metavar="N", help=describe("train_micro_batch_size_per_gpu"))
 @click.option("--gbs", type=int, metavar="N", help=describe("train_batch_size") + " Derived from --gas when omitted.")
 @click.option("--gas", type=int, metavar="N", help=describe("gradient_accumulation_steps") + " Derived from --gbs when omitted.")
-@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, metavar="0-3",
-              help="ZeRO stage: 0 off, 1 partitions optimizer states, 2 also gradients, 3 also parameters.")
+@click.option("--zero", type=click.IntRange(0, 3), metavar="0-3",
+              help="ZeRO stage: 0 off, 1 partitions optimizer states, 2 also gradients, 3 also parameters. "
+              "Default: 1 under bf16 (with data_types.grad_accum_dtype fp32: DeepSpeed sums gradients in fp32 only "
+              "at ZeRO >= 1), else 0.")
 @click.option("--precision", type=_choice(opts.PRECISIONS), help="Training precision (default fp32).")
 @click.option("--bf16", is_flag=True, help="Same as --precision bf16.")
 @click.option("--fp16", is_flag=True, help="Same as --precision fp16.")
@@ -91,6 +93,7 @@ def generate_config(output, force, bf16, fp16, **kwargs):
     \b
     dstk generate-config --strategy hybrid --world-size 8 --pp 4 --mbs 2 --gbs 64 --zero 1 --bf16 -o ds.json
     """
+    from toolkit.config.accumulation import accumulation_problems
     from toolkit.config.generate import build_config, dumps, write_config
 
     kwargs["precision"] = _precision(kwargs["precision"], bf16, fp16)
@@ -98,6 +101,8 @@ def generate_config(output, force, bf16, fp16, **kwargs):
     kwargs["scheduler"] = _canonical(kwargs["scheduler"], opts.SCHEDULERS)
     kwargs["monitors"] = tuple(m.lower() for m in kwargs["monitors"])
     cfg = build_config(opts.GenerateOptions(**kwargs))
+    for problem in accumulation_problems(cfg):  # asked for (--bf16 --zero 0): said once, as validate says it
+        click.echo(str(problem), err=True)
     if output:
         write_config(cfg, output, force=force)
         click.echo(f"wrote {output}", err=True)

@@ -32,6 +32,8 @@ def build_config(o: GenerateOptions) -> dict:
         cfg["gradient_clipping"] = auto(o.gradient_clipping)
     cfg.update(_precision(o))
     cfg["zero_optimization"] = _zero(o)
+    if o.precision == "bf16" and o.zero >= 1:  # gradients summed in fp32 (BF16_Optimizer at ZeRO-1), not in bf16
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if topo.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": topo.tp}
     if o.optimizer != "none":

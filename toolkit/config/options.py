@@ -39,7 +39,7 @@ class GenerateOptions:
     gbs: int | None = None
     gas: int | None = None
     # memory and precision
-    zero: int = 0
+    zero: int | None = None  # None: 1 under bf16 (DeepSpeed sums gradients in fp32 only at ZeRO >= 1), else 0
     precision: str = "fp32"
     loss_scale: float = 0.0  # fp16 only; 0 = dynamic loss scaling
     initial_scale_power: int = 16  # fp16 dynamic scaling starts at 2**power
@@ -72,6 +72,10 @@ class GenerateOptions:
     hf: bool = False  # write "auto" where the HF Trainer / Accelerate fill values
     cpu: bool = False  # avoid ops that need a JIT build on CPU-only machines
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.zero is None:
+            self.zero = 1 if self.precision == "bf16" else 0
 
     def topology(self) -> Topology:
         return Topology(self.resolved_world_size(), self.pp, self.tp)

@@ -34,6 +34,7 @@ class Context:
 
 def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None) -> list[Problem]:
     """All cross-field problems of `cfg` for `world_size` processes and `pp` stages."""
+    from toolkit.config.accumulation import accumulation_problems
     from toolkit.config.tp_rules import tensor_parallel_problems
 
     problems, file_pp = _stages(cfg, pp)
@@ -44,7 +45,7 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None)
         tp = 1
     ctx = Context(world_size, pp or file_pp or 1, tp)
     for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
-                 _null_types, _jit_built_optimizer, tensor_parallel_problems):
+                 _null_types, _jit_built_optimizer, tensor_parallel_problems, accumulation_problems):
         problems += rule(cfg, ctx)
     return problems
 
