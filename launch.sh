@@ -177,6 +177,18 @@ if [[ "$launcher" == openmpi ]]; then
   for var in DS_ACCELERATOR OMP_NUM_THREADS MASTER_PORT MASTER_ADDR $nccl_vars; do
     [[ -n "${!var:-}" ]] && launcher_args="-x $var${launcher_args:+ $launcher_args}"
   done
+  # mpirun's own TCP traffic: DeepSpeed's runner picks eth0 unless told; the subnet of the master address
+  # names the right interface on every node, whatever it is called there.
+  if [[ "$launcher_args" != *btl_tcp_if_include* ]]; then
+    subnet=$("$PYTHON" -c 'import sys; from toolkit.dist import subnet_of; print(subnet_of(sys.argv[1]) or "")' \
+      "${master_addr:-$first_host}")
+    if [[ -n "$subnet" ]]; then
+      launcher_args="--mca btl_tcp_if_include $subnet${launcher_args:+ $launcher_args}"
+    else
+      echo "launch.sh: mpirun's TCP traffic uses eth0 (DeepSpeed's default; ${master_addr:-$first_host} is on no subnet of \
+this machine): name another with --launcher-args '--mca btl_tcp_if_include IFACE-or-CIDR'" >&2
+    fi
+  fi
   if [[ $(id -u) == 0 ]]; then  # mpirun refuses root unless told twice
     export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1}
     export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=${OMPI_ALLOW_RUN_AS_ROOT_CONFIRM:-1}

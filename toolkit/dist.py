@@ -131,6 +131,28 @@ def slurm_env(env=None) -> dict:
                 MASTER_PORT=env.get("MASTER_PORT") or str(port))
 
 
+def subnet_of(host: str) -> str | None:
+    """The IPv4 network (CIDR) of this machine's interface that holds `host` (its own address, or a peer on
+    the same subnet), from `ip -o -4 addr`: for mpirun's btl_tcp_if_include, where a subnet names the right
+    interface on every node whatever it is called there. None when `host` does not resolve, is reached
+    through a gateway, or `ip` is missing."""
+    import ipaddress
+    import subprocess
+
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+        shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    for line in shown.splitlines():
+        words = line.split()
+        if "inet" in words:
+            network = ipaddress.ip_interface(words[words.index("inet") + 1]).network
+            if address in network:
+                return str(network)
+    return None
+
+
 def openmpi_env(env=None) -> dict:
     """RANK/LOCAL_RANK/WORLD_SIZE (and MASTER_PORT) from OpenMPI's variables, for ranks told MASTER_ADDR
     (launch.sh --launcher openmpi --master-addr): with all five set, DeepSpeed skips its MPI discovery, which

@@ -143,3 +143,20 @@ def test_openmpi_nodes_get_the_nccl_settings_and_the_master_address(tmp_path):
     remote = (tmp_path / "mpirun.args").read_text().split("\n")
     exported = {remote[i + 1] for i, arg in enumerate(remote) if arg == "-x"}
     assert {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "MASTER_ADDR"} <= exported, remote
+
+
+@pytest.mark.parametrize("extra, expect, note", [
+    ([], "--mca\\ btl_tcp_if_include\\ 127.0.0.0/8", False),  # the master's subnet, not DeepSpeed's eth0
+    (["--launcher-args", "--mca btl_tcp_if_include ens5"], "--mca\\ btl_tcp_if_include\\ ens5", False),  # the user's
+    (["--master-addr", "10.255.1.1"], "-x\\ MASTER_ADDR", True),  # a routed address: say what mpirun will use
+])
+def test_openmpi_tcp_goes_over_the_master_addresss_subnet(tmp_path, extra, expect, note):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text("{}")
+    run = dry_run("--launcher", "openmpi", "--hostfile", str(hosts), *extra, "--config", str(cfg), "--dry-run", "--",
+                  "--model", "m")
+    assert run.returncode == 0 and expect in run.stdout, run.stdout + run.stderr
+    assert run.stdout.count("btl_tcp_if_include") == (0 if note else 1)
+    assert ("mpirun's TCP traffic uses eth0" in run.stderr) == note

@@ -145,3 +145,8 @@ def test_openmpi_ranks_told_the_master_address_need_no_mpi_discovery():
     env = {**MPIRUN, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29555"}
     assert dist.openmpi_env(env) == dict(RANK=MPIRUN["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=MPIRUN["OMPI_COMM_WORLD_SIZE"],
                                          LOCAL_RANK=MPIRUN.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), MASTER_PORT="29555")
+
+
+def test_the_subnet_of_a_host_names_mpiruns_interface():
+    assert dist.subnet_of("127.0.0.1") == dist.subnet_of("localhost") == "127.0.0.0/8"
+    assert dist.subnet_of("no-such-host.invalid") is None
