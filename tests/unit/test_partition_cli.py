@@ -43,6 +43,9 @@ def test_profile_method_times_the_real_layers():
     assert report["balanced_by"] == "measured time"
     assert [s["method"] for s in report["splits"]] == ["profile", "parameters", "uniform"]
     assert report["splits"][0]["imbalance"] <= min(s["imbalance"] for s in report["splits"][1:]) + 1e-9
+    assert report["profiled_on"] == "timed on cpu in fp32"  # no CUDA here; on a GPU: cuda:N (name) in bf16
+    table = dstk("tiny-llama", "--pp", "2", "--seq-len", "32", "--method", "profile", "--reps", "1")
+    assert table.returncode == 0 and "slowest/mean stage by measured time (timed on cpu in fp32)" in table.stdout
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

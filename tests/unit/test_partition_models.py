@@ -43,3 +43,50 @@ def test_profile_method_times_real_layers():
     assert len(times) == arch.num_pipeline_layers and all(t > 0 for t in times)
     parts = partition_layers(layer_costs(arch, 64, 2), 3, "profile", times=times)
     assert len(parts) == 4 and parts[0] == 0 and parts[-1] == len(times)
+
+
+def test_profile_times_on_the_cpu_in_fp32_and_says_so():
+    from toolkit.plan.profile import profile_model
+
+    times = profile_model("tiny-llama", 32, reps=1, precision="bf16")  # no CUDA here: the CPU, fp32
+    assert (times.device, times.dtype) == ("cpu", "fp32") and times.describe() == "timed on cpu in fp32"
+    assert len(times) == BUILTINS["tiny-llama"].num_pipeline_layers and all(t > 0 for t in times)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_profile_picks_the_gpu_in_the_runs_precision_where_cuda_is(monkeypatch, precision):
+    import torch
+
+    from toolkit.plan.profile import timing_setup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: what torch would say on one
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert timing_setup(precision) == ("cuda:3", precision)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # a CPU run asked for on a GPU machine
+    assert timing_setup(precision) == ("cpu", "fp32")
+    assert timing_setup(precision, cuda=False) == ("cpu", "fp32") and timing_setup(precision, cuda=True)[1] == precision
+
+
+def test_profile_layers_run_with_their_parameters_in_the_asked_dtype():
+    """What the GPU path does, on the CPU: parameters cast as DeepSpeed casts them (buffers kept), inputs moved."""
+    import torch
+
+    from toolkit.plan.profile import layer_samples
+
+    spec = models.pipeline_layers(to_hf_config(BUILTINS["tiny-llama"]))
+    seen, buffers = [], []
+
+    def record(module, args):  # every linear layer as it runs: the dtype of its weight
+        if isinstance(module, torch.nn.Linear):
+            seen.append(module.weight.dtype)
+        buffers.extend(b.dtype for b in module.buffers(recurse=False))
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        samples = layer_samples(spec.layers, sample_batch(spec.config, seq_len=32), spec.loss_fn, reps=1, warmup=0,
+                                device="cpu", precision="bf16")
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16} and all(len(x) == 1 for x in samples)
+    assert buffers and set(buffers) == {torch.float32}  # rotary inv_freq: as built, as DeepSpeed leaves it

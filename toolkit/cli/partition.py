@@ -28,7 +28,8 @@ from toolkit.plan.partition import METHODS
 @click.option("--method", default="compute", show_default=True, metavar="M",
               help=f"How to balance stages: {', '.join(METHODS)}.")
 @click.option("--precision", type=click.Choice(sorted(PRECISIONS)), default="bf16", show_default=True,
-              help="Bytes per parameter state and activation in the memory estimate.")
+              help="Bytes per parameter state and activation in the memory estimate; with --method profile on "
+                   "a GPU, the dtype the layers are timed in (the CPU times fp32).")
 @click.option("--attention", type=click.Choice(["sdpa", "eager"]), default="sdpa", show_default=True,
               help="sdpa/flash keeps no (seq x seq) attention matrix for backward; eager does.")
 @click.option("--reps", type=click.IntRange(min=1), default=3, show_default=True,
@@ -59,7 +60,7 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
 
         check_stages(arch.num_pipeline_layers, pp)
         check_shape(arch, seq_len, mbs)
-        times = profile_model(model, seq_len, mbs, reps=reps)
+        times = profile_model(model, seq_len, mbs, reps=reps, precision=precision)
     report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
                               attention=attention, lora=lora)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

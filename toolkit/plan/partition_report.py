@@ -56,6 +56,7 @@ class PartitionReport:
     active_params: int = 0  # unique parameters one token's forward uses: all, or (MoE) its top-k experts
     stages: list = field(default_factory=list)
     splits: list = field(default_factory=list)  # dstk's first, then DeepSpeed's
+    profiled_on: str | None = None  # method "profile": where the layers were timed ("timed on cpu in fp32")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +75,8 @@ def partition_report(arch: Arch, pp: int, seq_len: int, mbs: int = 1, method: st
     params, trainable = param_counts(arch, lora)
     report = PartitionReport(arch.name, params, len(costs), pp, seq_len, mbs, precision, method, balanced_by,
                              lora, trainable, params - arch.inactive_params())
+    if method == "profile" and hasattr(times, "describe"):  # toolkit.plan.profile.LayerTimes
+        report.profiled_on = times.describe()
     for s in range(pp):
         chunk = costs[parts[s]:parts[s + 1]]
         report.stages.append(Stage(s, chunk[0].name, chunk[-1].name, len(chunk),
@@ -120,8 +123,9 @@ def format_report(r: PartitionReport) -> str:
                      f"{100 * s.flops / total:>5.1f}%  {_gib(s.memory_bytes):>9}")
     states = ("frozen weights + the adapters' weights, gradients and optimizer states" if r.lora_r else
               "parameter, gradient and optimizer states")
-    lines += ["", f"slowest/mean stage by {r.balanced_by}; memory = {states} + activations of pp - s micro-batches "
-                  f"in flight (1F1B)"]
+    lines += ["", f"slowest/mean stage by {r.balanced_by}"
+              + (f" ({r.profiled_on})" if r.profiled_on else "")
+              + f"; memory = {states} + activations of pp - s micro-batches in flight (1F1B) + the loss's peak"]
     rows = [(f"dstk {sp.method}" if i == 0 and sp.method not in COMPARED else f"deepspeed {sp.method}",
              str(sp.parts), str(sp.blocks), f"{sp.imbalance:.3f}", _gib(sp.peak_memory_bytes))
             for i, sp in enumerate(r.splits)]
