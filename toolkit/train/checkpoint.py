@@ -3,6 +3,8 @@
 Layout of CHECKPOINT_DIR:
   global_stepN/          DeepSpeed's own files: mp_rank_00_model_states.pt (+ ZeRO shards) for
                          pp = 1, layer_XX-model_states.pt per pipeline layer for pp > 1
+  global_stepN/rng_state_R.pt  rank R's random-number generators (python, numpy, torch CPU and CUDA: what
+                         dropout draws from), one file per global rank as the HF Trainer writes them
   latest                 the tag of the newest COMPLETE checkpoint, written by us after every rank
                          finished saving (os.replace: a run killed mid-save leaves the old one)
   dstk/                  config.json + tokenizer + layout.json (task, pp, HF names per layer)
@@ -38,6 +40,7 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
         client[UNIVERSAL_CHECKPOINT_INFO] = engine.module.dstk_tp_info
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                            exclude_frozen_parameters=not frozen)
+    save_rng(Path(ckpt_dir) / tag, dist.get_rank())  # DeepSpeed keeps the client state of dp rank 0 only
     dist.barrier(group=patient_group())  # every rank's files are on disk before `latest` names the tag (slow disks)
     if dist.get_rank() == 0:
         if layout is not None:
@@ -45,6 +48,45 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
         write_latest(ckpt_dir, tag)
     dist.barrier()
     return tag
+
+
+RNG_STATE = "rng_state_{}.pt"  # per global rank
+
+
+def save_rng(tag_dir: Path, rank: int) -> None:
+    """Write this rank's generators into the tag, atomically (a rank killed mid-write leaves no file)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}  # this rank's device
+    path = tag_dir / RNG_STATE.format(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a rank that wrote no DeepSpeed file may come first
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_rng(tag_dir: Path, rank: int) -> bool:
+    """Restore the generators rank `rank` saved in the tag (the same layout: the same rank, replica and
+    stage); False when the tag has none (written by an older dstk)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    path = tag_dir / RNG_STATE.format(rank)
+    if not path.is_file():
+        return False
+    state = torch.load(path, weights_only=False)  # numpy's state is an array in a tuple; our own file
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True
 
 
 def universal_info() -> dict:

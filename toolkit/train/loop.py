@@ -64,7 +64,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
         failed.every_rank = True  # printed by the rank that hit it, not only by rank 0
         raise failed from None
     _quiet_packed_rows()
-    torch.manual_seed(args.seed + 1 + dp_rank)  # from here on (dropout): another stream per replica
+    seed_streams(args.seed, dp_rank)
     groups = param_groups(model, cfg)
     # the optimizer's order of parameters, by name (before initialize replaces them under bf16): how export
     # finds pp = 1 fp32 masters, and how torch's optimizer state is named when the run moves to another layout
@@ -80,16 +80,25 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     if dist.get_rank() == 0 and not resume_tag:
         checkpoint.save_meta(ckpt_dir, config, tokenizer, layout)
     if resume_tag:
-        _resume(engine, ckpt_dir, resume_tag, layout, save_frozen)
+        _resume(engine, ckpt_dir, resume_tag, layout, save_frozen, args.seed, dp_rank)
     steps = args.steps or sampler.steps_per_epoch
     return Job(engine, topo.pp > 1, sampler, prepared.eval, start, steps, batch.gbs * args.seq_len,
                topo.dp, dp_rank, ckpt_dir, save_frozen, prepared.info, param_names, layout)
 
 
-def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool) -> None:
-    """Load checkpoint `tag` into the engine: DeepSpeed's own load on the layout it was written with; on
-    another layout (or from `dstk reshard`'s portable folder) by HF name (toolkit.train.portable), after
-    which layout.json describes the new layout (each older tag keeps its own copy)."""
+def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
+    """Seed torch's generators (dropout) from here on: another stream per data-parallel replica, which
+    its pipeline stages and tp ranks share. A run that resumes on another layout, whose saved states
+    belong to the old layout's ranks, re-seeds from the step it continues (in the high bits: no stream
+    of a fresh start), so its losses are deterministic but not the uninterrupted run's."""
+    torch.manual_seed(seed + 1 + dp_rank + (step << 32))
+
+
+def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool, seed: int, dp_rank: int) -> None:
+    """Load checkpoint `tag` into the engine: DeepSpeed's own load on the layout it was written with,
+    with each rank's random-number generators; on another layout (or from `dstk reshard`'s portable
+    folder) by HF name (toolkit.train.portable), after which layout.json describes the new layout (each
+    older tag keeps its own copy), and the generators re-seeded (seed_streams)."""
     from toolkit.train import portable
 
     saved = checkpoint.tag_layout(ckpt_dir, tag)
@@ -103,6 +112,7 @@ def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool) -
             if made:  # the tag is as it was written
                 shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
         dist.barrier()
+        seed_streams(seed, dp_rank, checkpoint.step_of(tag))
         return
     # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
     # just read from --model, and only the adapters come from the checkpoint
@@ -110,6 +120,8 @@ def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool) -
     if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
         raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on this rank "
                             f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
+    if not checkpoint.load_rng(ckpt_dir / tag, dist.get_rank()):  # a tag written before dstk saved them
+        seed_streams(seed, dp_rank, checkpoint.step_of(tag))
 
 
 def data_options(args, max_positions=None) -> data.DataOptions:
