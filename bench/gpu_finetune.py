@@ -127,8 +127,9 @@ def plan_cases(names: list[str], gpus: int, dry_run: bool) -> list[tuple[Case, s
 
 
 def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int | None:
-    """`dstk plan`'s peak memory per GPU for this layout (the stage holding the most); None for QLoRA
-    (the planner holds the frozen base in bf16, not in 4 bits)."""
+    """`dstk plan`'s peak bytes from torch's allocator per GPU for this layout (the stage holding the most;
+    Estimate.allocated: without the CUDA context and NCCL buffers, which max_memory_allocated does not see);
+    None for QLoRA (the planner holds the frozen base in bf16, not in 4 bits)."""
     if case.adapters == "qlora":
         return None
     from toolkit.plan.estimate import Layout
@@ -136,7 +137,7 @@ def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int |
 
     req = PlanRequest(model=str(model_dir), gbs=case.gbs, gpus_per_node=case.world, gpu=preset, seq_len=seq,
                       precision="bf16", attention=case.attention, lora=LORA_R if case.adapters else None)
-    return estimate_layout(req, Layout(pp=case.pp, dp=case.dp, zero=case.zero, mbs=case.mbs, gas=case.gas)).memory
+    return estimate_layout(req, Layout(pp=case.pp, dp=case.dp, zero=case.zero, mbs=case.mbs, gas=case.gas)).allocated
 
 
 def launch_command(case: Case, config: Path, data: Path, model: Path, out: Path, opts) -> list[str]:

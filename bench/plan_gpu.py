@@ -5,8 +5,9 @@ steps on one CUDA GPU (issue 5: within 15%). Skips, exit 0, without CUDA.
 
 Each case: the HF model (random weights, bf16, sdpa attention) under deepspeed.initialize, world of 1
 (dp = pp = 1), ZeRO-0 or 1, torch's AdamW ("torch_adam": no JIT build), 3 steps of random tokens; the
-estimate is toolkit.plan.planner.estimate_layout for the same layout (model states + activations; the
-reserve for the CUDA context is not part of it). A case that fails is recorded with its error, the others
+estimate is toolkit.plan.planner.estimate_layout(...).allocated for the same layout (model states +
+activations with the loss's peak; without the CUDA context and NCCL buffers, which max_memory_allocated does
+not see). A case that fails is recorded with its error, the others
 still run, and the exit status is 1.
 """
 
@@ -57,7 +58,7 @@ def predict(name: str, seq: int, mbs: int, zero: int, gpu: str) -> int:
     from toolkit.plan.estimate import Layout
 
     req = PlanRequest(model=name, gbs=mbs, gpus_per_node=1, gpu=gpu, seq_len=seq, precision="bf16")
-    return estimate_layout(req, Layout(pp=1, dp=1, zero=zero, mbs=mbs, gas=1)).memory
+    return estimate_layout(req, Layout(pp=1, dp=1, zero=zero, mbs=mbs, gas=1)).allocated
 
 
 def main() -> int:

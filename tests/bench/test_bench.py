@@ -71,3 +71,13 @@ def test_plan_accuracy_lora_rows_predict_a_frozen_base():
     fake = {rank: {key: {"params": 1, "moments": {"step": 1}} for key in keys} for rank in (0, 1)}
     lines = plan_accuracy.markdown(plan_accuracy.table(fake))
     assert any(line.startswith("| ZeRO-1, pp 2, dp 1, LoRA r=8 | 1,083,392 (32,768) |") for line in lines), lines
+
+
+def test_plan_accuracy_activation_rows_measure_a_real_step():
+    """bench/plan_accuracy.py's activation table on tiny-gpt2 (under a second): the planner's activations +
+    loss peak within 10% of the measured peak; the old 4 x tokens x vocab loss term a third short."""
+    row = plan_accuracy.activation_case("tiny-gpt2", 2, 64, 2)
+    assert 0.9 < row["predicted_bytes"] / row["measured_bytes"] < 1.1
+    assert row["predicted_before_bytes"] / row["measured_bytes"] < 0.75
+    assert row["loss_peak_bytes"] == 12 * row["tokens_x_vocab"]
+    assert "| tiny-gpt2 widths, 2 block(s), vocab 512, 2 x 64 tokens |" in plan_accuracy.activation_markdown([row])[2]
