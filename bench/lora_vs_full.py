@@ -34,7 +34,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 import common  # noqa: E402
-from gpu_finetune import DIST_VARS, launch, read_metrics  # noqa: E402  (the launcher wrapper, not copied)
+from common import launch  # noqa: E402  (the launcher wrapper, not copied)
+from gpu_finetune import DIST_VARS, read_metrics  # noqa: E402
 
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 SEQ, MBS, GAS, LORA_R, LR = 128, 2, 4, 16, 1e-4
