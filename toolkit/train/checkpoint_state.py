@@ -6,6 +6,7 @@ through the layout dstk train saved beside them. toolkit.train.export turns this
 import contextlib
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -345,19 +346,47 @@ def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True, rank
 
 
 def _pipeline_masters(tag_dir: Path, layout: dict) -> dict:
-    """A pipeline trained in bf16/fp16: the fp32 masters of DeepSpeed's BF16_Optimizer, by HF name
-    ({} when there are no such files: in fp32 the weights are the masters)."""
-    return _masters_by_hf_name(_pipeline_fragments(tag_dir), layout)
+    """A pipeline trained in bf16/fp16: the fp32 masters, by HF name ({} when there are none: in fp32 the
+    weights are the masters)."""
+    return _masters_by_hf_name(_pipeline_fragments(tag_dir) or _pipeline_zero0_fragments(tag_dir), layout)
 
 
 def _pipeline_fragments(tag_dir: Path) -> dict:
-    """{(mp rank, stage-module name): fp32 master fragments} of a bf16 pipeline ({} without masters); the
-    mp rank is the stage (stage * tp + tp rank with tp inside the stages)."""
-    files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_*_optim_states.pt"))
+    """{(mp rank, stage-module name): fp32 master fragments} from the optimizer's partition files: BF16_Optimizer's
+    (bf16_zero_pp_rank_*) and ZeRO-1's (zero_pp_rank_*: fp16, or bf16 accumulating in bf16); {} without such
+    files. The mp rank is the stage (stage * tp + tp rank with tp inside the stages)."""
+    files = sorted(p for p in tag_dir.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt") if PARTITION_FILE.fullmatch(p.name))
     if not files:
         return {}
     return partition_fragments(files, lambda saved: [{"weights": flat}
                                                      for flat in saved["single_partition_of_fp32_groups"]])["weights"]
+
+
+def _pipeline_zero0_fragments(tag_dir: Path) -> dict:
+    """fp16 at ZeRO-0: FP16_UnfusedOptimizer's masters (one per parameter, "fp32_groups"; torch's AdamW) or
+    FP16_Optimizer's (one flat tensor per group, "fp32_groups_flat"; FusedAdam), in each stage's mp_rank file,
+    named by the param_names training saved beside them (checkpoint.save) and cut by DeepSpeed's
+    param_shapes. {} where a stage holds none (fp32: its weights are the masters)."""
+    pieces = {}
+    for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+        pieces.update(zero0_stage_masters(path))
+    return pieces
+
+
+def zero0_stage_masters(path: Path, mmap: bool = False) -> dict:
+    """{(stage, stage-module name): [flat fp32 master]} from one stage's mp_rank_XX_model_states.pt under
+    FP16_(Unfused)Optimizer; {} when it holds none."""
+    saved = _torch_load(path, mmap=mmap)
+    optimizer = saved.get("optimizer") if isinstance(saved.get("optimizer"), dict) else {}
+    names, groups = saved.get("param_names"), optimizer.get("fp32_groups")
+    if groups is None and optimizer.get("fp32_groups_flat") is not None:
+        numels = [[math.prod(shape) for shape in group.values()] for group in saved.get("param_shapes") or []]
+        groups = [_split(flat, n) for flat, n in zip(optimizer["fp32_groups_flat"], numels)]
+    if not groups or not names or [len(g) for g in groups] != [len(n) for n in names]:
+        return {}
+    stage = int(path.name.split("_")[2])
+    return {(stage, name): [master.reshape(-1)] for group, group_names in zip(groups, names)
+            for name, master in zip(group_names, group)}
 
 
 PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from toolkit.errors import UnusableInput
-from toolkit.train.checkpoint_state import _masters_by_hf_name, _torch_load, _zero0_masters
+from toolkit.train.checkpoint_state import PARTITION_FILE, _masters_by_hf_name, _torch_load, _zero0_masters, zero0_stage_masters
 
 
 class NotStreamable(Exception):
@@ -63,10 +63,11 @@ class PipelineReader:
 
     def __init__(self, tag_dir: Path, layout: dict, alias: dict):
         self.tag_dir, self.layout, self.alias = tag_dir, layout, alias
-        self.masters = {}  # stage -> [optimizer files, one per data-parallel rank in order]
-        for path in sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_*_optim_states.pt"), key=_natural):
-            dp_rank, stage = map(int, re.match(r"bf16_zero_pp_rank_(\d+)_mp_rank_(\d+)_", path.name).groups())
-            self.masters.setdefault(stage, []).append((dp_rank, path))
+        self.masters = {}  # stage -> [optimizer partition files (BF16_Optimizer's or ZeRO-1's), one per dp rank]
+        for path in sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt"), key=_natural):
+            if PARTITION_FILE.fullmatch(path.name):
+                dp_rank, stage = map(int, PARTITION_FILE.fullmatch(path.name).groups())
+                self.masters.setdefault(stage, []).append((dp_rank, path))
 
     def names(self) -> list:
         return list(dict.fromkeys(self.alias.get(hf, hf) for names in self.layout["hf_names"] for hf in names.values()))
@@ -92,16 +93,24 @@ class PipelineReader:
         """Layer `index`'s fp32 masters by HF name (flat), from the files of the stage holding it."""
         stage = next((s for s in range(len(self.layout.get("parts", [])) - 1)
                       if self.layout["parts"][s] <= index < self.layout["parts"][s + 1]), None)
-        if stage is None or stage not in self.masters:
+        if stage is None:
             return {}
         ties = {t for t, layers in self.layout.get("tied", {}).items() if layers and min(layers) == index}
+
+        def mine(name):
+            head, _, rest = name.partition(".")
+            return head == str(index) or (head == "tied_modules" and rest.partition(".")[0] in ties)
+
+        if stage not in self.masters:  # fp16 at ZeRO-0: the wrapper's masters in the stage's mp_rank file
+            path = self.tag_dir / f"mp_rank_{stage:02d}_model_states.pt"
+            found = zero0_stage_masters(path, mmap=True) if path.is_file() else {}
+            return _masters_by_hf_name({key: v for key, v in found.items() if mine(key[1])}, self.layout)
         pieces = {}
         for _, path in sorted(self.masters[stage]):
             saved = _load(path)["optimizer_state_dict"]
             for flat, mapping in zip(saved["single_partition_of_fp32_groups"], saved["param_slice_mappings"]):
                 for name, where in mapping.items():
-                    head, _, rest = name.partition(".")
-                    if head == str(index) or (head == "tied_modules" and rest.partition(".")[0] in ties):
+                    if mine(name):
                         pieces.setdefault((stage, name), []).append(flat.narrow(0, where.start, where.numel))
             del saved
         return _masters_by_hf_name(pieces, self.layout)
