@@ -122,3 +122,14 @@ def test_overlap_comm_double_buffers_the_zero2_bucket():
     double = model_state_bytes(N, 4, 2, "bf16", reduce_bucket_size=bucket, overlap_comm=True)
     assert double.buffers == 2 * single.buffers == 2 * bucket * 2
     assert double.peak - single.peak == bucket * 2
+
+
+def test_bf16_with_fp32_gradient_accumulation_holds_a_full_fp32_gradient_buffer():
+    """generate-config's bf16 default (ZeRO-1, data_types.grad_accum_dtype fp32) runs DeepSpeed's BF16_Optimizer:
+    every rank sums gradients into a full fp32 buffer (4 bytes per parameter, not partitioned) beside the bf16
+    gradients; masters and Adam states are partitioned; no reduction buckets."""
+    plain = model_state_bytes(N, dp=8, zero=1, precision="bf16")
+    s = model_state_bytes(N, dp=8, zero=1, precision="bf16", fp32_grad_accum=True)
+    assert s.grads == (4 + 2) * N and s.buffers == 0  # the fp32 buffer and the bf16 gradients until the step
+    assert s.master == plain.master == N // 8 * 4 and s.optimizer == plain.optimizer
+    assert s.peak - plain.peak >= 4 * N - plain.grads - plain.buffers

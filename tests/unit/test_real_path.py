@@ -228,3 +228,28 @@ def test_zero0_masters_from_fusedadams_flat_groups():
 def test_qlora_computes_in_the_runs_precision(cfg, name):
     """QLoRA's bnb_4bit_compute_dtype (loop._model) is the run's: an fp16 config computed in fp32 before."""
     assert str(hf.param_dtype(cfg)).removeprefix("torch.") == name and hasattr(torch, name)
+
+
+def test_the_planner_counts_bf16_optimizers_fp32_gradient_buffer(ds_world1):
+    """generate-config's bf16 default (ZeRO-1, grad_accum_dtype fp32) on a real engine: the model-state bytes
+    it holds after a backward (toolkit.train.held) against toolkit.plan.memory's prediction."""
+    import deepspeed
+
+    from toolkit.plan.memory import model_state_bytes
+    from toolkit.train.held import held_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(8)])
+    n = sum(p.numel() for p in model.parameters())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 10**6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert type(engine.optimizer).__name__ == "BF16_Optimizer"
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 256, dtype=torch.bfloat16)).float().pow(2).mean())
+        held = held_bytes(engine)
+        engine.step()
+    engine.destroy()
+    predicted = model_state_bytes(n, dp=1, zero=1, precision="bf16", fp32_grad_accum=True).peak
+    assert abs(predicted - held) <= 0.05 * held, (predicted, held)

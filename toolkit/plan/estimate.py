@@ -176,6 +176,7 @@ def estimate(model: Model, parts: list, lay: Layout, hw: Hardware, precision: st
         states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
                                    lay.offload, pipeline=lay.pp > 1,
                                    overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
+                                   fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
                                    trainable=stage_trainable(model, parts, s))
         totals.append((states.peak + acts[s], s, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
