@@ -1,11 +1,13 @@
 """A dstk-trained DeepSpeed checkpoint -> a HF directory (safetensors, config, tokenizer).
 
 A full model is streamed (toolkit.train.export_stream over toolkit.train.checkpoint_stream): about
-one layer in memory at a time, written into sharded safetensors + index. A LoRA run (and a model
-whose saved names transformers converts, e.g. fused MoE experts) takes the whole-model path: the
-tensors by HF name from toolkit.train.checkpoint_state (pipeline layer files, ZeRO shards, fp32
-masters) are loaded into the model (a LoRA run's into the PeftModel, whose adapters are written in
-PEFT's format and merged), then save_pretrained.
+one layer in memory at a time, written into sharded safetensors + index. A LoRA run is streamed too
+(toolkit.train.export_lora: the adapters merged into each base tensor as it is read, from the run's
+--model safetensors or the checkpoint). What the readers do not cover (tensor parallelism, frozen
+weights under ZeRO-3, a --model directory without safetensors, a model whose saved names
+transformers converts, e.g. fused MoE experts) takes the whole-model path: the tensors by HF name
+from toolkit.train.checkpoint_state are loaded into the model (a LoRA run's into the PeftModel,
+whose adapters are written in PEFT's format and merged), then save_pretrained.
 
 The HF directory is written into a temporary folder beside OUT_DIR and renamed into place: a
 failure leaves no half-written export, and an existing OUT_DIR is replaced only with overwrite.
@@ -39,8 +41,8 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     config.json's "dtype" says which. max_shard_size: "5GB", "500MB" or bytes; a larger model is
     split into model-0000k-of-0000n.safetensors + model.safetensors.index.json.
 
-    A full model is streamed (toolkit.train.export_stream: about one layer in memory at a time);
-    stream=False, a LoRA run, or a model whose saved names save_pretrained converts, load the whole
+    A full model or a LoRA merge is streamed (export_stream, export_lora: about one layer in memory
+    at a time); stream=False, or a checkpoint the streaming readers do not cover, load the whole
     model and save_pretrained it. A LoRA run (layout["lora"]): OUT_DIR holds the adapters merged
     into full weights, and `adapter_dir` (when given) the adapters alone in PEFT's format; with
     merge=False OUT_DIR holds the adapters alone instead (no merged weights)."""
@@ -57,22 +59,41 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     _check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(layout.get("lora")))
     if adapter_dir is not None:
         _check_out(Path(adapter_dir), overwrite)
-    if stream and not layout.get("lora") and _streamed(ckpt_dir, tag, layout, out_dir, dtype, max_bytes):
+    if stream and _streamed(ckpt_dir, tag, layout, out_dir, dtype, max_bytes, adapter_dir, merge):
         return out_dir
     return _export_in_memory(ckpt_dir, out_dir, tag, dtype, adapter_dir, merge, max_bytes)
 
 
-def _streamed(ckpt_dir: Path, tag, layout: dict, out_dir: Path, dtype: str, max_bytes: int) -> bool:
+def _streamed(ckpt_dir: Path, tag, layout: dict, out_dir: Path, dtype: str, max_bytes: int, adapter_dir,
+              merge: bool) -> bool:
     """Whether the streaming export wrote OUT_DIR (False: this checkpoint needs the whole model)."""
     from toolkit.train.checkpoint_state import resolve_tag
     from toolkit.train.checkpoint_stream import NotStreamable
+    from toolkit.train.export_lora import export_lora_streaming
     from toolkit.train.export_stream import export_streaming
 
     tag = resolve_tag(ckpt_dir, tag)
     config = _read_config(ckpt_dir / META)
+    lora = layout.get("lora")
+    base_dir = None
+    if lora and merge:  # the adapters merge into the exact weights the run started from, where they still are
+        base_dir = _lora_base_dir(layout, required=bool(lora.get("qlora")) or layout.get("base_saved") is False)
+    def save_adapters(folder: Path):  # PEFT's adapter folder (+ the tokenizer), from the model given
+        return lambda model: _write_dir_atomically(folder, lambda tmp: _save_with_tokenizer(model, meta, tmp))
+
+    meta = ckpt_dir / META
+
     try:
-        _write_dir_atomically(out_dir, lambda folder: export_streaming(ckpt_dir, tag, layout, config, folder,
-                                                                       DTYPES[dtype], max_bytes))
+        if not lora:
+            _write_dir_atomically(out_dir, lambda folder: export_streaming(ckpt_dir, tag, layout, config, folder,
+                                                                           DTYPES[dtype], max_bytes))
+        elif merge:
+            _write_dir_atomically(out_dir, lambda folder: export_lora_streaming(
+                ckpt_dir, tag, layout, config, folder, DTYPES[dtype], max_bytes, base_dir,
+                None if adapter_dir is None else save_adapters(Path(adapter_dir)), check_base=not lora.get("qlora")))
+        else:  # the adapters alone into OUT_DIR
+            export_lora_streaming(ckpt_dir, tag, layout, config, None, DTYPES[dtype], max_bytes, None,
+                                  save_adapters(out_dir), merge=False)
     except NotStreamable:
         return False
     return True
@@ -172,14 +193,9 @@ def _lora_base(layout: dict, cls, config, required: bool):
     import torch
     from transformers.utils import logging as hf_logging
 
-    path = layout.get("model")
-    if not path or not Path(path).is_dir():
-        if not required:
-            return None
-        held = "in 4 bits only (QLoRA)" if (layout.get("lora") or {}).get("qlora") else "not at all (adapters only)"
-        raise UnusableInput(f"this LoRA checkpoint holds its base {held}; export merges the adapters into the "
-                            f"model the run was trained from, {path!r}, which is not a directory here. Make it "
-                            "available at that path (or export on the machine that has it)")
+    path = _lora_base_dir(layout, required)
+    if path is None:
+        return None
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report lists the heads the directory lacks: expected here
     try:
@@ -187,6 +203,20 @@ def _lora_base(layout: dict, cls, config, required: bool):
     finally:
         hf_logging.set_verbosity(level)
     return model, set(info["missing_keys"])
+
+
+def _lora_base_dir(layout: dict, required: bool) -> Path | None:
+    """The run's --model directory, or None where there is none here (a built-in model, or moved) and
+    it is not `required` (refused then: the checkpoint holds no usable base)."""
+    path = layout.get("model")
+    if path and Path(path).is_dir():
+        return Path(path)
+    if not required:
+        return None
+    held = "in 4 bits only (QLoRA)" if (layout.get("lora") or {}).get("qlora") else "not at all (adapters only)"
+    raise UnusableInput(f"this LoRA checkpoint holds its base {held}; export merges the adapters into the "
+                        f"model the run was trained from, {path!r}, which is not a directory here. Make it "
+                        "available at that path (or export on the machine that has it)")
 
 
 def _same_base(state: dict, model, sample: int = 8) -> bool:

@@ -161,7 +161,6 @@ def export_streaming(ckpt_dir: Path, tag: str, layout: dict, config, folder: Pat
     generation_config.json when the model generates, the weights streamed, the tokenizer from dstk/.
     Raises NotStreamable (nothing useful written) for checkpoints the readers do not cover."""
     import torch
-    from transformers import AutoTokenizer
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import models
@@ -173,21 +172,30 @@ def export_streaming(ckpt_dir: Path, tag: str, layout: dict, config, folder: Pat
     unset_hf_deepspeed_config()  # a plain skeleton, even in a process that trained under ZeRO-3
     with torch.device("meta"):
         skeleton = models.auto_class(MODEL_TASKS[layout["task"]]).from_config(config, dtype=torch.float32)
-    if _converts_weights(skeleton):
+    if converts_weights(skeleton):
         raise NotStreamable(f"{type(skeleton).__name__} renames or fuses weights when saved")
     _, alias = expected_tensors(skeleton)
     reader = open_reader(ckpt_dir / tag, layout, alias)
     stats = write_weights(reader, skeleton, folder, dtype, max_bytes, str(ckpt_dir / tag))
+    write_metadata(skeleton, meta, folder, dtype)
+    return stats
+
+
+def write_metadata(skeleton, meta: Path, folder: Path, dtype: str, base_dir: Path | None = None) -> None:
+    """config.json (+ "dtype"), generation_config.json when the model generates (the --model directory's
+    own where the base comes from there, as from_pretrained reads it), the tokenizer from dstk/."""
+    from transformers import AutoTokenizer, GenerationConfig
+
     skeleton.config.dtype = dtype
     skeleton.config.architectures = [type(skeleton).__name__]
     skeleton.config.save_pretrained(folder)
     if skeleton.can_generate():
-        skeleton.generation_config.save_pretrained(folder)
+        own = base_dir is not None and (Path(base_dir) / "generation_config.json").exists()
+        (GenerationConfig.from_pretrained(base_dir) if own else skeleton.generation_config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
-    return stats
 
 
-def _converts_weights(skeleton) -> bool:
+def converts_weights(skeleton) -> bool:
     """Whether save_pretrained would rename or fuse tensors (transformers 5's conversion mapping,
     e.g. MoE experts): the streamed names would then differ from what from_pretrained expects."""
     from transformers.conversion_mapping import get_model_conversion_mapping

@@ -1,0 +1,110 @@
+"""The streamed LoRA merge (toolkit.train.export_lora) is peft's merge_and_unload, bit for bit, and writes
+the directory the whole-model export writes. Its peak memory: tests/commands/test_peak_memory.py.
+
+Checkpoints are fabricated as a pp = 1, fp32, ZeRO-0 LoRA run leaves them (mp_rank_00_model_states.pt's
+module = the PeftModel's state dict), with lora_B drawn at random (training starts it at zero, which
+would merge nothing); tests/unit/test_lora.py and tests/distributed/test_lora_pipeline.py export
+real runs.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.test_export_stream import read_weights
+from toolkit.train import hf, lora
+
+
+def tiny(name: str, **sizes):
+    """A built-in tiny model (`sizes` override its config: hidden_size, num_hidden_layers, ...)."""
+    tok = hf.byte_tokenizer()
+    config = hf.load_config(name, tok, "causal-lm")
+    if sizes:
+        fields = {k: v for k, v in config.to_dict().items() if k != "head_dim"}  # head_dim: derived again
+        config = type(config)(**{**fields, **sizes}, attn_implementation=config._attn_implementation)
+    return hf.build_model(name, config, "causal-lm", 0), tok
+
+
+def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None, seed: int = 0):
+    """RUN/checkpoints as `dstk train --lora` at pp = 1 leaves it: the adapters alone when the base is a
+    --model directory (`base_dir`, written here; base_saved False), else the whole PeftModel. Returns
+    the PeftModel (r 4, alpha 8, every block linear), its lora_B drawn from `seed`."""
+    from toolkit.train.checkpoint import save_meta, write_latest
+
+    if base_dir is not None:
+        model.save_pretrained(base_dir)
+        tokenizer.save_pretrained(base_dir)
+    settings = lora.LoraSettings(r=4, alpha=8)
+    peft = lora.apply(model, settings, "causal-lm", seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    state = {k: v.clone() for k, v in peft.state_dict().items() if base_dir is None or lora.is_adapter(k)}
+    ckpt = run / "checkpoints"
+    (ckpt / "global_step1").mkdir(parents=True)
+    torch.save({"module": state}, ckpt / "global_step1" / "mp_rank_00_model_states.pt")
+    layout = {"pp": 1, "dp": 1, "tp": 1, "zero_stage": 0, "task": "causal-lm", "base_saved": base_dir is None,
+              "model": None if base_dir is None else str(base_dir),
+              "lora": lora.layout_entry(settings, peft.peft_config["default"])}
+    save_meta(ckpt, model.config, tokenizer, layout)
+    write_latest(ckpt, "global_step1")
+    return peft
+
+
+@pytest.mark.parametrize("name, from_dir", [("tiny-llama", True), ("tiny-gpt2", True), ("tiny-gpt2", False)])
+def test_the_streamed_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, monkeypatch, name, from_dir):
+    """Tolerance 0: the same fp32 operations as peft (W + transpose(B @ A, fan_in_fan_out) * alpha / r).
+    tiny-gpt2's Conv1D is fan_in_fan_out; its base from the directory, or (a built-in model's run) from
+    the checkpoint. The whole-model path is not taken."""
+    from toolkit.train import export as export_module
+    from toolkit.train.export import export
+
+    monkeypatch.setattr(export_module, "_export_in_memory", lambda *a, **k: pytest.fail("loaded the whole model"))
+
+    model, tok = tiny(name)
+    peft = fabricate_lora_checkpoint(model, tok, tmp_path / "run", tmp_path / "base" if from_dir else None)
+    adapters = {k: v.clone() for k, v in peft.state_dict().items() if ".lora_" in k}
+    want = peft.merge_and_unload().state_dict()
+    got = read_weights(export(tmp_path / "run", tmp_path / "hf", adapter_dir=tmp_path / "ad", max_shard_size="60KB"))
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1  # sharded
+    assert got.keys() <= want.keys() and len(got) >= len(want) - 1  # less a tied head
+    changed = [k for k, v in got.items() if not torch.equal(v, want[k])]
+    assert not changed, changed[:4]
+    saved = read_weights_file(tmp_path / "ad" / "adapter_model.safetensors")
+    assert adapters.keys() == {k.replace(".weight", ".default.weight") for k in saved}
+    assert all(torch.equal(saved[k], adapters[k.replace(".weight", ".default.weight")]) for k in saved)
+
+
+def read_weights_file(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+@pytest.mark.parametrize("dtype, merge", [("bf16", True), ("fp32", False)])
+def test_the_streamed_lora_export_writes_the_whole_exports_directory(tmp_path, dtype, merge):
+    """Every file the whole-model export writes, with the same bytes (the index aside: shards are filled
+    in state-dict order), and the same tensors by name and dtype; with --no-merge the adapters alone."""
+    from toolkit.train.export import export
+
+    model, tok = tiny("tiny-llama")
+    fabricate_lora_checkpoint(model, tok, tmp_path / "run", tmp_path / "base")
+    for kind, stream in (("whole", False), ("streamed", True)):
+        export(tmp_path / "run", tmp_path / kind, dtype=dtype, merge=merge, stream=stream, max_shard_size="60KB",
+               adapter_dir=(tmp_path / f"{kind}_ad") if merge else None)
+    for kind in ("", "_ad"):
+        whole, streamed = tmp_path / f"whole{kind}", tmp_path / f"streamed{kind}"
+        if not whole.exists():
+            continue
+        names = sorted(p.name for p in whole.iterdir())
+        assert names == sorted(p.name for p in streamed.iterdir())
+        for f in names:
+            if not f.endswith((".safetensors", ".index.json")):
+                assert (whole / f).read_bytes() == (streamed / f).read_bytes(), f
+        adapters = (whole / "adapter_model.safetensors").exists()
+        read = (lambda d: read_weights_file(d / "adapter_model.safetensors")) if adapters else read_weights
+        a, b = read(whole), read(streamed)
+        assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
