@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.unit.test_export_stream import fabricate_pipeline_checkpoint, gpt2
@@ -73,6 +74,7 @@ def test_streaming_export_of_a_200m_pipeline_checkpoint_peaks_near_one_layer(tmp
     assert torch.equal(a, b)
 
 
+@pytest.mark.heavy  # three exports of a 386 MiB model: minutes
 def test_streamed_lora_merge_peaks_near_one_layer(tmp_path, monkeypatch):
     """A LoRA run of a 6-block Llama (hidden 1024, MLP 4096: 64 MiB per block in fp32, 386 MiB in all)
     whose base is a --model directory: `dstk export` merges the adapters into it tensor by tensor.
