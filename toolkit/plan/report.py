@@ -45,9 +45,9 @@ def _describe(e: Estimate, label: str) -> list:
     fixed = (f", fixed {fb(e.fixed.total)} (CUDA context {fb(e.fixed.cuda_context)}, NCCL {e.fixed.communicators} "
              f"x {fb(e.fixed.nccl // e.fixed.communicators)})" if e.fixed.communicators else
              f", fixed {fb(e.fixed.total)} (CUDA context)")
+    working = f", ZeRO-3 gathered layers {fb(e.working)}" if e.working else ""
     memory = (f"   memory/GPU {fb(e.memory)}{stage}: model states {fb(s.peak)} ({states}), "
-              f"activations {fb(e.activations)}{loss}" + (f", ZeRO-3 gathered layers {fb(e.working)}" if e.working else "")
-              + fixed)
+              f"activations {fb(e.activations)}{loss}{working}{fixed}")
     if s.cpu:
         memory += f"; host {fb(s.cpu)} offloaded"
     comm = (f"   bubble {e.bubble:.1%}, dp comm {fb(e.dp_comm_bytes)}/step/GPU, "

@@ -1,6 +1,6 @@
-"""`python stage_moves.py OUT CASE MODEL [CASE MODEL ...]`, on every rank, for each CASE in turn: build the pipeline stage
-`dstk train` builds (toolkit.train.pipe.pipeline_module, bf16), hand it to deepspeed.initialize, and write
-OUT/CASE-<i>-rank<R>.json (i: the pair's index):
+"""`python stage_moves.py OUT CASE MODEL [CASE MODEL ...]`, on every rank, for each CASE in turn: build the
+pipeline stage `dstk train` builds (toolkit.train.pipe.pipeline_module, bf16), hand it to deepspeed.initialize,
+and write OUT/CASE-<i>-rank<R>.json (i: the pair's index):
 the parameter bytes the stage held at each move to a device (every `nn.Module.to(device)` on the
 PipelineModule, DeepSpeed's own included; on a CPU that move changes nothing, so the bytes it would carry are
 counted instead), the bytes the engine trains in the end, and the stage's parameter count as built (before
