@@ -12,7 +12,7 @@ Measured on tiny-llama, per rank: tp 2 over one stage (the whole model, 217,792 
 first move carried 871,168 bytes (fp32, unsharded), 3.47 x the 251,264 bf16 bytes of the rank's shard;
 LoRA r 4 at pp 2 on a built-in model: 472,832 bytes (the frozen base in fp32), twice the final 236,416.
 A saved directory already loads in bf16 (toolkit.train.hf.param_dtype), so there the unsharded stage was
-the excess. The 4-process pp 2 x tp 2 layout is in the heavy tier.
+the excess (435,584 bytes before, 251,264 now); it and the 4-process pp 2 x tp 2 layout are in the heavy tier.
 """
 
 import json
@@ -29,6 +29,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "stage_moves.py"
 
 def _launch(tmp_path: Path, nprocs: int, *pairs) -> dict:
     """{(case, i): [rank reports]} for the (case, model) pairs, built in one launch of `nprocs` ranks."""
+    tmp_path.mkdir(exist_ok=True)
     rc, log = run_ranks([SCRIPT, tmp_path, *[str(x) for pair in pairs for x in pair]], nprocs, timeout=240)
     assert rc == 0, log[-3000:]
     return {(case, i): [json.loads((tmp_path / f"{case}-{i}-rank{r}.json").read_text()) for r in range(nprocs)]
@@ -44,16 +45,17 @@ def _check(report: dict, sharded: bool) -> None:
         assert final < 2 * as_built, (final, as_built)
 
 
-def test_a_stage_goes_to_its_device_cast_and_sharded_not_whole_in_fp32(tmp_path, saved_models):
-    saved = saved_models.get("tiny-llama")  # fp32 safetensors, read per stage in bf16
-    reports = _launch(tmp_path, 2, ("tp2", "tiny-llama"), ("tp2", saved), ("lora-pp2", "tiny-llama"))
+def test_a_stage_goes_to_its_device_cast_and_sharded_not_whole_in_fp32(tmp_path):
+    reports = _launch(tmp_path, 2, ("tp2", "tiny-llama"), ("lora-pp2", "tiny-llama"))
     for (case, _), ranks in reports.items():
         for report in ranks:
             _check(report, sharded=case == "tp2")
 
 
 @pytest.mark.heavy
-def test_a_3d_stage_goes_to_its_device_as_its_tp_shard(tmp_path):
-    [ranks] = _launch(tmp_path, 4, ("pp2tp2", "tiny-llama")).values()
-    for report in ranks:
+def test_a_saved_directory_and_a_3d_stage_go_to_their_device_as_tp_shards(tmp_path, saved_models):
+    saved = saved_models.get("tiny-llama")  # fp32 safetensors, read per stage in bf16: the shard was the excess
+    [ranks] = _launch(tmp_path / "dir", 2, ("tp2", saved)).values()
+    [ranks_3d] = _launch(tmp_path / "3d", 4, ("pp2tp2", "tiny-llama")).values()
+    for report in ranks + ranks_3d:
         _check(report, sharded=True)
