@@ -28,7 +28,7 @@ def _size(ctx, param, value):
 @click.option("--intra-bw", type=float, metavar="GB/S", help="Bandwidth between GPUs of a node, GB/s per direction, > 0.")
 @click.option("--inter-bw", type=float, metavar="GB/S", help="Bandwidth per GPU between nodes, GB/s per direction, > 0.")
 @click.option("--mfu", type=float, default=0.5, show_default=True, help="Share of peak FLOPs a step reaches, in (0, 1].")
-@click.option("--reserve", type=float, default=0.1, show_default=True, help="Share of GPU memory left for the CUDA context and allocator, in [0, 1).")
+@click.option("--reserve", type=float, default=0.1, show_default=True, help="Share of GPU memory left for the allocator's fragmentation, in [0, 1); the CUDA context and NCCL buffers are counted apart.")
 @click.option("--host-mem", callback=_size, default="1TiB", show_default=True, metavar="SIZE", help="Host memory per node, for offload.")
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa", show_default=True,
               help="sdpa and flash_attention_2 keep no (seq x seq) attention matrix, eager does; sdpa and eager keep "
