@@ -147,6 +147,7 @@ def test_a_failed_run_fails_the_bench_with_no_table(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy  # a real bench run of two layouts: ~40 s
 def test_a_tiny_real_run(tmp_path, monkeypatch):
     """One LoRA and one full run of a 2-block model through launch.sh, on one process (the cheapest launch, ~50 s on
     2 shared cores; the bench's own pp 2 runs take minutes): the summary's lists reach the table."""

@@ -207,7 +207,7 @@ def test_export_adapter_flags_that_cannot_both_hold_are_refused(tmp_path, flags,
         _check_adapter_flags(tmp_path, tmp_path / "OUT", tmp_path / "ad", True, False)
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.heavy)])  # ZeRO-3: ~1 min in one process
 def test_a_lora_run_saves_its_adapters_only_and_resumes_exactly(ds_world1, tmp_path, zero):
     """From a directory the checkpoint leaves the frozen base out (it is re-read from --model): 2 + 2
     resumed steps give the 4-step run's losses."""
