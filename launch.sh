@@ -122,12 +122,12 @@ elif [[ -n "$master_addr" ]]; then
 fi
 if [[ -z "$master_port" && -z "$node_rank" && -z "$hostfile" ]]; then
   # one node: a free port, so two runs on one machine do not collide on DeepSpeed's default 29500
-  master_port=$("$PYTHON" -c 'from toolkit.dist import free_port; print(free_port())')
+  master_port=$("$PYTHON" -c 'from toolkit.distributed.process_group import free_port; print(free_port())')
 fi
 [[ -n "$master_port" ]] && cmd+=(--master_port "$master_port")
 case "$launcher" in
   openmpi|slurm)
-    # Their runners pass no MASTER_* to the ranks: toolkit.dist reads these (openmpi: DeepSpeed's MPI
+    # Their runners pass no MASTER_* to the ranks: toolkit.distributed.process_group reads these (openmpi: DeepSpeed's MPI
     # discovery finds rank 0's address itself and takes the port; slurm: both, else the first host of
     # the step's node list, which srun chooses: not necessarily the hostfile's first host).
     [[ -n "$master_port" ]] && export MASTER_PORT=$master_port
@@ -171,7 +171,7 @@ fi
 nccl_vars=$(compgen -e | { grep '^NCCL_' || true; } | paste -sd ' ' -)
 if [[ "$launcher" == openmpi ]]; then
   # mpirun passes only PYTHON*/UCX_* (DeepSpeed's list) to other nodes: add dstk's variables.
-  # MASTER_ADDR with --master-addr: toolkit.dist then takes the ranks from OpenMPI's variables and this
+  # MASTER_ADDR with --master-addr: toolkit.distributed.process_group then takes the ranks from OpenMPI's variables and this
   # address, where DeepSpeed's MPI discovery would take the first address of `hostname -I` on rank 0.
   [[ -n "$master_addr" ]] && export MASTER_ADDR=$master_addr
   for var in DS_ACCELERATOR OMP_NUM_THREADS MASTER_PORT MASTER_ADDR $nccl_vars; do
@@ -180,7 +180,7 @@ if [[ "$launcher" == openmpi ]]; then
   # mpirun's own TCP traffic: DeepSpeed's runner picks eth0 unless told; the subnet of the master address
   # names the right interface on every node, whatever it is called there.
   if [[ "$launcher_args" != *btl_tcp_if_include* ]]; then
-    subnet=$("$PYTHON" -c 'import sys; from toolkit.dist import subnet_of; print(subnet_of(sys.argv[1]) or "")' \
+    subnet=$("$PYTHON" -c 'import sys; from toolkit.distributed.process_group import subnet_of; print(subnet_of(sys.argv[1]) or "")' \
       "${master_addr:-$first_host}")
     if [[ -n "$subnet" ]]; then
       launcher_args="--mca btl_tcp_if_include $subnet${launcher_args:+ $launcher_args}"

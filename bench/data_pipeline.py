@@ -12,7 +12,7 @@ generator knows the dataset's token count exactly.
 
 Variants: "old" is the reader of commit OLD_COMMIT (before the rewrite: every rank reads the whole file and
 tokenizes it document by document), extracted with `git archive` into the temporary folder and run from there
-(PYTHONPATH and working directory); "new" is this tree's toolkit.train.data (HF datasets, Arrow cache built by
+(PYTHONPATH and working directory); "new" is this tree's toolkit.data (HF datasets, Arrow cache built by
 each node's local rank 0, memory-mapped rows), first on an empty --data-cache ("cold"), then again on the
 cache the cold run built ("warm"). Per repeat, in this order:
 
@@ -221,7 +221,8 @@ def run_tokenize(variant: str, n: int, ctx: dict) -> dict:
 def measure_old(data: str) -> dict:
     """Old reader, timed by stage: read_records, tokenize (document by document, packed into a tensor), split."""
     t0 = time.perf_counter()
-    from toolkit.train import data as old, hf
+    from toolkit import data as old
+    from toolkit.train import hf
 
     tok = hf.byte_tokenizer()
     t1 = time.perf_counter()
@@ -240,8 +241,10 @@ def measure_new(data: str, cache: str) -> dict:
     t0 = time.perf_counter()
     import datasets
 
-    from toolkit.train import data as new, hf
-    from toolkit.train.data_source import load
+    from toolkit import data as new
+
+    from toolkit.train import hf
+    from toolkit.data.source import load
 
     datasets.disable_progress_bars()
     tok = hf.byte_tokenizer()

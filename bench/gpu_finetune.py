@@ -28,11 +28,11 @@ failed, with the tail of its log; with --budget S, a case that cannot start S se
 is reported as skipped, and the one running then is stopped.
 
 Per case: tokens/s over the steps after the warm-up ones (metrics.jsonl's per-step rates); MFU = tokens/s
-x FLOPs per token / (GPUs x peak): FLOPs per token from the planner's cost model (toolkit.plan.mfu: 6N +
+x FLOPs per token / (GPUs x peak): FLOPs per token from the planner's cost model (toolkit.plan.cost.mfu: 6N +
 attention's 12 L s h_attn, LoRA's frozen weights without weight gradients), peak = the dense bf16 TFLOPs
 of the toolkit.plan.gpus preset matched from the device name (--gpu, --peak-tflops to choose). Peak GPU
 memory: the summary's peak_gpu_mib_per_rank (largest rank) next to `dstk plan`'s estimate for the same
-layout (toolkit.plan.planner.estimate_layout; none for QLoRA: the planner has no 4-bit base). Loss: first
+layout (toolkit.plan.layouts.planner.estimate_layout; none for QLoRA: the planner has no 4-bit base). Loss: first
 and last step. Writes bench/results/gpu.json and gpu.md (--dry-run: into --out-dir or a temp dir, never
 over real figures), with gpu.sh's steps (--step) and their failures. Checkpoints (the trainer saves one at
 the end, ~14 GB at 1B) are deleted per case.
@@ -132,8 +132,8 @@ def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int |
     None for QLoRA (the planner holds the frozen base in bf16, not in 4 bits)."""
     if case.adapters == "qlora":
         return None
-    from toolkit.plan.estimate import Layout
-    from toolkit.plan.planner import PlanRequest, estimate_layout
+    from toolkit.plan.layouts.estimate import Layout
+    from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 
     req = PlanRequest(model=str(model_dir), gbs=case.gbs, gpus_per_node=case.world, gpu=preset, seq_len=seq,
                       precision="bf16", attention=case.attention, lora=LORA_R if case.adapters else None)
@@ -191,7 +191,7 @@ def run_case(case: Case, ctx: dict, opts, timeout: float) -> dict:
 
 def figures(case: Case, records: list[dict], summary: dict, ctx: dict, opts) -> dict:
     """Tokens/s, MFU, peak memory against the planner, and the loss, from one finished run."""
-    from toolkit.plan.mfu import flops_per_token, mfu
+    from toolkit.plan.cost.mfu import flops_per_token, utilisation
 
     rate = timed_rate(records, opts.warmup, case.gbs * opts.seq_len)
     flops = flops_per_token(ctx["arch"], opts.seq_len, LORA_R if case.adapters else None)
@@ -199,7 +199,7 @@ def figures(case: Case, records: list[dict], summary: dict, ctx: dict, opts) -> 
     measured = max(gpu_mib) * 2**20 if gpu_mib else None
     predicted = predicted_bytes(case, opts.seq_len, ctx["model_dir"], ctx["preset"] or "h100-sxm")
     return {"tokens_per_s": rate, "flops_per_token": flops,
-            "mfu": mfu(rate, flops, case.world, ctx["peak_tflops"]) if rate and ctx["peak_tflops"] else None,
+            "mfu": utilisation(rate, flops, case.world, ctx["peak_tflops"]) if rate and ctx["peak_tflops"] else None,
             "trainer_mfu": summary.get("mfu"),  # the trainer's own, over every step (warm-up included)
             "peak_gpu_bytes": measured, "predicted_bytes": predicted,
             "predicted_error": predicted / measured - 1 if measured and predicted else None,
@@ -215,7 +215,7 @@ def hardware(opts) -> tuple[str, str | None, float | None, int] | str | None:
 
     from toolkit.errors import ConfigError
     from toolkit.plan.gpus import get_gpu
-    from toolkit.plan.mfu import peak_tflops
+    from toolkit.plan.cost.mfu import peak_tflops
 
     if not torch.cuda.is_available():  # counts devices without making a CUDA context
         return ("CPU (dry run)", opts.gpu or "h100-sxm", opts.peak_tflops, opts.gpus or 2) if opts.dry_run else None

@@ -24,10 +24,10 @@ def markdown(meta: dict, cases: list) -> list[str]:
         lines.append(f"{head} {_fmt(c['tokens_per_s'], ',.0f')} | {_fmt(c['mfu'], '.1%')} | "
                      f"{_gib(c['peak_gpu_bytes'])} | {_gib(c['predicted_bytes'])} | {_fmt(c['predicted_error'], '+.1%')} "
                      f"| {c['first_loss']:.3f} -> {c['last_loss']:.3f} |")
-    lines += ["", "MFU: tokens/s x FLOPs per token (the planner's cost model, toolkit.plan.mfu: 6N + attention's "
+    lines += ["", "MFU: tokens/s x FLOPs per token (the planner's cost model, toolkit.plan.cost.mfu: 6N + attention's "
               "12 L s h_attn; LoRA's frozen weights without weight gradients) / (the case's GPUs x peak). Peak: the "
               "largest rank's `torch.cuda.max_memory_allocated` (the run's summary); dstk plan: "
-              "`toolkit.plan.planner.estimate_layout` for the same layout (none for QLoRA: it has no 4-bit base). "
+              "`toolkit.plan.layouts.planner.estimate_layout` for the same layout (none for QLoRA: it has no 4-bit base). "
               "A failed case's log tail is in gpu.json."]
     failed = [f"{s['name']} ({s['detail']})" for s in meta.get("script_steps", []) if s["status"] != "ok"]
     if failed:

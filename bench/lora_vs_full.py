@@ -15,7 +15,7 @@ linear in the blocks). Per run, from rank 0's OUT/metrics.jsonl: the median of t
 after `--warmup` steps, and the summary's per-rank lists (model_state_mib_per_rank: what the engine holds
 for weights, gradients, fp32 masters and optimizer states at the end; peak_rss_mib_per_rank; trainable
 parameters). Reported: medians over the repeats and the ratios LoRA / full. Beside them, when `dstk plan`
-has `--lora`, its model-state prediction for the same layout (toolkit.plan.planner.estimate_layout, the
+has `--lora`, its model-state prediction for the same layout (toolkit.plan.layouts.planner.estimate_layout, the
 stage holding the most). Any failed run fails the benchmark (exit 1, the failure in the output and in
 results/lora.md). Writes bench/results/lora.json (every run) and bench/results/lora.md.
 """
@@ -162,8 +162,8 @@ def check(med: dict) -> None:
 
 def predicted(model: Path, pp: int, procs: int) -> dict:
     """`dstk plan`'s model-state bytes for this layout, LoRA and full (the stage holding the most), or why not."""
-    from toolkit.plan.estimate import Layout
-    from toolkit.plan.planner import PlanRequest, estimate_layout
+    from toolkit.plan.layouts.estimate import Layout
+    from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 
     if "lora" not in PlanRequest.__dataclass_fields__:
         return {"skipped": "dstk plan has no --lora option"}
@@ -204,7 +204,7 @@ def markdown(result: dict, meta: dict) -> list[str]:
     lines += ["", *reading(med, ratio)]
     plan = meta.get("plan") or {}
     if "lora" in plan:
-        lines += ["", f"`dstk plan` for the same layout ({plan['layout']}; toolkit.plan.planner.estimate_layout, the "
+        lines += ["", f"`dstk plan` for the same layout ({plan['layout']}; toolkit.plan.layouts.planner.estimate_layout, the "
                   f"pp={meta['pp']} zero=0 row of `{plan['command']}`): model states "
                   f"{plan['lora']['model_state_mib']:.1f} MiB (LoRA) and {plan['full']['model_state_mib']:.1f} MiB "
                   f"(full) on its heaviest stage ({plan['lora']['stage']}), ratio {plan['ratio']:.3f}; measured on "

@@ -26,8 +26,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit.plan.arch import BUILTINS, load_arch, to_hf_config  # noqa: E402
-from toolkit.plan.costs import layer_costs  # noqa: E402
-from toolkit.plan.partition import min_bottleneck_split, partition_layers, stage_sums  # noqa: E402
+from toolkit.plan.cost.layers import layer_costs  # noqa: E402
+from toolkit.plan.cost.partition import min_bottleneck_split, partition_layers, stage_sums  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # A Llama-style model of GPT-2 124M's cost: GQA, gated SiLU MLP, RMSNorm, rotary, untied 32k vocab.
@@ -39,7 +39,7 @@ SPLITS = ("compute", "parameters", "uniform", "type:Block")  # type:Block counts
 def time_layers(arch, seq_len, mbs, reps, warmup, clock):
     """Per-layer samples of forward+backward seconds through models/' layer list."""
     import models
-    from toolkit.plan.profile import layer_samples, sample_batch
+    from toolkit.plan.cost.profile import layer_samples, sample_batch
 
     spec = models.pipeline_layers(to_hf_config(arch), seq_len=seq_len)
     samples = layer_samples(spec.layers, sample_batch(spec.config, seq_len, mbs), spec.loss_fn, reps, warmup, clock)

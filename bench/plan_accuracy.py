@@ -1,6 +1,6 @@
 """Planner accuracy on CPU, two tables.
 
-Model states: bytes per rank that toolkit.plan.memory predicts vs what real DeepSpeed engines hold, for ZeRO
+Model states: bytes per rank that toolkit.plan.memory.rank predicts vs what real DeepSpeed engines hold, for ZeRO
 0/1/2/3 at pp 1 (dp 2) and ZeRO 0/1 at pp 2 (dp 1); and with LoRA (peft adapters of rank 8 on every Linear, the
 base frozen) at ZeRO 1/3 with pp 1 (dp 2) and ZeRO 0/1 with pp 2 (dp 1). The measuring is
 tests/distributed/test_memory_accuracy.py's (run, not copied): one launch of 2 CPU processes on gloo (forked by
@@ -10,7 +10,7 @@ storages summed at its peak moment.
 Activations and the loss: the peak bytes one forward + backward of a HF causal LM allocates (what dstk runs
 at pp 1: `model(input_ids, labels=...).loss.backward()`), less the parameters' gradients (model states: every
 parameter-shaped storage, a tied weight's two parts and transposed ones included), against
-toolkit.plan.costs' activations + loss peak at pp 1, and against the planner before 21f721c (4 x tokens x vocab
+toolkit.plan.cost.layers' activations + loss peak at pp 1, and against the planner before 21f721c (4 x tokens x vocab
 bytes for the loss). Real widths of built-in architectures with fewer blocks, random weights, bf16, sdpa, dropout
 off (with it, CPU's sdpa falls back to its math path and keeps the attention probabilities), no attention mask
 (is_causal; the planner's per-block mask term is left out of the prediction). Measured with a torch dispatch
@@ -35,10 +35,10 @@ MiB = 2**20
 
 
 def predicted(zero: int, pp: int, lora: int | None = None):
-    """(stage parameters, of which trainable, toolkit.plan.memory's ModelStates) for one rank of the test's
+    """(stage parameters, of which trainable, toolkit.plan.memory.rank's ModelStates) for one rank of the test's
     model: its stage is LAYERS / pp layers; with `lora`, their adapters are all that trains."""
     from tests.distributed.test_memory_accuracy import BUCKET, stage_counts
-    from toolkit.plan.memory import model_state_bytes
+    from toolkit.plan.memory.rank import model_state_bytes
 
     params, trainable = stage_counts(pp, lora)
     return params, trainable, model_state_bytes(params, dp=2 // pp, zero=zero, precision="fp32", optimizer="adam",
@@ -85,7 +85,7 @@ def markdown(rows: list[dict]) -> list[str]:
               "the adapters given to the optimizer. Measured: distinct tensor storages a real engine holds at the "
               "largest of its moments in the second step (after a backward, before the optimizer step, and for "
               "ZeRO-1 at the boundary reduction; see tests/distributed/test_memory_accuracy.py). "
-              f"Predicted: `toolkit.plan.memory.model_state_bytes(...).peak`. Worst error {worst:.1%} (target: within 5%)."]
+              f"Predicted: `toolkit.plan.memory.rank.model_state_bytes(...).peak`. Worst error {worst:.1%} (target: within 5%)."]
     return lines
 
 
@@ -138,7 +138,7 @@ def activation_case(name: str, blocks: int, seq: int, mbs: int) -> dict:
     import transformers
 
     from toolkit.plan.arch import BUILTINS, to_hf_config
-    from toolkit.plan.costs import layer_costs, logits_bytes
+    from toolkit.plan.cost.layers import layer_costs, logits_bytes
 
     arch = replace(BUILTINS[name], layers=blocks)
     config = to_hf_config(arch)
@@ -174,7 +174,7 @@ def activation_markdown(rows: list[dict]) -> list[str]:
                      f"{r['predicted_bytes'] / MiB:.1f} | {r['predicted_before_bytes'] / m:.2f} | "
                      f"{r['predicted_bytes'] / m:.2f} |")
     return lines + ["", "Peak bytes one forward + backward allocates (one CPU process, bf16, sdpa, no dropout, "
-                    "no mask), less the parameters' gradients; predicted: toolkit.plan.costs' activations at pp 1 + the loss's peak "
+                    "no mask), less the parameters' gradients; predicted: toolkit.plan.cost.layers' activations at pp 1 + the loss's peak "
                     "(12 x tokens x vocab bytes: the fp32 log-softmax, its gradient and the logits' gradient); "
                     "before: the same activations + 4 x tokens x vocab (the fp32 log-softmax alone)."]
 

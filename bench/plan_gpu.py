@@ -5,7 +5,7 @@ steps on one CUDA GPU (issue 5: within 15%). Skips, exit 0, without CUDA.
 
 Each case: the HF model (random weights, bf16, sdpa attention) under deepspeed.initialize, world of 1
 (dp = pp = 1), ZeRO-0 or 1, torch's AdamW ("torch_adam": no JIT build), 3 steps of random tokens; the
-estimate is toolkit.plan.planner.estimate_layout(...).allocated for the same layout (model states +
+estimate is toolkit.plan.layouts.planner.estimate_layout(...).allocated for the same layout (model states +
 activations with the loss's peak; without the CUDA context and NCCL buffers, which max_memory_allocated does
 not see). A case that fails is recorded with its error, the others
 still run, and the exit status is 1.
@@ -54,8 +54,8 @@ def measure(name: str, seq: int, mbs: int, zero: int) -> int:
 
 
 def predict(name: str, seq: int, mbs: int, zero: int, gpu: str) -> int:
-    from toolkit.plan.planner import PlanRequest, estimate_layout
-    from toolkit.plan.estimate import Layout
+    from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
+    from toolkit.plan.layouts.estimate import Layout
 
     req = PlanRequest(model=name, gbs=mbs, gpus_per_node=1, gpu=gpu, seq_len=seq, precision="bf16")
     return estimate_layout(req, Layout(pp=1, dp=1, zero=zero, mbs=mbs, gas=1)).allocated
@@ -71,9 +71,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("plan_gpu: skipped, no CUDA device")
         return 0
-    from toolkit import dist
+    from toolkit.distributed import process_group
 
-    dist.init()  # a world of one on a free port (nccl on CUDA)
+    process_group.init()  # a world of one on a free port (nccl on CUDA)
     rows = []
     for name, seq, mbs, zero in CASES:
         row = {"model": name, "seq_len": seq, "mbs": mbs, "zero": zero}

@@ -42,7 +42,7 @@ def measure(arch, seq_len, mbs, pairs, clock):
 
     import models
     from toolkit.train.parity import ensure_world_of_one
-    from toolkit.plan.profile import sample_batch
+    from toolkit.plan.cost.profile import sample_batch
 
     ensure_world_of_one()
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ LAYER_INPUTS = {"hidden_states", "attention_mask", "position_ids", "position_emb
                 "output_router_logits", "kwargs"}
 
 
-def discover(model, config) -> tuple:
+def decoder_structure(model, config) -> tuple:
     """(pre-layer names, block names, post-layer names, head name, rotary name), as generic._module_names."""
     def refuse(why):
         return ConfigError(f"model_type {config.model_type!r} has no base_model_pp_plan with 'layers' and dstk cannot "

@@ -161,7 +161,7 @@ def build_generic(source, config) -> PipelineSpec:
 
 def _module_names(model, config):
     """(pre-layer names, block names, post-layer names, head name, rotary name) in the HF model."""
-    from models.discover import discover
+    from models.discover import decoder_structure
 
     prefix = model.base_model_prefix
     plan = list(getattr(config, "base_model_pp_plan", None) or {})
@@ -176,7 +176,7 @@ def _module_names(model, config):
     if model.get_output_embeddings() is None:
         raise ConfigError(f"{type(model).__name__} has no LM head: pass a *ForCausalLM model or use task='causal-lm'")
     if "layers" not in plan:  # no pp plan: the standard structure, read from the module tree
-        return discover(model, config)
+        return decoder_structure(model, config)
     cut = plan.index("layers")
     base = model.get_submodule(prefix)
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):

@@ -98,7 +98,7 @@ def mark_grad_norm_owners(module) -> None:
     A tied module's later copies are `ds_pipe_replicated` as a whole in DeepSpeed; only the tied
     weights themselves are replicated (all-reduced): the rest of a copy is either unused on that stage
     (no gradient) or trained there alone (BERT's MLM transform and bias on the last stage), so it counts.
-    With a tp axis (PipeModelDataParallelTopology, toolkit.train.tp_stages) the norm is summed over the
+    With a tp axis (PipeModelDataParallelTopology, toolkit.distributed.tensor_parallel) the norm is summed over the
     pipe x tp group: a tensor-parallel shard counts on every tp rank, a tensor the tp ranks hold whole on
     tp rank 0 only. Run again once the stage is sharded (the shards keep their Parameter objects)."""
     replicated = set()

@@ -8,16 +8,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from toolkit.dist import free_port  # noqa: F401  (the tests' children get ports the same way)
+from toolkit.distributed.process_group import free_port  # noqa: F401  (the tests' children get ports the same way)
 
 
 @pytest.fixture(scope="session")
 def ds_world1():
-    """A real gloo process group of one rank in this process, started by toolkit.dist like every
+    """A real gloo process group of one rank in this process, started by toolkit.distributed.process_group like every
     dstk process group (idempotent: a group some other test started is reused)."""
-    from toolkit import dist
+    from toolkit.distributed import process_group
 
-    return dist.init(cpu=True, alone=True)
+    return process_group.init(cpu=True, alone=True)
 
 
 HEAVY = ("torch", "deepspeed", "transformers")

@@ -31,7 +31,7 @@ def invoke_dstk(args, cwd=None, env=None) -> Ran:
     child's. Afterwards os.environ, torch's RNG, the warning filters and the log handlers are as before.
     A command that would start or end a process group (this process's world of one, ds_world1) is
     stopped there and fails the test: it needs a process of its own (tests/commands)."""
-    import toolkit.dist
+    import toolkit.distributed.process_group
 
     torch = sys.modules.get("torch")
     rng = torch.get_rng_state() if torch is not None else None
@@ -44,8 +44,8 @@ def invoke_dstk(args, cwd=None, env=None) -> Ran:
 
     try:
         with chdir(cwd or os.getcwd()), warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
-            patch.setattr(toolkit.dist, "init", not_here)
-            patch.setattr(toolkit.dist, "shutdown", not_here)
+            patch.setattr(toolkit.distributed.process_group, "init", not_here)
+            patch.setattr(toolkit.distributed.process_group, "shutdown", not_here)
             result = CliRunner().invoke(_FreshEntry(sys.stdout, sys.stderr), [str(a) for a in args], env=env)
     finally:
         if dict(os.environ) != environ:

@@ -213,7 +213,7 @@ def _job(conn):
 
 
 def _launch(request: dict) -> dict:
-    from toolkit.dist import free_port
+    from toolkit.distributed.process_group import free_port
 
     port, ranks = free_port(), {}
     for rank in range(request["nprocs"]):

@@ -109,7 +109,7 @@ def test_figures_of_a_finished_run(monkeypatch):
     """MFU over all the case's GPUs with the planner's FLOPs per token, the largest rank's peak against the
     planner, the loss."""
     from toolkit.plan.arch import load_arch
-    from toolkit.plan.mfu import flops_per_token
+    from toolkit.plan.cost.mfu import flops_per_token
 
     monkeypatch.setattr(gpu_finetune, "predicted_bytes", lambda *args: int(2.2 * 2**30))
     case, opts = next(c for c in gpu_finetune.CASES if c.name == "pp2"), gpu_finetune.parse_args([])

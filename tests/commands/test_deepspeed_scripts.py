@@ -7,7 +7,7 @@ import sys
 import torch
 
 from tests.unit.test_launch import _args
-from toolkit.train import portable
+from toolkit.checkpoint import portable
 
 
 def test_deepspeeds_universal_converter_reads_a_dstk_checkpoint(ds_world1, tmp_path):

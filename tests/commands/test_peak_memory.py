@@ -55,7 +55,7 @@ def test_streaming_export_of_a_200m_pipeline_checkpoint_peaks_near_one_layer(tmp
     imports = peak_rss_mib([sys.executable, "-c", "import torch, transformers, safetensors"])
     baseline = peak_rss_mib(dstk_export(tmp_path / "tiny", tmp_path / "tiny_hf"))
     streamed = peak_rss_mib(dstk_export(tmp_path / "big", tmp_path / "streamed", "--max-shard-size", "200MB"))
-    whole = peak_rss_mib([sys.executable, "-c", "from toolkit.train.export import export; "
+    whole = peak_rss_mib([sys.executable, "-c", "from toolkit.export.directory import export; "
                           f"export({str(tmp_path / 'big')!r}, {str(tmp_path / 'whole')!r}, stream=False)"])
     bound = baseline + 3 * largest / 2**20
     report = (f"{n_params / 1e6:.0f}M params, largest layer {largest / 2**20:.1f} MiB; peak RSS MiB: imports "
@@ -100,7 +100,7 @@ def test_streamed_lora_merge_peaks_near_one_layer(tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
     baseline = peak_rss_mib(dstk_export(tmp_path / "tiny", tmp_path / "tiny_hf"))
     streamed = peak_rss_mib(dstk_export(tmp_path / "big", tmp_path / "streamed", "--max-shard-size", "100MB"))
-    whole = peak_rss_mib([sys.executable, "-c", "from toolkit.train.export import export; "
+    whole = peak_rss_mib([sys.executable, "-c", "from toolkit.export.directory import export; "
                           f"export({str(tmp_path / 'big')!r}, {str(tmp_path / 'whole')!r}, stream=False)"])
     bound = baseline + 3 * block / 2**20
     report = (f"model {total / 2**20:.0f} MiB, block {block / 2**20:.1f} MiB; peak RSS MiB: baseline {baseline:.0f}, "

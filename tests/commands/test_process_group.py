@@ -1,4 +1,4 @@
-"""dstk's process group in processes of their own, started by hand: toolkit.dist.init under launcher
+"""dstk's process group in processes of their own, started by hand: toolkit.distributed.process_group.init under launcher
 variables this pytest process must not hold (its world of one, ds_world1, may be up already and would be
 reused), and `python -m toolkit.train` refusing rows once its group is up (it tears the group down, as a
 process entry does). Reading launcher variables: tests/unit/test_dist.py; the refusals before any group:
@@ -15,8 +15,8 @@ from tests.unit.test_train_refusals import CORPUS, REPO, check_unusable_data, tr
 
 def test_an_in_process_check_is_a_world_of_one_inside_a_slurm_allocation():
     """`dstk parity` inside `sbatch -n 8` (SLURM_* set, no srun): alone=True does not wait for 7 more ranks."""
-    code = ("from toolkit import dist; d = dist.init(cpu=True, alone=True); "
-            "print(d.get_world_size(), d.get_rank()); dist.shutdown()")
+    code = ("from toolkit.distributed import process_group; d = process_group.init(cpu=True, alone=True); "
+            "print(d.get_world_size(), d.get_rank()); process_group.shutdown()")
     env = child_env(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="8", SLURM_NODELIST="node[01-02]")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == ["1", "0"], result.stderr[-2000:]

@@ -15,7 +15,7 @@ from tests.unit.test_partition_cli import dstk as partition
 from tests.unit.test_plan_moe import MIXTRAL_8X7B, MIXTRAL_8X7B_CONFIG, _config, _hf_model
 from tests.unit.test_tp_config import tp_config
 from toolkit.plan.arch import arch_from_config
-from toolkit.plan.costs import layer_costs
+from toolkit.plan.cost.layers import layer_costs
 
 # tests/unit/test_cli.py
 

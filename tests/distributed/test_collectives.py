@@ -2,7 +2,7 @@
 current GPU; gloo, which these CPU runs use, takes CPU tensors too and hides the mistake). The runs
 watch torch.distributed's collectives (scripts/watch_collectives.py) through training, mid-run and final
 evaluation, checkpoints and the summary: every tensor is on the engine's device, and each collective dstk
-calls itself goes through the one helper that makes its tensors there (toolkit.dist.all_reduce_sum).
+calls itself goes through the one helper that makes its tensors there (toolkit.distributed.process_group.all_reduce_sum).
 Object collectives (all_gather_object, ...) place their tensors on the current device themselves."""
 
 import json
@@ -16,7 +16,7 @@ from tests.ranks import run_ranks
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).parent / "scripts" / "watch_collectives.py"
-HELPER = "toolkit/dist.py"
+HELPER = "toolkit/distributed/process_group.py"
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -42,20 +42,20 @@ def test_every_collective_tensor_is_on_the_engines_device(tmp_path, pp):
 WAIT = """
 import datetime, sys, time
 import torch.distributed as dist
-from toolkit import dist as toolkit_dist
-toolkit_dist.init(cpu=True, timeout=datetime.timedelta(seconds=2))
-group = toolkit_dist.patient_group() if sys.argv[1] == "patient" else None
+from toolkit.distributed import process_group
+process_group.init(cpu=True, timeout=datetime.timedelta(seconds=2))
+group = process_group.patient_group() if sys.argv[1] == "patient" else None
 if dist.get_rank() == 0:
     time.sleep(4)  # rank 0's long work (tokenizing, clearing a run folder): twice the group's timeout
 dist.barrier(group=group)
 print(f"rank {dist.get_rank()} waited", flush=True)
-toolkit_dist.shutdown()
+process_group.shutdown()
 """
 
 
 @pytest.mark.parametrize("group", ["patient", "world"])
 def test_ranks_waiting_for_rank_0_outlast_the_process_groups_timeout_in_the_patient_group(tmp_path, group):
-    """toolkit.dist.patient_group (where ranks wait for data preparation, a cleared run folder, a staged
+    """toolkit.distributed.process_group.patient_group (where ranks wait for data preparation, a cleared run folder, a staged
     checkpoint, checkpoint files): rank 0 works for twice the world's timeout and nobody fails; the
     world group's own barrier does fail there (what the patient group is for)."""
     script = tmp_path / "wait.py"
@@ -70,9 +70,10 @@ def test_ranks_waiting_for_rank_0_outlast_the_process_groups_timeout_in_the_pati
 SLOW_DATA = """
 import datetime, sys, time
 import torch.distributed as dist
-from toolkit import dist as toolkit_dist
-from toolkit.train import data, hf
-toolkit_dist.init(cpu=True, timeout=datetime.timedelta(seconds=2))
+from toolkit.distributed import process_group
+from toolkit import data
+from toolkit.train import hf
+process_group.init(cpu=True, timeout=datetime.timedelta(seconds=2))
 tokenizer = hf.byte_tokenizer()
 
 
@@ -90,7 +91,7 @@ tokenizer.__class__ = Slow
 opts = data.DataOptions(path=sys.argv[1], seq_len=32, cache_dir=sys.argv[2])
 prepared = data.prepare_once_per_node(opts, tokenizer)
 print(f"rank {dist.get_rank()} rows {len(prepared.train)}", flush=True)
-toolkit_dist.shutdown()
+process_group.shutdown()
 """
 
 

@@ -95,7 +95,7 @@ def test_each_format_trains_through_the_launcher_and_the_loss_falls(runs, kind):
 
 def _options(args: list):
     """The DataOptions a run's flags make (what toolkit.train.loop.data_options builds from TrainArgs)."""
-    from toolkit.train import data
+    from toolkit import data
 
     flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
     return data.DataOptions(path=flag["--data"], seq_len=int(flag["--seq-len"]), eval_fraction=0.125,
@@ -114,7 +114,7 @@ def test_reported_eval_loss_is_the_token_weighted_mean_over_the_whole_eval_split
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from models.spec import attention_inputs
-    from toolkit.train import data
+    from toolkit import data
 
     out, args, _ = runs[kind]
     model = AutoModelForCausalLM.from_pretrained(out / "hf").eval()

@@ -40,7 +40,7 @@ def same_tensors_streamed_and_whole(run: Path, tmp_path: Path) -> None:
     import torch
 
     from toolkit.cli import main
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
 
     for dtype in ("fp32", "bf16"):
         whole = read_weights(export(run, tmp_path / f"whole_{dtype}", dtype=dtype, stream=False))

@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "fp16_stand_in.py"
 def test_an_fp16_pipeline_exports_its_fp32_masters(tmp_path, zero):
     from safetensors.torch import load_file
 
-    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.checkpoint.state import load_state_dict
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,

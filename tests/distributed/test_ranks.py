@@ -16,8 +16,8 @@ pytestmark = pytest.mark.distributed
 PROBE = """
 import json, os, sys, time, torch
 from pathlib import Path
-from toolkit import dist
-group = dist.init(cpu=True)
+from toolkit.distributed import process_group
+group = process_group.init(cpu=True)
 total = torch.tensor([group.get_rank() + 1.0])
 group.all_reduce(total)
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -29,7 +29,7 @@ if mode == "fail" and group.get_rank() == 1:
     sys.exit(3)
 if mode == "hang" and group.get_rank() == 0:
     time.sleep(600)
-dist.shutdown()
+process_group.shutdown()
 """
 
 

@@ -7,7 +7,7 @@ reference for three cells:
 - same layout: resumed at step 3 on its own layout, steps 4-6 give its losses (1e-3 relative);
 - move: resumed at step 3 on another layout (a ring through all six: each one a source once and a target
   once), steps 4-6 give the source's losses within bf16 noise (2e-3 relative; seen <= 8e-5);
-- export: the HF directory (streamed) holds the fp32 masters, exactly as checkpoint_state reads them whole,
+- export: the HF directory (streamed) holds the fp32 masters, exactly as toolkit.checkpoint.state reads them whole,
   off the bf16 grid.
 The default tier runs what was broken, chained from one reference (pp 2 ZeRO-0, BF16_Optimizer): its own
 resume (item 1: DeepSpeed's load failed), a move onto pp 1 ZeRO-0 (item 2: FP16_UnfusedOptimizer's fp32
@@ -90,10 +90,10 @@ def continues(run: Path, reference: Path, steps, rel: float) -> None:
 
 
 def exports_the_masters(run: Path) -> None:
-    """OUT/hf (streamed by the run's export) = the fp32 masters checkpoint_state reads whole, off the bf16 grid."""
+    """OUT/hf (streamed by the run's export) = the fp32 masters toolkit.checkpoint.state reads whole, off the bf16 grid."""
     import torch
 
-    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.checkpoint.state import load_state_dict
 
     exported = read_weights(run / "hf")
     masters, _ = load_state_dict(run / "checkpoints", f"global_step{STEPS}")

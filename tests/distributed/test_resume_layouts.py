@@ -1,7 +1,7 @@
 """`--resume` on another layout continues the run (issue 14): 10 steps on layout A, then `--resume` on
 layout B to step 20, gives the losses of 20 uninterrupted steps on A (1e-4 relative) and the same final
 weights (1e-5): Adam's moments, the optimizer step, the LR schedule (warmup + decay) and the data
-position all carry over by HF name (toolkit/train/portable.py). fp32, dropout off, clipping off.
+position all carry over by HF name (toolkit/checkpoint/portable.py). fp32, dropout off, clipping off.
 
 One reference run (pp2/dp1, ZeRO-0, 20 steps, a checkpoint every 5) is the source of most moves; the
 moves chain so that each launch tests one: pp2/dp1 ZeRO-0 -> pp1/dp2 ZeRO-3 (written into ZeRO-3's
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_train import COMMON, OPTIMIZER, launch, losses
-from toolkit.train import checkpoint
+from toolkit.checkpoint import manifest
 
 pytestmark = pytest.mark.distributed
 
@@ -41,7 +41,7 @@ def resumed_from(source: Path, step: int, out: Path) -> Path:
     for later in ckpt.glob("global_step*"):
         if int(later.name.removeprefix("global_step")) > step:
             shutil.rmtree(later)
-    checkpoint.write_latest(ckpt, f"global_step{step}")
+    manifest.write_latest(ckpt, f"global_step{step}")
     lines = [line for line in (out / "metrics.jsonl").read_text().splitlines()
              if "step" in json.loads(line) and json.loads(line)["step"] <= step]
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -82,7 +82,7 @@ def lora_args(base: Path) -> list:
 
 
 def final_weights(out: Path) -> dict:
-    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.checkpoint.state import load_state_dict
 
     return load_state_dict(out / "checkpoints", "global_step20")[0]
 
@@ -106,7 +106,7 @@ def test_a_run_moved_to_another_layout_continues_as_if_uninterrupted(runs, name,
 def test_a_moved_checkpoint_keeps_each_tags_own_layout(runs):
     """Tags written before the move keep the layout they were written with: export and a later resume
     read a tag with its own layer map."""
-    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.checkpoint.state import load_state_dict
 
     ckpt = runs["pp1dp2z1"] / "checkpoints"
     before, layout_before = load_state_dict(ckpt, "global_step10")  # written by A at pp 2

@@ -40,9 +40,10 @@ def test_an_out_folder_that_is_each_nodes_own_disk_is_refused(tmp_path):
 ONE_CACHE = """
 import os, sys
 os.environ["LOCAL_RANK"] = "0"  # two nodes of one rank each: each is its node's local rank 0
-from toolkit import dist as toolkit_dist
-from toolkit.train import data, hf
-toolkit_dist.init(cpu=True)
+from toolkit.distributed import process_group
+from toolkit import data
+from toolkit.train import hf
+process_group.init(cpu=True)
 tokenizer = hf.byte_tokenizer()
 calls = []
 
@@ -55,8 +56,8 @@ class Counted(type(tokenizer)):
 
 tokenizer.__class__ = Counted
 prepared = data.prepare_once_per_node(data.DataOptions(path=sys.argv[1], seq_len=32, cache_dir=sys.argv[2]), tokenizer)
-print(f"rank {toolkit_dist.env_rank()} tokenized {len(calls)} rows {len(prepared.train)}", flush=True)
-toolkit_dist.shutdown()
+print(f"rank {process_group.env_rank()} tokenized {len(calls)} rows {len(prepared.train)}", flush=True)
+process_group.shutdown()
 """
 
 

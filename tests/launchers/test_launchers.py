@@ -125,15 +125,15 @@ def test_openmpi_launch_trains_two_distinct_ranks_like_the_deepspeed_launcher(re
 PROBE = """
 import json, os, sys, torch, deepspeed.comm
 from pathlib import Path
-from toolkit import dist
-group = dist.init(cpu=True)
+from toolkit.distributed import process_group
+group = process_group.init(cpu=True)
 total = torch.tensor([group.get_rank() + 1.0])
 group.all_reduce(total)
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 got = dict(rank=group.get_rank(), world=group.get_world_size(), ds_world=deepspeed.comm.get_world_size(),
            total=float(total), env={k: os.environ[k] for k in names})
 Path(sys.argv[1], f"rank{group.get_rank()}.json").write_text(json.dumps(got))
-dist.shutdown()
+process_group.shutdown()
 """
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.invoke import invoke_dstk
 from tests.unit.test_train_refusals import GOOD_CONFIG, refused, train_cli
-from toolkit.config.accumulation import accumulation_problems, weights_dtype
+from toolkit.config.rules.accumulation import accumulation_problems, weights_dtype
 from toolkit.config.generate import build_config
 from toolkit.config.options import GenerateOptions
 

@@ -16,7 +16,7 @@ import pytest
 from toolkit.config.problems import ERROR, NOTE, WARNING
 from toolkit.config.rules import check_rules
 from toolkit.config.validate import check_schema
-from toolkit.config.zero_stages import READ_AT
+from toolkit.config.rules.zero_stages import READ_AT
 
 HF_ZERO2 = {  # the HF Trainer's own ds_config_zero2.json template, as projects copy it
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,

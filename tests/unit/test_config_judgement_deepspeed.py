@@ -26,7 +26,7 @@ from toolkit.config import schema as S  # noqa: E402
 from toolkit.config.problems import ERROR, WARNING  # noqa: E402
 from toolkit.config.rules import check_rules  # noqa: E402
 from toolkit.config.validate import check_schema  # noqa: E402
-from toolkit.config.zero_stages import OFFLOAD_OPTIMIZER_READ_AT, READ_AT  # noqa: E402
+from toolkit.config.rules.zero_stages import OFFLOAD_OPTIMIZER_READ_AT, READ_AT  # noqa: E402
 
 BATCH = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
 

@@ -13,10 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import models
 from toolkit.plan.arch import BUILTINS, load_arch, to_hf_config
-from toolkit.plan.costs import layer_costs, logits_bytes
-from toolkit.plan.precision import PRECISIONS
+from toolkit.plan.cost.layers import layer_costs, logits_bytes
+from toolkit.plan.memory.precision import PRECISIONS
 from toolkit.errors import ConfigError
-from toolkit.plan.profile import build_layers, sample_batch
+from toolkit.plan.cost.profile import build_layers, sample_batch
 
 B, T = 2, 128
 
@@ -104,8 +104,8 @@ def test_bad_shapes():
 
 def test_the_planner_counts_the_attention_mask_once_per_stage_and_micro_batch_in_flight():
     """mbs * T^2 * 2 bytes (bf16) per micro-batch in flight on each stage under sdpa; none with flash."""
-    from toolkit.plan.estimate import Layout
-    from toolkit.plan.planner import PlanRequest, estimate_layout
+    from toolkit.plan.layouts.estimate import Layout
+    from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 
     T, layout = 8192, Layout(pp=2, dp=1, zero=1, mbs=2, gas=8)
     held = {}

@@ -1,4 +1,4 @@
-"""toolkit.train.data: packing, document ids, labels, splits, caches and the per-rank order (no process group)."""
+"""toolkit.data: packing, document ids, labels, splits, caches and the per-rank order (no process group)."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.train import data
+from toolkit import data
 from toolkit.train.hf import byte_tokenizer
 
 EOT = 256

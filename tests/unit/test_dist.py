@@ -1,11 +1,11 @@
-"""toolkit.dist's reading of launcher environments (no process group): which launcher, rank, world
+"""toolkit.distributed.process_group's reading of launcher environments (no process group): which launcher, rank, world
 size and local rank each sets, and what a slurm task's rendezvous is derived from."""
 
 import os
 
 import pytest
 
-from toolkit import dist
+from toolkit.distributed import process_group
 from toolkit.errors import ConfigError
 
 TORCHRUN = dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="8", MASTER_ADDR="10.0.0.1", MASTER_PORT="29501")
@@ -29,7 +29,7 @@ SRUN = dict(SLURM_PROCID="2", SLURM_LOCALID="0", SLURM_NTASKS="4", SLURM_NODELIS
     ({"PMI_RANK": "1"}, "MPICH / Intel MPI"),
 ])
 def test_launcher_is_read_from_its_variables(env, name):
-    assert dist.launcher(env) == name
+    assert process_group.launcher(env) == name
 
 
 @pytest.mark.parametrize("env, rank, world, local", [
@@ -42,7 +42,7 @@ def test_launcher_is_read_from_its_variables(env, name):
     ({"PMIX_RANK": "1"}, 1, None, 0),  # a launcher that names no size: unknown, not 1
 ])
 def test_rank_world_size_and_local_rank_before_any_process_group(env, rank, world, local):
-    assert (dist.env_rank(env), dist.env_world_size(env), dist.local_rank(env)) == (rank, world, local)
+    assert (process_group.env_rank(env), process_group.env_world_size(env), process_group.local_rank(env)) == (rank, world, local)
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -55,53 +55,53 @@ def test_rank_world_size_and_local_rank_before_any_process_group(env, rank, worl
     ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
 ])
 def test_slurm_nodelist_expands_in_order(nodelist, hosts):
-    assert list(dist.expand_nodelist(nodelist)) == hosts
+    assert list(process_group.expand_nodelist(nodelist)) == hosts
 
 
 def test_first_host_of_a_huge_nodelist_is_read_lazily():
-    assert next(dist.expand_nodelist("node[000000-999999]")) == "node000000"
+    assert next(process_group.expand_nodelist("node[000000-999999]")) == "node000000"
 
 
 def test_slurm_env_gives_deepspeed_everything_it_would_otherwise_ask_mpi_for():
-    assert dist.slurm_env(SRUN) == dict(RANK="2", LOCAL_RANK="0", WORLD_SIZE="4", MASTER_ADDR="gpu07",
+    assert process_group.slurm_env(SRUN) == dict(RANK="2", LOCAL_RANK="0", WORLD_SIZE="4", MASTER_ADDR="gpu07",
                                         MASTER_PORT=str(29500 + 4242 % 1000))
 
 
 def test_slurm_env_prefers_the_steps_nodes_and_the_users_master():
     step = {**SRUN, "SLURM_STEP_NODELIST": "gpu[08]"}  # srun -N1 inside a 2-node job
-    assert dist.slurm_env(step)["MASTER_ADDR"] == "gpu08"
-    mine = dist.slurm_env({**SRUN, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "4000"})
+    assert process_group.slurm_env(step)["MASTER_ADDR"] == "gpu08"
+    mine = process_group.slurm_env({**SRUN, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "4000"})
     assert (mine["MASTER_ADDR"], mine["MASTER_PORT"]) == ("10.1.1.1", "4000")
     no_job = dict(SRUN)
     del no_job["SLURM_JOB_ID"]
-    assert dist.slurm_env(no_job)["MASTER_PORT"] == "29500"
+    assert process_group.slurm_env(no_job)["MASTER_PORT"] == "29500"
 
 
 @pytest.mark.parametrize("missing", ["SLURM_NODELIST", "SLURM_NTASKS"])
 def test_slurm_env_without_its_world_is_refused(missing):
     env = {k: v for k, v in SRUN.items() if k != missing}
     with pytest.raises(ConfigError, match="start it with srun"):
-        dist.slurm_env(env)
+        process_group.slurm_env(env)
 
 
 @pytest.mark.parametrize("local, visible, index", [(0, 8, 0), (5, 8, 5), (5, 1, 0), (3, 2, 1)])
 def test_a_rank_takes_its_local_rank_modulo_the_gpus_it_sees(local, visible, index):
     """slurm --gpus-per-task=1 (or CUDA_VISIBLE_DEVICES per rank) shows each rank one GPU, cuda:0: local
     rank 5 there must not ask for cuda:5."""
-    assert dist.cuda_index(local, visible) == index
+    assert process_group.cuda_index(local, visible) == index
 
 
 def test_no_visible_gpu_is_refused_by_name():
     with pytest.raises(ConfigError, match="device_count"):
-        dist.cuda_index(0, 0)
+        process_group.cuda_index(0, 0)
 
 
 def test_the_device_line_names_each_ranks_gpu_and_flags_a_shared_one():
     own = [("n1", 0, 0, 1, "4"), ("n1", 1, 0, 1, "5"), ("n2", 0, 0, 2, None), ("n2", 1, 1, 2, None)]
-    line = dist.device_line(own)
+    line = process_group.device_line(own)
     assert line.startswith("dstk: GPUs: rank 0 (n1 local 0) -> cuda:0 of CUDA_VISIBLE_DEVICES=4;")
     assert "rank 3 (n2 local 1) -> cuda:1 of 2" in line and "WARNING" not in line
-    shared = dist.device_line([("n1", 0, 0, 1, None), ("n1", 1, 0, 1, None)])  # two ranks, one GPU each sees
+    shared = process_group.device_line([("n1", 0, 0, 1, None), ("n1", 1, 0, 1, None)])  # two ranks, one GPU each sees
     assert shared.endswith("WARNING: ranks [[0, 1]] share a GPU (NCCL refuses that): fewer ranks per node, or more GPUs")
 
 
@@ -113,12 +113,12 @@ def test_the_engine_gets_the_gpu_init_selected_not_cuda_local_rank(monkeypatch):
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    assert dist.engine_args() is None  # CPU: DeepSpeed's own choice (its CPU accelerator ignores the index)
+    assert process_group.engine_args() is None  # CPU: DeepSpeed's own choice (its CPU accelerator ignores the index)
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "5")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # slurm --gpus-per-task=1: one GPU visible
-    assert dist.engine_args().device_rank == 0
+    assert process_group.engine_args().device_rank == 0
     assert "args.device_rank if args is not None" in inspect.getsource(DeepSpeedEngine._set_distributed_vars)
 
 
@@ -134,8 +134,8 @@ def test_select_gpu_makes_local_rank_the_device_deepspeed_will_use(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setenv("LOCAL_RANK", "5")
     monkeypatch.delenv("DSTK_NODE_LOCAL_RANK", raising=False)
-    assert dist.select_gpu() == device and chosen == [device]
-    assert os.environ["LOCAL_RANK"] == local_env and dist.local_rank() == 5
+    assert process_group.select_gpu() == device and chosen == [device]
+    assert os.environ["LOCAL_RANK"] == local_env and process_group.local_rank() == 5
 
 
 def test_openmpi_ranks_told_the_master_address_need_no_mpi_discovery():
@@ -143,10 +143,10 @@ def test_openmpi_ranks_told_the_master_address_need_no_mpi_discovery():
     MASTER_PORT come from OpenMPI's variables, so DeepSpeed (which discovers only when one of the five is
     missing) keeps that address instead of rank 0's `hostname -I`."""
     env = {**MPIRUN, "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29555"}
-    assert dist.openmpi_env(env) == dict(RANK=MPIRUN["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=MPIRUN["OMPI_COMM_WORLD_SIZE"],
+    assert process_group.openmpi_env(env) == dict(RANK=MPIRUN["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=MPIRUN["OMPI_COMM_WORLD_SIZE"],
                                          LOCAL_RANK=MPIRUN.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"), MASTER_PORT="29555")
 
 
 def test_the_subnet_of_a_host_names_mpiruns_interface():
-    assert dist.subnet_of("127.0.0.1") == dist.subnet_of("localhost") == "127.0.0.0/8"
-    assert dist.subnet_of("no-such-host.invalid") is None
+    assert process_group.subnet_of("127.0.0.1") == process_group.subnet_of("localhost") == "127.0.0.0/8"
+    assert process_group.subnet_of("no-such-host.invalid") is None

@@ -1,4 +1,4 @@
-"""The streamed LoRA merge (toolkit.train.export_lora) is peft's merge_and_unload, bit for bit, and writes
+"""The streamed LoRA merge (toolkit.export.lora_merge) is peft's merge_and_unload, bit for bit, and writes
 the directory the whole-model export writes. Its peak memory: tests/commands/test_peak_memory.py.
 
 Checkpoints are fabricated as a pp = 1, fp32, ZeRO-0 LoRA run leaves them (mp_rank_00_model_states.pt's
@@ -30,7 +30,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
     """RUN/checkpoints as `dstk train --lora` at pp = 1 leaves it: the adapters alone when the base is a
     --model directory (`base_dir`, written here; base_saved False), else the whole PeftModel. Returns
     the PeftModel (r 4, alpha 8, every block linear), its lora_B drawn from `seed`."""
-    from toolkit.train.checkpoint import save_meta, write_latest
+    from toolkit.checkpoint.manifest import save_meta, write_latest
 
     if base_dir is not None:
         model.save_pretrained(base_dir)
@@ -59,8 +59,8 @@ def test_the_streamed_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, monke
     """Tolerance 0: the same fp32 operations as peft (W + transpose(B @ A, fan_in_fan_out) * alpha / r).
     tiny-gpt2's Conv1D is fan_in_fan_out; its base from the directory, or (a built-in model's run) from
     the checkpoint. The whole-model path is not taken."""
-    from toolkit.train import export as export_module
-    from toolkit.train.export import export
+    from toolkit.export import directory as export_module
+    from toolkit.export.directory import export
 
     monkeypatch.setattr(export_module, "_export_in_memory", lambda *a, **k: pytest.fail("loaded the whole model"))
 
@@ -88,7 +88,7 @@ def read_weights_file(path: Path) -> dict:
 def test_the_streamed_lora_export_writes_the_whole_exports_directory(tmp_path, dtype, merge):
     """Every file the whole-model export writes, with the same bytes (the index aside: shards are filled
     in state-dict order), and the same tensors by name and dtype; with --no-merge the adapters alone."""
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
 
     model, tok = tiny("tiny-llama")
     fabricate_lora_checkpoint(model, tok, tmp_path / "run", tmp_path / "base")

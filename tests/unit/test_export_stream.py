@@ -27,9 +27,9 @@ def fabricate_pipeline_checkpoint(model, tokenizer, ckpt_dir: Path, pp: int, tag
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     import models
-    from toolkit.train.checkpoint import save_meta, write_latest
+    from toolkit.checkpoint.manifest import save_meta, write_latest
     from toolkit.train.hf import MODEL_TASKS
-    from toolkit.train.pipe import choose_parts, hf_name_map
+    from toolkit.distributed.pipeline import choose_parts, hf_name_map
 
     spec = models.pipeline_layers(model, task=MODEL_TASKS["causal-lm"])
     parts, _ = choose_parts(spec, pp, {}, 32)
@@ -70,7 +70,7 @@ def read_weights(folder: Path) -> dict:
 
 
 def test_sizes_read_like_hf():
-    from toolkit.train.export_stream import parse_size
+    from toolkit.export.stream import parse_size
 
     assert [parse_size(s) for s in ("5GB", "500MB", "1.5GiB", "100KB", 4096, "4096")] == \
         [5 * 10**9, 500 * 10**6, int(1.5 * 2**30), 100_000, 4096, 4096]
@@ -83,7 +83,7 @@ def test_sizes_read_like_hf():
 def test_shards_split_where_huggingface_hub_splits(limit):
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from toolkit.train.export_stream import plan_shards
+    from toolkit.export.stream import plan_shards
     from toolkit.train.parity import small_model
 
     state = {k: v for k, v in small_model("gpt2").state_dict().items() if k != "lm_head.weight"}
@@ -98,7 +98,7 @@ def test_pp1_checkpoints_stream_the_in_memory_exports_tensors(ds_world1, tmp_pat
     holds exactly the tensors and config of the whole-model export, in fp32 and in bf16."""
     from transformers import AutoModelForCausalLM
 
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
     from toolkit.train.runner import TrainArgs, run
 
     cfg = tmp_path / "ds.json"
@@ -125,7 +125,7 @@ def test_pp1_checkpoints_stream_the_in_memory_exports_tensors(ds_world1, tmp_pat
 def pp1_checkpoint(tmp_path):
     """A pp = 1 checkpoint (module states only) of a tiny GPT-2; returns (run folder, its .pt file)."""
     from toolkit.train import hf
-    from toolkit.train.checkpoint import save_meta, write_latest
+    from toolkit.checkpoint.manifest import save_meta, write_latest
 
     tok = hf.byte_tokenizer()
     model = gpt2(64, 2, tok)
@@ -171,7 +171,7 @@ def test_a_bad_shard_size_is_refused_before_anything_is_read(capsys, pp1_checkpo
 def test_one_shard_is_model_safetensors_without_an_index(pp1_checkpoint):
     from safetensors import safe_open
 
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
 
     run, _ = pp1_checkpoint
     out = export(run, run.parent / "hf")

@@ -29,8 +29,8 @@ def test_configs_and_partition_rewrites_follow_the_umask(tmp_path, umask_027):
 
 
 def test_an_export_folder_follows_the_umask(tmp_path, umask_027):
-    from toolkit.train.export import _write_dir_atomically
+    from toolkit.export.directory import write_dir_atomically
 
     out = tmp_path / "hf"
-    _write_dir_atomically(out, lambda d: (d / "config.json").write_text("{}"))
+    write_dir_atomically(out, lambda d: (d / "config.json").write_text("{}"))
     assert _mode(out) == 0o750 and _mode(out / "config.json") == 0o640

@@ -29,8 +29,8 @@ def test_config_from_another_topology_or_world_is_refused(tmp_path):
 
 def test_more_stages_than_pipeline_layers_is_refused():
     from toolkit.train import hf
-    from toolkit.topology import Topology
-    from toolkit.train.pipe import pipeline_module
+    from toolkit.distributed.topology import Topology
+    from toolkit.distributed.pipeline import pipeline_module
 
     tok = hf.byte_tokenizer()
     model = hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"),
@@ -54,7 +54,9 @@ def _args(tmp_path, zero, **kw):
 def test_pp1_run_checkpoints_and_its_export_reloads_with_the_engines_eval_loss(ds_world1, tmp_path, zero):
     from transformers import AutoModelForCausalLM
 
-    from toolkit.train import data, hf
+    from toolkit import data
+
+    from toolkit.train import hf
     from toolkit.train.runner import run
 
     summary = run(_args(tmp_path, zero))

@@ -114,7 +114,7 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     --model directory. The checkpoint here is a LoRA run's whose layout says qlora (no CUDA to quantize): the
     adapters are real; its fp32 base is ignored by the export, which reads the directory's."""
     from toolkit.errors import UnusableInput
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
     from toolkit.train.runner import TrainArgs, run
 
     base_dir, cfg = _base_and_config(tmp_path)
@@ -184,8 +184,8 @@ def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path)
 
 def test_a_pipeline_stage_without_adapters_is_refused(ds_world1):
     """tiny-gpt2 at pp 3 with parts [0, 1, 4, 5]: stage 0 is the frozen embedding alone."""
-    from toolkit.topology import Topology
-    from toolkit.train.pipe import pipeline_module
+    from toolkit.distributed.topology import Topology
+    from toolkit.distributed.pipeline import pipeline_module
 
     config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
     model = lora.apply(hf.build_model("tiny-gpt2", config, "causal-lm", 0), lora.LoraSettings(r=2), "causal-lm")
@@ -198,13 +198,13 @@ def test_a_pipeline_stage_without_adapters_is_refused(ds_world1):
 @pytest.mark.parametrize("flags, words", [(dict(merge=False, adapter_dir="ad"), "--adapter-dir with --no-merge"),
                                           (dict(adapter_dir="OUT"), "is OUT_DIR")])
 def test_export_adapter_flags_that_cannot_both_hold_are_refused(tmp_path, flags, words):
-    from toolkit.train.export import _check_adapter_flags
+    from toolkit.export.directory import check_adapter_flags
 
     flags = {k: (tmp_path / v if k == "adapter_dir" else v) for k, v in flags.items()}
     with pytest.raises(ConfigError, match=words):
-        _check_adapter_flags(tmp_path, tmp_path / "OUT", flags.get("adapter_dir"), flags.get("merge", True), True)
+        check_adapter_flags(tmp_path, tmp_path / "OUT", flags.get("adapter_dir"), flags.get("merge", True), True)
     with pytest.raises(ConfigError, match="--adapter-dir: .* is not a LoRA run"):
-        _check_adapter_flags(tmp_path, tmp_path / "OUT", tmp_path / "ad", True, False)
+        check_adapter_flags(tmp_path, tmp_path / "OUT", tmp_path / "ad", True, False)
 
 
 @pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.heavy)])  # ZeRO-3: ~1 min in one process

@@ -1,10 +1,10 @@
-"""toolkit.plan.memory: model-state bytes per ZeRO stage, 1F1B in-flight micro-batches, activations.
+"""toolkit.plan.memory.rank: model-state bytes per ZeRO stage, 1F1B in-flight micro-batches, activations.
 (The same formulas against real DeepSpeed engines: tests/distributed/test_memory_accuracy.py.)"""
 
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.plan.memory import activation_bytes, in_flight, model_state_bytes
+from toolkit.plan.memory.rank import activation_bytes, in_flight, model_state_bytes
 
 N = 1_000_000
 

@@ -8,7 +8,7 @@ import pytest
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import load_arch
 from toolkit.plan.gpus import GPUS, get_gpu, preset_for_device
-from toolkit.plan.mfu import flops_per_token, mfu, peak_tflops
+from toolkit.plan.cost.mfu import flops_per_token, peak_tflops, utilisation
 from toolkit.train.report import mfu_fields, table
 from toolkit.train.runner import TrainArgs
 
@@ -49,7 +49,7 @@ def test_flops_per_token_is_6n_plus_attention():
 
 
 def test_mfu_is_over_every_gpu():
-    assert mfu(1e4, 8e9, 2, 1000) == pytest.approx(1e4 * 8e9 / 2e15)
+    assert utilisation(1e4, 8e9, 2, 1000) == pytest.approx(1e4 * 8e9 / 2e15)
 
 
 def _run(**kw):

@@ -111,7 +111,7 @@ def test_stages_load_a_bf16_directory_in_the_runs_dtype_and_draw_no_init(bf16_di
     run: no fp32 copy; fp32 under fp32), its buffers fp32 as in an fp32 build, and nothing the checkpoint
     holds is initialised first: building a layer draws nothing from torch's RNG."""
     import models
-    from toolkit.train.pipe import hf_name_map
+    from toolkit.distributed.pipeline import hf_name_map
 
     saved = _saved(bf16_dirs[model_type])
     spec = models.pipeline_layers(str(bf16_dirs[model_type]), dtype=dtype)
@@ -156,7 +156,7 @@ def test_bf16_masters_are_the_checkpoints_values(ds_world1, bf16_dirs, pp):
 
     import models
     from toolkit.train import hf
-    from toolkit.train.pipe import hf_name_map
+    from toolkit.distributed.pipeline import hf_name_map
 
     path = str(bf16_dirs["gpt2"])
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},

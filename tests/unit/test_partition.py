@@ -8,9 +8,9 @@ import random
 import pytest
 
 from toolkit.plan.arch import load_arch
-from toolkit.plan.costs import layer_costs
+from toolkit.plan.cost.layers import layer_costs
 from toolkit.errors import ConfigError
-from toolkit.plan.partition import (imbalance, min_bottleneck_split, partition_balanced, partition_layers,
+from toolkit.plan.cost.partition import (imbalance, min_bottleneck_split, partition_balanced, partition_layers,
                                partition_uniform, split, stage_sums)
 
 

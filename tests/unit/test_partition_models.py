@@ -10,9 +10,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import models  # noqa: E402
 from toolkit.plan.arch import BUILTINS, to_hf_config  # noqa: E402
-from toolkit.plan.costs import layer_costs  # noqa: E402
-from toolkit.plan.partition import partition_layers  # noqa: E402
-from toolkit.plan.profile import profile_layers, sample_batch  # noqa: E402
+from toolkit.plan.cost.layers import layer_costs  # noqa: E402
+from toolkit.plan.cost.partition import partition_layers  # noqa: E402
+from toolkit.plan.cost.profile import profile_layers, sample_batch  # noqa: E402
 
 
 def _deepspeed_param_counts(layers):
@@ -46,7 +46,7 @@ def test_profile_method_times_real_layers():
 
 
 def test_profile_times_on_the_cpu_in_fp32_and_says_so():
-    from toolkit.plan.profile import profile_model
+    from toolkit.plan.cost.profile import profile_model
 
     times = profile_model("tiny-llama", 32, reps=1, precision="bf16")  # no CUDA here: the CPU, fp32
     assert (times.device, times.dtype) == ("cpu", "fp32") and times.describe() == "timed on cpu in fp32"
@@ -57,7 +57,7 @@ def test_profile_times_on_the_cpu_in_fp32_and_says_so():
 def test_profile_picks_the_gpu_in_the_runs_precision_where_cuda_is(monkeypatch, precision):
     import torch
 
-    from toolkit.plan.profile import timing_setup
+    from toolkit.plan.cost.profile import timing_setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: what torch would say on one
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -72,7 +72,7 @@ def test_profile_layers_run_with_their_parameters_in_the_asked_dtype():
     """What the GPU path does, on the CPU: parameters cast as DeepSpeed casts them (buffers kept), inputs moved."""
     import torch
 
-    from toolkit.plan.profile import layer_samples
+    from toolkit.plan.cost.profile import layer_samples
 
     spec = models.pipeline_layers(to_hf_config(BUILTINS["tiny-llama"]))
     seen, buffers = [], []

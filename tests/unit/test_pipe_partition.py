@@ -1,4 +1,4 @@
-"""How `dstk train` splits a pipeline (toolkit.train.pipe.choose_parts): recorded parts, the config's
+"""How `dstk train` splits a pipeline (toolkit.distributed.pipeline.choose_parts): recorded parts, the config's
 method, "profile" refused before launch, and the fallback to parameter counts said out loud."""
 
 import logging
@@ -9,8 +9,8 @@ from toolkit.config.options import GenerateOptions
 from toolkit.config.problems import ERROR
 from toolkit.config.rules import check_rules
 from toolkit.errors import ConfigError
-from toolkit.plan.partition import partition_balanced, partition_uniform
-from toolkit.train.pipe import choose_parts
+from toolkit.plan.cost.partition import partition_balanced, partition_uniform
+from toolkit.distributed.pipeline import choose_parts
 
 BATCH = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4}
 
@@ -58,13 +58,13 @@ def test_profile_without_parts_is_refused_at_train_time(llama):
 
 def test_the_fallback_is_logged_as_a_warning_on_rank_0(ds_world1, caplog):
     """pipeline_module (what dstk train calls at pp > 1), in a real world of one: one stage, one warning."""
-    from toolkit.topology import Topology
+    from toolkit.distributed.topology import Topology
     from toolkit.train.parity import small_model
-    from toolkit.train.pipe import pipeline_module
+    from toolkit.distributed.pipeline import pipeline_module
 
-    with caplog.at_level(logging.WARNING, logger="toolkit.train.pipe"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.distributed.pipeline"):
         module, layout = pipeline_module(small_model("llama"), "causal-lm", Topology(1, 1), cfg(stages=1), seq_len=128)
-    [record] = [r for r in caplog.records if r.name == "toolkit.train.pipe"]
+    [record] = [r for r in caplog.records if r.name == "toolkit.distributed.pipeline"]
     assert record.levelno == logging.WARNING and "model_type 'llama'" in record.getMessage()
     assert layout["parts"] == [0, 5]
 

@@ -7,7 +7,7 @@ import torch
 import models
 from models.pipeline import checkpointable_layers
 from models.spec import needs_grad
-from toolkit.plan.profile import build_layers, sample_batch
+from toolkit.plan.cost.profile import build_layers, sample_batch
 from toolkit.train.parity import small_model
 
 CASES = [("gpt2", None, {"GPT2BlockStage", "FinalNorm"}, "GPT2Embed"),

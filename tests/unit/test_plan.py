@@ -1,4 +1,4 @@
-"""toolkit.plan.planner and `dstk plan`: every layout is legal, the ranking is sane, bad input is refused."""
+"""toolkit.plan.layouts.planner and `dstk plan`: every layout is legal, the ranking is sane, bad input is refused."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 from toolkit.cli import main
 from toolkit.errors import ConfigError
 from toolkit.plan.gpus import GiB, get_gpu, parse_size
-from toolkit.plan.memory import model_state_bytes
-from toolkit.plan.planner import PlanRequest, make_plan
+from toolkit.plan.memory.rank import model_state_bytes
+from toolkit.plan.layouts.planner import PlanRequest, make_plan
 
 LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
              "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
@@ -40,8 +40,8 @@ def test_ranking_is_by_step_time_and_every_layout_is_legal(one_b):
 
 def test_pipeline_reports_its_heaviest_stage(one_b):
     from toolkit.plan.arch import load_arch
-    from toolkit.plan.costs import layer_costs
-    from toolkit.plan.partition import stage_sums
+    from toolkit.plan.cost.layers import layer_costs
+    from toolkit.plan.cost.partition import stage_sums
 
     e = next(e for e in one_b.fitting if e.layout.pp == 4 and e.layout.zero == 0 and not e.layout.checkpointing)
     # embedding on stage 0, the tied head on stage 3: each stage holds its own copy

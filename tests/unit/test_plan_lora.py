@@ -14,10 +14,10 @@ import pytest
 from tests.unit.test_plan import run  # `dstk plan ARGS` -> (exit code, stdout, stderr)
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import arch_from_config, build_hf_model, layer_params, load_arch
-from toolkit.plan.costs import layer_costs
-from toolkit.plan.estimate import Layout
+from toolkit.plan.cost.layers import layer_costs
+from toolkit.plan.layouts.estimate import Layout
 from toolkit.plan.lora import lora_params, param_counts
-from toolkit.plan.planner import PlanRequest, estimate_layout, make_plan
+from toolkit.plan.layouts.planner import PlanRequest, estimate_layout, make_plan
 
 LLAMA_7B_R16 = 39_976_960  # peft's print_trainable_parameters for Llama-2-7b, r=16 on all 7 projections
 
@@ -122,7 +122,7 @@ def test_layer_costs_with_lora():
 def test_the_memory_split_moves_when_weights_no_longer_dominate():
     """With a frozen base the activations 1F1B keeps in flight (most on stage 0) weigh more than the states:
     the `memory` method moves blocks off the first stage."""
-    from toolkit.plan.partition import partition_layers
+    from toolkit.plan.cost.partition import partition_layers
 
     arch = load_arch("llama-2-7b")
     full = partition_layers(layer_costs(arch, 2048), 4, "memory")

@@ -11,11 +11,11 @@ import pytest
 
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import arch_from_config, layer_params, load_arch, to_hf_config
-from toolkit.plan.costs import layer_costs
-from toolkit.plan.estimate import Layout
+from toolkit.plan.cost.layers import layer_costs
+from toolkit.plan.layouts.estimate import Layout
 from toolkit.plan.lora import lora_params
 from toolkit.plan.moe import moe_flops
-from toolkit.plan.planner import PlanRequest, estimate_layout
+from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 
 MIXTRAL_8X7B = 46_702_792_704  # HF's Mixtral-8x7B-v0.1 (and the meta-device model of its config)
 MIXTRAL_8X7B_CONFIG = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32,

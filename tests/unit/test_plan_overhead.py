@@ -1,16 +1,16 @@
 """The planner's terms outside the layers: the loss's peak (once, on the head's stage), the logits a pipeline's
 last stage keeps per micro-batch in flight, and the fixed bytes per GPU outside torch's allocator (the CUDA
-context and NCCL's buffers, toolkit.plan.overhead), shown by `dstk plan`."""
+context and NCCL's buffers, toolkit.plan.memory.overhead), shown by `dstk plan`."""
 
 import re
 
 import pytest
 
 from toolkit.cli import main
-from toolkit.plan.estimate import Layout
+from toolkit.plan.layouts.estimate import Layout
 from toolkit.plan.gpus import MiB
-from toolkit.plan.overhead import CUDA_CONTEXT, NCCL_COMM, communicators, fixed_bytes
-from toolkit.plan.planner import PlanRequest, estimate_layout
+from toolkit.plan.memory.overhead import CUDA_CONTEXT, NCCL_COMM, communicators, fixed_bytes
+from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 
 T, V = 4096, 128256  # llama-3.2-1b's vocabulary
 

@@ -90,7 +90,7 @@ def test_flash_attention_without_cuda_is_refused_naming_the_way_out():
 def test_pp1_batches_follow_the_engine_device():
     """DeepSpeedEngine.forward does not move inputs. A stand-in engine on the meta device plays the GPU
     (none exists here): the batch must arrive on the engine's device, not on the CPU."""
-    from toolkit.train.loop import _forward
+    from toolkit.train.loop import forward_loss
 
     class Engine:
         device = torch.device("meta")
@@ -102,7 +102,7 @@ def test_pp1_batches_follow_the_engine_device():
             return type("Out", (), {"loss": torch.zeros((), device="meta")})()
 
     engine = Engine()
-    _forward(engine, ((torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)),
+    forward_loss(engine, ((torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)),
                       torch.ones(2, 4, dtype=torch.long)))
     assert set(engine.seen.values()) == {torch.device("meta")}
 
@@ -123,8 +123,8 @@ def test_weight_decay_skips_biases_norms_and_embeddings():
 
 def test_pp1_activation_checkpointing_in_the_config_is_honoured(ds_world1):
     """Same loss and gradients, fewer bytes saved for backward (counted with saved_tensors_hooks)."""
-    from toolkit.topology import Topology
-    from toolkit.train.loop import _model
+    from toolkit.distributed.topology import Topology
+    from toolkit.train.loop import make_model
     from toolkit.train.runner import TrainArgs
 
     tok = hf.byte_tokenizer()
@@ -133,7 +133,7 @@ def test_pp1_activation_checkpointing_in_the_config_is_honoured(ds_world1):
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     results = []
     for cfg in ({}, {"activation_checkpointing": {"partition_activations": False}}):
-        model, _ = _model(args, config, Topology(1), cfg)
+        model, _ = make_model(args, config, Topology(1), cfg)
         model.train()
         saved = []
 
@@ -177,7 +177,7 @@ def test_bf16_training_exports_the_fp32_masters(ds_world1, tmp_path, zero):
     masters (most values are not bf16-representable), or bf16 with --dtype bf16 (config.json says which)."""
     from safetensors.torch import load_file
 
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
     from toolkit.train.runner import TrainArgs, run
 
     cfg = tmp_path / "ds.json"
@@ -212,31 +212,31 @@ def test_zero0_masters_from_fusedadams_flat_groups():
     group ("fp32_groups_flat") instead of one per parameter. That format, written as DeepSpeed writes
     it (no GPU here to make one), is cut back into parameters by the recorded order."""
     from toolkit.errors import UnusableInput
-    from toolkit.train.checkpoint_state import _zero0_masters
+    from toolkit.checkpoint.state import zero0_masters
 
     saved = {"module": {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(4, dtype=torch.bfloat16)},
              "optimizer": {"fp32_groups_flat": [torch.arange(10.0)]}}
-    masters = _zero0_masters(saved, {"param_groups": [["w", "b"]]})
+    masters = zero0_masters(saved, {"param_groups": [["w", "b"]]})
     assert masters["w"].tolist() == [0, 1, 2, 3, 4, 5] and masters["b"].tolist() == [6, 7, 8, 9]
     with pytest.raises(UnusableInput, match="do not match the parameter order"):
-        _zero0_masters({"module": saved["module"], "optimizer": {"fp32_groups": [[torch.ones(6)]]}},
+        zero0_masters({"module": saved["module"], "optimizer": {"fp32_groups": [[torch.ones(6)]]}},
                        {"param_groups": [["w", "b"]]})
 
 
 @pytest.mark.parametrize("cfg, name", [({"fp16": {"enabled": True}}, "float16"), ({"bf16": {"enabled": True}}, "bfloat16"),
                                        ({"bfloat16": {"enabled": True}}, "bfloat16"), ({}, "float32")])
 def test_qlora_computes_in_the_runs_precision(cfg, name):
-    """QLoRA's bnb_4bit_compute_dtype (loop._model) is the run's: an fp16 config computed in fp32 before."""
+    """QLoRA's bnb_4bit_compute_dtype (loop.make_model) is the run's: an fp16 config computed in fp32 before."""
     assert str(hf.param_dtype(cfg)).removeprefix("torch.") == name and hasattr(torch, name)
 
 
 def test_the_planner_counts_bf16_optimizers_fp32_gradient_buffer(ds_world1):
     """generate-config's bf16 default (ZeRO-1, grad_accum_dtype fp32) on a real engine: the model-state bytes
-    it holds after a backward (toolkit.train.held) against toolkit.plan.memory's prediction."""
+    it holds after a backward (toolkit.train.footprint) against toolkit.plan.memory.rank's prediction."""
     import deepspeed
 
-    from toolkit.plan.memory import model_state_bytes
-    from toolkit.train.held import held_bytes
+    from toolkit.plan.memory.rank import model_state_bytes
+    from toolkit.train.footprint import held_bytes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(8)])

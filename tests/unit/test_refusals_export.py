@@ -13,7 +13,7 @@ def run_dir(tmp_path_factory):
     import torch
 
     from toolkit.train import hf
-    from toolkit.train.checkpoint import save_meta, write_latest
+    from toolkit.checkpoint.manifest import save_meta, write_latest
     from toolkit.train.parity import small_model
 
     run = tmp_path_factory.mktemp("run")

@@ -8,7 +8,7 @@ import pytest
 from toolkit.cli import main
 from toolkit.errors import ConfigError
 from toolkit.plan.gpus import get_gpu, parse_size
-from toolkit.plan.planner import PlanRequest, make_plan
+from toolkit.plan.layouts.planner import PlanRequest, make_plan
 
 
 def run(capsys, *args):

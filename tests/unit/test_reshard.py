@@ -10,7 +10,7 @@ import pytest
 from tests.unit.test_launch import _args
 from toolkit.cli import main
 from toolkit.errors import ConfigError
-from toolkit.train import portable
+from toolkit.checkpoint import portable
 
 
 def _losses(out):
@@ -19,7 +19,7 @@ def _losses(out):
 
 
 def test_reshard_writes_the_checkpoints_state_by_hf_name_and_the_run_continues_there(ds_world1, tmp_path, capsys):
-    from toolkit.train.checkpoint_state import load_state_dict
+    from toolkit.checkpoint.state import load_state_dict
     from toolkit.train.runner import run
 
     whole = tmp_path / "whole"
@@ -69,7 +69,7 @@ def test_moves_that_cannot_be_honoured_are_refused(ds_world1, tmp_path, capsys, 
 
 
 def test_an_older_checkpoint_without_named_optimizer_states_cannot_move(tmp_path):
-    from toolkit.train.checkpoint import check_resumable
+    from toolkit.checkpoint.manifest import check_resumable
 
     meta = tmp_path / "dstk"
     meta.mkdir()

@@ -60,10 +60,10 @@ def test_pydantic_sections_have_exactly_deepspeeds_fields(dotted, model):
 
 
 def test_schema_json_is_what_the_builder_makes_from_this_deepspeed():
-    from toolkit.config.schema_build import build
+    from toolkit.config.schema.build import build_schema
 
     assert S.load_schema()["x-deepspeed-version"] == deepspeed.__version__
-    assert json.loads(json.dumps(build())) == S.load_schema(), "rerun: python -m toolkit.config.schema_build"
+    assert json.loads(json.dumps(build_schema())) == S.load_schema(), "rerun: python -m toolkit.config.schema.build"
 
 
 def test_removed_keys_match_deepspeeds_tables():

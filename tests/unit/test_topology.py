@@ -1,7 +1,7 @@
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.topology import Topology, bubble_fraction, config_batch, resolve_batch
+from toolkit.distributed.topology import Topology, bubble_fraction, config_batch, resolve_batch
 
 
 def test_coords_follow_deepspeed_pipe_data_order():

@@ -1,5 +1,5 @@
 """Tensor parallelism (DeepSpeed AutoTP) in configs: `generate-config --tp`, the `validate` rules for
-tp > 1, and the model checks of `validate --model` (toolkit.config.tp_rules, toolkit.plan.tp)."""
+tp > 1, and the model checks of `validate --model` (toolkit.config.rules.tensor_parallel, toolkit.plan.tp)."""
 
 import json
 
@@ -13,7 +13,7 @@ from toolkit.config.validate import check_schema
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import load_arch
 from toolkit.plan.tp import DEEPSPEED_PRESETS, HF_PLAN_TYPES, autotp_problems
-from toolkit.topology import tp_of
+from toolkit.distributed.topology import tp_of
 
 
 def dstk(capsys, *argv):

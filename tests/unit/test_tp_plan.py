@@ -8,9 +8,9 @@ import pytest
 
 from toolkit.cli import main
 from toolkit.plan.arch import load_arch
-from toolkit.plan.costs import layer_costs, mask_bytes
-from toolkit.plan.estimate import Layout
-from toolkit.plan.planner import PlanRequest, _layouts, _model, estimate_layout, make_plan
+from toolkit.plan.cost.layers import layer_costs, mask_bytes
+from toolkit.plan.layouts.estimate import Layout
+from toolkit.plan.layouts.planner import PlanRequest, candidate_layouts, model_of, estimate_layout, make_plan
 from toolkit.plan.tp import shard_layers, tp_candidates, tp_comm_bytes
 
 H, I, V, L, T = 4096, 11008, 32000, 32, 4096  # llama-2-7b: 32 heads = 32 kv heads, no biases, untied
@@ -70,7 +70,7 @@ def test_tp_candidates_stay_inside_a_node():
     assert tp_candidates(arch, 8, lora=16) == [1] and tp_candidates(load_arch("mixtral-8x7b"), 8) == [1]
     req = PlanRequest(model="llama-2-7b", gbs=64, gpus_per_node=4, nodes=2, gpu="a100-80gb", seq_len=1024)
     costs = layer_costs(arch, 1024, 1, "bf16")
-    layouts = [lay for _, lay in _layouts(req, arch, costs, tp_candidates(arch, 4))]
+    layouts = [lay for _, lay in candidate_layouts(req, arch, costs, tp_candidates(arch, 4))]
     assert {lay.tp for lay in layouts} == {1, 2, 4}
     assert {(lay.pp, lay.tp) for lay in layouts if lay.tp > 1} == {(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)}
     for lay in layouts:
@@ -118,7 +118,7 @@ SMALL_NODES = PlanRequest(model="llama-2-7b", gbs=32, gpus_per_node=2, nodes=4, 
 
 def test_3d_layouts_are_considered_and_fit_where_tp_alone_needs_zero3():
     arch = load_arch("llama-2-7b")
-    layouts = [lay for _, lay in _layouts(SMALL_NODES, arch, layer_costs(arch, T, 1, "bf16"), [1, 2])]
+    layouts = [lay for _, lay in candidate_layouts(SMALL_NODES, arch, layer_costs(arch, T, 1, "bf16"), [1, 2])]
     assert {(lay.pp, lay.tp) for lay in layouts if lay.pp > 1 and lay.tp > 1} == {(2, 2), (4, 2)}
     result = make_plan(SMALL_NODES)
     assert result.considered == len(layouts) and result.tp_candidates == (1, 2)
@@ -131,11 +131,11 @@ def test_3d_layouts_are_considered_and_fit_where_tp_alone_needs_zero3():
 def test_pipeline_tp_shards_the_blocks_but_not_the_embedding_norm_and_head():
     arch, req = load_arch("llama-2-7b"), PlanRequest(model="llama-2-7b", gbs=32, gpu="a100-80gb", seq_len=T)
     costs = layer_costs(arch, T, 1, "bf16")
-    whole, alone, piped = (_model(costs, arch, T, req, tp, pipe) for tp, pipe in ((1, False), (2, False), (2, True)))
+    whole, alone, piped = (model_of(costs, arch, T, req, tp, pipe) for tp, pipe in ((1, False), (2, False), (2, True)))
     assert piped.params == [V * H] + [BLOCK_TP2] * L + [H, V * H]  # the lm_head whole, not V * H / 2
     assert alone.params[-1] == V * H // 2 and whole.params[1] == BLOCK
     ends = [0, L + 1, L + 2]  # embedding, final norm, head: the unsharded figures
-    whole_piped = _model(costs, arch, T, req, 1, True)  # in a pipeline the head also holds its logits (bf16)
+    whole_piped = model_of(costs, arch, T, req, 1, True)  # in a pipeline the head also holds its logits (bf16)
     for key in ("params", "flops", "fwd_flops", "act", "peak"):
         assert [getattr(piped, key)[i] for i in ends] == [getattr(whole_piped, key)[i] for i in ends]
     assert whole_piped.act[-1] - whole.act[-1] == 2 * T * V and piped.peak[-1] == alone.peak[-1] == 12 * T * V
@@ -170,7 +170,7 @@ def test_estimate_of_a_3d_layout_counts_its_stage_only():
 def test_3d_layouts_are_zero_0_or_1():
     arch = load_arch("llama-2-7b")
     req = PlanRequest(model="llama-2-7b", gbs=64, gpus_per_node=8, nodes=2, gpu="a100-80gb", seq_len=1024)
-    layouts = [lay for _, lay in _layouts(req, arch, layer_costs(arch, 1024, 1, "bf16"), tp_candidates(arch, 8))]
+    layouts = [lay for _, lay in candidate_layouts(req, arch, layer_costs(arch, 1024, 1, "bf16"), tp_candidates(arch, 8))]
     zeros = {(lay.pp > 1, lay.tp > 1): set() for lay in layouts}
     for lay in layouts:
         zeros[lay.pp > 1, lay.tp > 1].add(lay.zero)

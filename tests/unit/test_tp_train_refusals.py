@@ -42,7 +42,7 @@ def test_lora_with_tensor_parallelism_is_refused_before_the_process_group(tmp_pa
 
 @pytest.mark.parametrize("saved_tp, now_tp", [(2, 1), (1, 2)])
 def test_a_resume_that_moves_into_or_out_of_tensor_parallelism_is_refused(tmp_path, saved_tp, now_tp):
-    from toolkit.train.checkpoint import check_resumable
+    from toolkit.checkpoint.manifest import check_resumable
 
     (tmp_path / "dstk").mkdir()
     saved = {"model": "m", "pp": 1, "dp": 2, "tp": saved_tp, "zero_stage": 1, "portable": True}

@@ -99,7 +99,7 @@ def write_rows(path: Path, raw: bytes) -> Path:
 
 
 def test_an_encoding_flag_reads_the_same_file():
-    from toolkit.train.data import decode_text
+    from toolkit.data import decode_text
 
     raw = "caf\u00e9\n".encode("latin-1")
     assert decode_text(raw, Path("x.txt"), "latin-1") == "caf\u00e9\n"
@@ -157,7 +157,7 @@ def test_runs_never_mix_in_one_out(ds_world1, tmp_path):
         run(_args(tmp_path, resume=True, steps=4, seq_len=16))
     zero1 = tmp_path / "zero1.json"
     zero1.write_text(json.dumps({**GOOD_CONFIG, "zero_optimization": {"stage": 1}}))
-    # (the ZeRO stage may change on resume since toolkit.train.portable: checkpoint.LAYOUT_KEYS)
+    # (the ZeRO stage may change on resume since toolkit.checkpoint.portable: checkpoint.LAYOUT_KEYS)
     with pytest.raises(ConfigError, match=r"another run \(model: checkpoint '[^']*', now 'tiny-llama'"):
         run(_args(tmp_path, resume=True, steps=4, model="tiny-llama", config=str(zero1)))
     assert _snapshot(tmp_path / "run") == before
@@ -190,7 +190,7 @@ def test_no_eval_split_writes_null_not_nan(ds_world1, tmp_path):
 
 
 def test_latest_is_replaced_atomically_and_leaves_no_temporary(tmp_path):
-    from toolkit.train.checkpoint import read_latest, write_latest
+    from toolkit.checkpoint.manifest import read_latest, write_latest
 
     write_latest(tmp_path, "global_step4")
     write_latest(tmp_path, "global_step8")

@@ -2,7 +2,7 @@
 FP16_Optimizer, FusedAdam's on CUDA, here over torch's AdamW too), built directly in a world of one:
 dstk forgets the optimizer step they take on zero gradients when built, a state restored by HF name
 reaches their fp32 masters and Adam's state (the next step is a plain fp32 AdamW's step from that state),
-and their saved state is read back by parameter name (portable._from_torch_states). No GPU here: fp16
+and their saved state is read back by parameter name (portable.from_torch_states). No GPU here: fp16
 itself is refused on this CPU, so bf16 stands in (the wrappers treat both alike, without loss scaling)."""
 
 from types import SimpleNamespace
@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit.train import portable, wrappers
+from toolkit.checkpoint import portable
+
+from toolkit.train import wrappers
 
 LR, DECAY, STEP = 0.1, 0.1, 5
 
@@ -102,7 +104,7 @@ def test_a_wrappers_saved_state_is_read_by_parameter_name(ds_world1, kind, tmp_p
     flat = built.optimizer.state[built.optimizer.param_groups[0]["params"][0]]
     torch.save({"module": {"w": params[0].detach(), "b": params[1].detach()}, "optimizer": built.state_dict(),
                 "param_names": [["w", "b"]]}, tmp_path / "mp_rank_00_model_states.pt")
-    moments, step = portable._from_torch_states(tmp_path, {"pp": 1})
+    moments, step = portable.from_torch_states(tmp_path, {"pp": 1})
     assert step == 1 and set(moments["exp_avg"]) == {"w", "b"}
     if kind == "FP16_Optimizer":
         assert torch.equal(torch.cat([moments["exp_avg"]["w"], moments["exp_avg"]["b"]]), flat["exp_avg"])

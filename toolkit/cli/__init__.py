@@ -15,7 +15,7 @@ from toolkit.errors import ConfigError, UnusableInput
 COMMANDS = {
     "generate-config": ("toolkit.cli.generate:generate_config", "Generate a DeepSpeed config for a topology."),
     "validate": ("toolkit.cli.validate:validate", "Validate DeepSpeed config files (schema and rules)."),
-    "schema": ("toolkit.cli.schema:schema", "Print the JSON Schema of DeepSpeed configs."),
+    "schema": ("toolkit.cli.validate:schema", "Print the JSON Schema of DeepSpeed configs."),
     "partition": ("toolkit.cli.partition:partition", "Split a model's layers into pipeline stages."),
     "parity": ("toolkit.cli.parity:parity", "Check a wrapped model computes what the HF model computes."),
     "plan": ("toolkit.cli.plan:plan", "Estimate memory and speed of every layout; recommend one."),
@@ -66,7 +66,7 @@ def cli():
 def main(argv=None):
     """Console entry point: library errors become one line on stderr and an exit code. Under a
     launcher every rank reaches the same refusal: only rank 0 prints it, every rank exits with it."""
-    from toolkit.dist import env_rank
+    from toolkit.distributed.process_group import env_rank
 
     loud = env_rank() == 0
     try:

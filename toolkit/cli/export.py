@@ -33,8 +33,8 @@ def export(checkpoint_dir, out_dir, tag, force, dtype, max_shard_size, merge, ad
     dstk export runs/big runs/big/hf_bf16 --dtype bf16 --max-shard-size 2GB
     dstk export runs/lora runs/lora/adapter_500 --tag global_step500 --no-merge
     """
-    from toolkit.train.export import export as export_checkpoint
-    from toolkit.train.export import find_checkpoint_dir
+    from toolkit.export.directory import export as export_checkpoint
+    from toolkit.export.directory import find_checkpoint_dir
 
     found = find_checkpoint_dir(checkpoint_dir)
     if found != Path(checkpoint_dir):

@@ -93,7 +93,7 @@ def generate_config(output, force, bf16, fp16, **kwargs):
     \b
     dstk generate-config --strategy hybrid --world-size 8 --pp 4 --mbs 2 --gbs 64 --zero 1 --bf16 -o ds.json
     """
-    from toolkit.config.accumulation import accumulation_problems
+    from toolkit.config.rules.accumulation import accumulation_problems
     from toolkit.config.generate import build_config, dumps, write_config
 
     kwargs["precision"] = _precision(kwargs["precision"], bf16, fp16)

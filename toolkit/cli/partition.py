@@ -14,8 +14,8 @@ import json
 import click
 
 from toolkit.plan.arch import builtin_names
-from toolkit.plan.precision import PRECISIONS
-from toolkit.plan.partition import METHODS
+from toolkit.plan.memory.precision import PRECISIONS
+from toolkit.plan.cost.partition import METHODS
 
 
 @click.command(epilog=f"Built-in models (the same in every command): {builtin_names()}.")
@@ -46,7 +46,7 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
     pipeline stages; compare with DeepSpeed's `parameters` and `uniform` splits."""
     from toolkit.plan.arch import load_arch
     from toolkit.plan.lora import check_lora_rank
-    from toolkit.plan.partition_report import format_report, partition_report
+    from toolkit.plan.cost.partition_report import format_report, stage_report
 
     if lora is not None:
         check_lora_rank(lora)
@@ -54,14 +54,14 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
     seq_len = seq_len or min(1024, arch.max_positions)
     times = None
     if method == "profile":  # check the cheap things before minutes of timing
-        from toolkit.plan.costs import check_shape
-        from toolkit.plan.partition import check_stages
-        from toolkit.plan.profile import profile_model
+        from toolkit.plan.cost.layers import check_shape
+        from toolkit.plan.cost.partition import check_stages
+        from toolkit.plan.cost.profile import profile_model
 
         check_stages(arch.num_pipeline_layers, pp)
         check_shape(arch, seq_len, mbs)
         times = profile_model(model, seq_len, mbs, reps=reps, precision=precision)
-    report = partition_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
+    report = stage_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
                               attention=attention, lora=lora)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
     if config_path:

@@ -50,8 +50,8 @@ def plan(as_json, emit_config, force, **kwargs):
     dstk plan --model gpt2 --gpu-mem 24GiB --gpus-per-node 2 --gbs 32 --seq-len 1024 --json
     dstk plan --model llama-2-7b --gpu l4 --gpus-per-node 2 --gbs 16 --seq-len 1024 --lora 16
     """
-    from toolkit.plan.planner import PlanRequest, make_plan
-    from toolkit.plan.report import layout_config, render_text
+    from toolkit.plan.layouts.planner import PlanRequest, make_plan
+    from toolkit.plan.layouts.report import layout_config, render_text
 
     result = make_plan(PlanRequest(**kwargs))
     if emit_config and result.fitting:

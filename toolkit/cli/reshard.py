@@ -25,7 +25,7 @@ def reshard(checkpoint_dir, out_dir, pp, dp, zero, tag, as_json):
     dstk reshard runs/big runs/big_pp2 --pp 2 --dp 4
     dstk reshard runs/big/checkpoints runs/big_z0 --zero 0 --tag global_step500 --json
     """
-    from toolkit.train.reshard import reshard as reshard_checkpoint
+    from toolkit.checkpoint.reshard import reshard_checkpoint
 
     done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero)
     if as_json:

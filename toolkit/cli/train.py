@@ -78,7 +78,7 @@ from toolkit.plan.arch import builtin_names
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def train(local_rank, check_only, world_size, **options):
     """Train a HF model (run on every rank by the launcher)."""
-    from toolkit.dist import shutdown
+    from toolkit.distributed.process_group import shutdown
     from toolkit.train.runner import TrainArgs, check, run
 
     if options["eval_batches"] is not None and os.environ.get("RANK", "0") == "0":

@@ -1,4 +1,5 @@
-"""`dstk validate FILE...`: schema and cross-field rules; every problem with its JSON path.
+"""`dstk validate FILE...`: schema and cross-field rules; every problem with its JSON path. `dstk schema`:
+the JSON Schema it validates against (for editors: VS Code "json.schemas").
 
 Exit code: 0 all valid (warnings allowed), 1 some file invalid, 2 some file unusable.
 """
@@ -24,8 +25,8 @@ def check_file(path: str, world_size=None, pp=None, strict=False, arch=None) -> 
     except UnusableInput as exc:
         return {"path": path, "code": UNUSABLE, "problems": [{"path": "$", "message": str(exc), "severity": ERROR}]}
     if arch is not None:
-        from toolkit.config.tp_rules import model_problems
-        from toolkit.topology import tp_of
+        from toolkit.config.rules.tensor_parallel import model_problems
+        from toolkit.distributed.topology import tp_of
 
         try:
             problems += model_problems(cfg, arch, tp_of(cfg))
@@ -81,3 +82,19 @@ def validate(files, world_size, pp, strict, model, as_json):
         for report in reports:
             _print_human(report)
     click.get_current_context().exit(max(r["code"] for r in reports))
+
+@click.command("schema")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the schema to FILE (atomically) instead of stdout.")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
+def schema(output, force):
+    """Print the JSON Schema (draft 2020-12) that dstk validates DeepSpeed configs against."""
+    from toolkit.config.generate import write_text
+    from toolkit.config.schema import load_schema
+
+    text = json.dumps(load_schema(), indent=2, ensure_ascii=False) + "\n"
+    if output:
+        write_text(text, output, force=force)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text, nl=False)

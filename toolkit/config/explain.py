@@ -58,7 +58,7 @@ def _bounds(node) -> str:
     return " " + " and ".join(parts) if parts else ""
 
 
-def explain(err, parent_schema) -> list:
+def explain_error(err, parent_schema) -> list:
     """Problems for one jsonschema ValidationError. `parent_schema` is the object schema holding
     the failing key (for what DeepSpeed does with it), or None."""
     path = list(err.absolute_path)
@@ -67,7 +67,7 @@ def explain(err, parent_schema) -> list:
     if err.validator == "anyOf":
         inner = _one_branch_errors(err)
         if inner and not isinstance(err.instance, str):  # betas with 3 items: say so, not "a list or auto"
-            return [p for e in inner for p in explain(e, parent_schema)]
+            return [p for e in inner for p in explain_error(e, parent_schema)]
         return [Problem(json_path(path), _bad_value(path, err.instance, err.schema, parent_schema))]
     if err.validator == "required":
         missing = err.message.split("'")[1] if "'" in err.message else err.message

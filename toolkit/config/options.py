@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from toolkit.errors import ConfigError
-from toolkit.topology import Batch, Topology, resolve_batch
+from toolkit.distributed.topology import Batch, Topology, resolve_batch
 
 STRATEGIES = ("dp", "pp", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")

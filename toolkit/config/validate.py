@@ -12,7 +12,7 @@ import functools
 from jsonschema import Draft202012Validator
 
 from toolkit.config import schema as S
-from toolkit.config.explain import explain, json_path
+from toolkit.config.explain import explain_error, json_path
 from toolkit.config.problems import ERROR, NOTE, WARNING, Problem
 
 AUTO_NOTE = ('is "auto": the HF Trainer/Accelerate must fill this before DeepSpeed sees it '
@@ -34,7 +34,7 @@ def check_schema(cfg: dict, strict: bool = False) -> list:
     problems, bad_paths = [], set()
     for err in _validator(True).iter_errors(cfg):
         bad_paths.add(tuple(err.absolute_path))
-        problems += explain(err, _schema_at(list(err.absolute_path)[:-1]))
+        problems += explain_error(err, _schema_at(list(err.absolute_path)[:-1]))
     for err in _validator(False).iter_errors(cfg):
         path = tuple(err.absolute_path)
         if err.instance == "auto" and path not in bad_paths:

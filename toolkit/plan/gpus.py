@@ -7,7 +7,7 @@ tensor-core TFLOPs, i.e. half the "with sparsity" figure the datasheets print fi
 one node (PCIe when the card has no NVLink), `network` per GPU between nodes (a typical InfiniBand /
 EFA share for that generation), `pcie` between GPU and host (used by offload). They are defaults;
 `dstk plan --tflops/--intra-bw/--inter-bw` override them. The same table gives the peak that MFU is
-measured against (toolkit.plan.mfu), with the CUDA device name matched by `preset_for_device`.
+measured against (toolkit.plan.cost.mfu), with the CUDA device name matched by `preset_for_device`.
 """
 
 import difflib

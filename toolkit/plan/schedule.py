@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
-from toolkit.topology import bubble_fraction
+from toolkit.distributed.topology import bubble_fraction
 
 IDLE = None  # a slot where the stage computes nothing
 MAX_SLOTS = 2**20  # stages x steps: more than a picture can show (and minutes of DeepSpeed's generators)

@@ -25,14 +25,14 @@ logits forward and an all-reduce of the input gradient backward; tied (vocab-par
 after the embedding and one of the head's input gradient. The loss's own reductions (a few floats per
 token) are not counted.
 
-Inside pipeline stages (3D, dp x pp x tp; dstk train's toolkit.train.tp_stages): each stage's decoder
+Inside pipeline stages (3D, dp x pp x tp; dstk train's toolkit.distributed.tensor_parallel): each stage's decoder
 blocks are sharded as above by the stage's tp group, but the embedding, the final norm and the head stay
 whole on every tp rank (a tied embedding stays a pipeline tied layer), so those layers keep their
 unsharded figures and their collectives vanish (`pipeline=True`).
 """
 
 from toolkit.plan.arch import Arch
-from toolkit.plan.precision import weight_bytes
+from toolkit.plan.memory.precision import weight_bytes
 
 # Model types whose transformers 5.24 config class has a base_model_tp_plan (a subset: the families
 # dstk's arch reader knows); tests check each against the installed transformers.
@@ -104,13 +104,13 @@ def _block_replicated(arch: Arch) -> int:
 
 
 def shard_layers(arch: Arch, costs: list, seq: int, precision: str, tp: int, pipeline: bool = False) -> dict:
-    """Per-layer figures of one tp rank, from the unsharded LayerCosts of one sequence (toolkit.plan.costs):
+    """Per-layer figures of one tp rank, from the unsharded LayerCosts of one sequence (toolkit.plan.cost.layers):
     {"params", "tied", "flops", "fwd_flops", "act", "peak"}, each a list over the pipeline layers. FLOPs of
     blocks and the head divide by tp (their matmuls and attention split; the elementwise rest is small);
     the embedding lookup and the final norm are replicated. pipeline: tp inside pipeline stages, where
     only the blocks are sharded (the embedding, final norm and head keep their whole figures)."""
     e, n, h, v = weight_bytes(precision), seq, arch.hidden, arch.vocab
-    k = 2 if arch.norm == "layernorm" else 3  # saved norm tensors per token (costs.py _act_bytes)
+    k = 2 if arch.norm == "layernorm" else 3  # saved norm tensors per token (cost/layers.py _act_bytes)
     out = {key: [] for key in ("params", "tied", "flops", "fwd_flops", "act", "peak")}
     vocab_parallel = arch.tied  # transformers 5 plans a tied embedding embedding_rowwise
     for c in costs:

@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from toolkit.dist import all_reduce_sum
+from toolkit.distributed.process_group import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.topology import config_batch
-from toolkit.train import checkpoint, data, hf, wrappers
+from toolkit.distributed.topology import config_batch
+from toolkit import data
+from toolkit.checkpoint import manifest
+from toolkit.train import hf, wrappers
 from toolkit.train.report import ProgressLog, per_rank
 
 
@@ -53,11 +55,11 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = Path(args.out) / "checkpoints"
-    start = checkpoint.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
+    start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
-        checkpoint.check_same_model(ckpt_dir, config)
+        manifest.check_same_model(ckpt_dir, config)
     try:
-        model, layout = _model(args, config, topo, cfg)
+        model, layout = make_model(args, config, topo, cfg)
     except ConfigError as exc:  # each stage reads its own tensors: this rank may be the only one failing
         stage = topo.coords(dist.get_rank())[0]
         failed = type(exc)(f"rank {dist.get_rank()} (pipeline stage {stage}): {exc}")
@@ -78,7 +80,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
     layout = {**layout, **run_identity(args, topo, cfg), "portable": True}
     if dist.get_rank() == 0 and not resume_tag:
-        checkpoint.save_meta(ckpt_dir, config, tokenizer, layout)
+        manifest.save_meta(ckpt_dir, config, tokenizer, layout)
     if resume_tag:
         _resume(engine, ckpt_dir, resume_tag, layout, save_frozen, args.seed, dp_rank)
     steps = args.steps or sampler.steps_per_epoch
@@ -97,22 +99,22 @@ def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
 def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool, seed: int, dp_rank: int) -> None:
     """Load checkpoint `tag` into the engine: DeepSpeed's own load on the layout it was written with,
     with each rank's random-number generators; on another layout (or from `dstk reshard`'s portable
-    folder) by HF name (toolkit.train.portable), after which layout.json describes the new layout (each
+    folder) by HF name (toolkit.checkpoint.portable), after which layout.json describes the new layout (each
     older tag keeps its own copy), and the generators re-seeded (seed_streams)."""
-    from toolkit.train import portable
+    from toolkit.checkpoint import portable
 
-    saved = checkpoint.tag_layout(ckpt_dir, tag)
+    saved = manifest.tag_layout(ckpt_dir, tag)
     if portable.moved(saved, layout) or portable.is_portable(ckpt_dir / tag):
         made = portable.stage(ckpt_dir, tag)
         names = portable.hf_names_of(engine.module, layout)
         portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
         dist.barrier()
         if dist.get_rank() == 0:
-            checkpoint.move_meta(ckpt_dir, layout)
+            manifest.move_meta(ckpt_dir, layout)
             if made:  # the tag is as it was written
                 shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
         dist.barrier()
-        seed_streams(seed, dp_rank, checkpoint.step_of(tag))
+        seed_streams(seed, dp_rank, manifest.step_of(tag))
         return
     # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
     # just read from --model, and only the adapters come from the checkpoint
@@ -120,12 +122,12 @@ def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool, s
     if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
         raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on this rank "
                             f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
-    if not checkpoint.load_rng(ckpt_dir / tag, dist.get_rank()):  # a tag written before dstk saved them
-        seed_streams(seed, dp_rank, checkpoint.step_of(tag))
+    if not manifest.load_rng(ckpt_dir / tag, dist.get_rank()):  # a tag written before dstk saved them
+        seed_streams(seed, dp_rank, manifest.step_of(tag))
 
 
 def data_options(args, max_positions=None) -> data.DataOptions:
-    """The data settings of a run (TrainArgs) for toolkit.train.data.prepare."""
+    """The data settings of a run (TrainArgs) for toolkit.data.prepare."""
     return data.DataOptions(path=args.data, seq_len=args.seq_len, task=args.task, format=args.format,
                             text_field=args.text_field, train_on=args.train_on, packing=args.packing,
                             drop_long=args.drop_long, eval_fraction=args.eval_fraction, eval_data=args.eval_data,
@@ -138,7 +140,7 @@ def deepspeed_config(cfg: dict, topo) -> dict:
     checks it against mbs x gas x the WORLD size (runtime/config.py:471) before its tp groups exist, so
     the right value (mbs x gas x dp, checked by dstk) would stop it; it derives one from the other two.
     With pipeline stages also without "tensor_parallel": dstk shards the stages itself (toolkit.train.
-    tp_stages), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis."""
+    distributed/tensor_parallel.py), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis."""
     if topo.tp == 1:
         return cfg
     dropped = ("train_batch_size", "tensor_parallel") if topo.pp > 1 else ("train_batch_size",)
@@ -161,7 +163,7 @@ def param_groups(model, cfg: dict) -> list:
 
 
 def run_identity(args, topo, cfg: dict) -> dict:
-    """What a resumed run must share with the checkpoint it continues (checkpoint.RUN_KEYS)."""
+    """What a resumed run must share with the checkpoint it continues (manifest.RUN_KEYS)."""
     def where(path):
         return str(Path(path).resolve()) if path and Path(path).exists() else path
 
@@ -177,9 +179,9 @@ def run_identity(args, topo, cfg: dict) -> dict:
                      "eval_fraction": args.eval_fraction, "eval_data": where(args.eval_data), "seed": args.seed}}
 
 
-def _model(args, config, topo, cfg: dict):
+def make_model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, layout). pp > 1 with a local directory: no rank builds the
-    whole model; each stage reads its own layers' tensors (toolkit.train.pipe)."""
+    whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline)."""
     from toolkit.train import lora
 
     settings = lora.settings_of(args)
@@ -197,7 +199,7 @@ def _model(args, config, topo, cfg: dict):
             return model, {"pp": 1}
         model = lora.apply(model, settings, args.task, args.seed)
         return model, {"pp": 1, "lora": lora.layout_entry(settings, model.peft_config["default"])}
-    from toolkit.train.pipe import pipeline_module
+    from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():
         torch.manual_seed(args.seed)  # heads the directory lacks: the same init on every dp replica
@@ -216,14 +218,14 @@ def train_step(job: Job, it) -> float:
         return float(job.engine.train_batch(it))
     losses = []
     for _ in range(job.engine.gradient_accumulation_steps()):
-        loss = _forward(job.engine, next(it))
+        loss = forward_loss(job.engine, next(it))
         job.engine.backward(loss)
         job.engine.step()
         losses.append(loss.detach().float())
     return all_reduce_sum(torch.stack(losses).mean(), job.engine.device)[0] / dist.get_world_size()  # pp = 1: every rank is a replica
 
 
-def _forward(engine, batch) -> torch.Tensor:
+def forward_loss(engine, batch) -> torch.Tensor:
     """pp = 1: the HF model on a batch whose second tensor holds document ids (packed rows: positions
     restart and attention stays inside each document, models.attention.model_inputs, built on the host:
     no device sync). DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does)."""
@@ -274,7 +276,7 @@ def eval_loss(job: Job, args=None) -> float | None:
     else:
         job.engine.eval()
         with torch.no_grad():
-            losses = [float(_forward(job.engine, b)) for b in batches()]
+            losses = [float(forward_loss(job.engine, b)) for b in batches()]
         job.engine.train()
     total = sum(loss * w for loss, w in zip(losses, weights) if w)  # an all-filler micro-batch's mean is nan
     # every replica's share (pipelines: the last stages' only)
@@ -282,7 +284,7 @@ def eval_loss(job: Job, args=None) -> float | None:
     return total / count if count else None
 
 
-def loop(args, job: Job, is_logger: bool) -> dict:
+def run_steps(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
     it = job.train.micro_batches(job.start_step)
     log = ProgressLog(Path(args.out) / "metrics.jsonl", job, args) if is_logger else None
@@ -296,7 +298,7 @@ def loop(args, job: Job, is_logger: bool) -> dict:
             record["eval_loss"] = eval_loss(job, args)
             record["eval_ppl"] = _perplexity(record["eval_loss"])
         if step == job.steps or (args.save_every and step % args.save_every == 0):
-            checkpoint.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
+            manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
                             layout=job.layout)
         losses.append(loss)
         if log:

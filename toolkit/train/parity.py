@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.train.checkpoint_state import first_line
+from toolkit.checkpoint.state import first_line
 from toolkit.train.hf import no_dropout
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
@@ -131,9 +131,9 @@ def batch(config, task, batch_size=2, seq_len=8, pad=True, seed=0):
 
 def ensure_world_of_one():
     """A gloo process group of one in this process, as PipelineModule needs (no-op if one exists)."""
-    from toolkit import dist
+    from toolkit.distributed import process_group
 
-    dist.init(cpu=True, alone=True)
+    process_group.init(cpu=True, alone=True)
 
 
 def hf_loss_logits(model, inputs, labels):

@@ -45,14 +45,14 @@ def _mfu_text(summary: dict) -> str:
 
 
 def mfu_fields(tokens_per_s: float, model_config: dict, run, precision: str, gpu: str | None, gpus: int) -> dict:
-    """The summary's throughput fields: flops_per_token (toolkit.plan.mfu: the planner's cost model of the
+    """The summary's throughput fields: flops_per_token (toolkit.plan.cost.mfu: the planner's cost model of the
     model in `model_config`, a HF config.json dict, at run.seq_len, with run.lora_r under --lora/--qlora),
     gpu (the CUDA device name, or None), mfu (share of `gpus` x the preset peak of `precision` that
     `tokens_per_s` used; None off CUDA or where it cannot be counted) and mfu_note (what it was measured
     against, or why there is none)."""
     from toolkit.errors import ConfigError
     from toolkit.plan.arch import arch_from_config
-    from toolkit.plan.mfu import flops_per_token, mfu, peak_tflops
+    from toolkit.plan.cost.mfu import flops_per_token, peak_tflops, utilisation
 
     out = {"flops_per_token": None, "gpu": gpu, "mfu": None}
     if run.task != "causal-lm":
@@ -66,7 +66,7 @@ def mfu_fields(tokens_per_s: float, model_config: dict, run, precision: str, gpu
     except ConfigError as exc:  # an architecture the planner cannot cost, a GPU without a preset
         return {**out, "mfu_note": str(exc)}
     gpu_word = "GPU" if gpus == 1 else "GPUs"
-    return {**out, "mfu": mfu(tokens_per_s, out["flops_per_token"], gpus, tflops),
+    return {**out, "mfu": utilisation(tokens_per_s, out["flops_per_token"], gpus, tflops),
             "mfu_note": f"{gpus} {gpu_word} x {preset}, {tflops:g} {precision} TFLOPs"}
 
 
@@ -75,7 +75,7 @@ def _run_throughput(summary: dict, job, args) -> dict:
     precision, its CUDA device (None on CPU), the world size."""
     import torch.distributed as dist
 
-    from toolkit.train.checkpoint import META
+    from toolkit.checkpoint.manifest import META
 
     engine, saved = job.engine, Path(job.ckpt_dir) / META / "config.json"
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
@@ -117,7 +117,7 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
 def per_rank(engine) -> dict:
     """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
     own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
-    engine holds at the end (toolkit.train.held: weights, gradients, masters, optimizer states); and
+    engine holds at the end (toolkit.train.footprint: weights, gradients, masters, optimizer states); and
     the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
     torch.cuda.max_memory_allocated (None without CUDA)."""
     import resource
@@ -125,7 +125,7 @@ def per_rank(engine) -> dict:
     import torch
     import torch.distributed as dist
 
-    from toolkit.train.held import held_bytes
+    from toolkit.train.footprint import held_bytes
 
     params = [p for p in engine.module.parameters()]
     mine = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
@@ -147,7 +147,7 @@ class ProgressLog:
 
         from tqdm import tqdm
 
-        from toolkit.train import data
+        from toolkit import data
 
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path, "a")

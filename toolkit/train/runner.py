@@ -12,15 +12,15 @@ train_batch(). Every rank checks the config against the real world size before b
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit import dist as toolkit_dist
+from toolkit.distributed import process_group
 from toolkit.errors import ConfigError
-from toolkit.topology import Topology, tp_of
+from toolkit.distributed.topology import Topology, tp_of
 
 
 @dataclass
 class TrainArgs:
     model: str  # local HF directory, or a built-in name (toolkit.plan.arch.BUILTINS)
-    data: str  # a local file or save_to_disk folder (see toolkit.train.data)
+    data: str  # a local file or save_to_disk folder (see toolkit.data)
     config: str  # DeepSpeed JSON
     out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
     tokenizer: str | None = None
@@ -36,7 +36,7 @@ class TrainArgs:
     seed: int = 1234
     eval_fraction: float = 0.05
     text_field: str = "text"
-    format: str = "auto"  # toolkit.train.data_formats.FORMATS, or auto: from the columns
+    format: str = "auto"  # toolkit.data.formats.FORMATS, or auto: from the columns
     train_on: str = "assistant"  # or "all"
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
     packing: bool | None = None  # None: on for text, off for supervised formats
@@ -84,12 +84,12 @@ def check_attention_precision(attention: str, cfg: dict) -> None:
 def check_shared_out(out) -> None:
     """Every rank writes its part of each checkpoint into --out and rank 0 reads them all (resume, export):
     refuse an --out that is each node's own disk, before anything is built."""
-    views = toolkit_dist.shared_with_rank0(out)
+    views = process_group.shared_with_rank0(out)
     blind = [rank for rank, (_, seen) in enumerate(views) if not seen]
     if blind:
         hosts = ", ".join(sorted({views[r][0] for r in blind}))
         raise ConfigError(f"--out {out} is not one folder for every node: rank 0 ({views[0][0]}) wrote a file there "
-                          f"that rank(s) {blind} on {hosts} do not see after {toolkit_dist.SHARED_WAIT:.0f} s; every "
+                          f"that rank(s) {blind} on {hosts} do not see after {process_group.SHARED_WAIT:.0f} s; every "
                           "rank writes its part of each checkpoint there and rank 0 reads them all (resume, export): "
                           "put --out on a file system every node mounts (NFS, Lustre, ...)")
 
@@ -98,7 +98,9 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group and no model: the config (for `world_size` processes
     when known), the data file, the run folder. Every rank runs them first, so a mistake costs
     seconds, not a rendezvous; launch.sh runs them once before it starts any rank (`--check`)."""
-    from toolkit.train import data, hf, lora, rundir
+    from toolkit import data
+    from toolkit.checkpoint import run_folder
+    from toolkit.train import hf, lora
 
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
     check_attention_precision(args.attention, cfg)
@@ -115,7 +117,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         data.check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
-    rundir.check_out(args.out, args.resume, args.overwrite)
+    run_folder.check_out(args.out, args.resume, args.overwrite)
 
 
 def _log_levels(verbose: bool) -> None:
@@ -142,14 +144,15 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     before rank 0 draws the loss curve and exports; nobody waits in a collective (whose timeout
     would abort the ranks) while a large model is converted. In-process callers keep their group.
     The export runs after the engine is gone and streams a full model (about one layer in memory)."""
-    from toolkit.train import checkpoint, lora, rundir
+    from toolkit.checkpoint import manifest, run_folder
+    from toolkit.train import lora
     from toolkit.train import loop as train_loop
-    from toolkit.train.export import export
+    from toolkit.export.directory import export
 
-    world = toolkit_dist.env_world_size()
+    world = process_group.env_world_size()
     check(args, world)
     _log_levels(args.verbose)
-    dist = toolkit_dist.init()
+    dist = process_group.init()
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
     if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
         lora.check_qlora_here(args.model)
@@ -160,21 +163,21 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         check_shared_out(args.out)
     except ConfigError:
         if teardown:
-            toolkit_dist.shutdown()  # every rank refuses: they meet in its barrier (gloo's threads, exit -6)
+            process_group.shutdown()  # every rank refuses: they meet in its barrier (gloo's threads, exit -6)
         raise
-    resume_tag = checkpoint.agreed_latest(ckpt_dir) if args.resume else None
+    resume_tag = manifest.agreed_latest(ckpt_dir) if args.resume else None
     if resume_tag:
-        checkpoint.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag)
+        manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag)
     if args.overwrite and dist.get_rank() == 0:
-        rundir.clear(args.out)
-    dist.barrier(group=toolkit_dist.patient_group())  # nobody writes into --out before it is cleared (however long)
+        run_folder.clear(args.out)
+    dist.barrier(group=process_group.patient_group())  # nobody writes into --out before it is cleared (however long)
     try:
         job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
     except ConfigError as exc:
         if teardown and not getattr(exc, "every_rank", False):  # every rank refuses: none is left to die at exit
-            toolkit_dist.shutdown()  # in gloo's threads (exit -6); it meets the others in a barrier
+            process_group.shutdown()  # in gloo's threads (exit -6); it meets the others in a barrier
         raise
-    summary = train_loop.loop(args, job, is_logger=dist.get_rank() == 0)
+    summary = train_loop.run_steps(args, job, is_logger=dist.get_rank() == 0)
     summary["rank0"] = dist.get_rank() == 0
     dist.barrier()  # every rank's last checkpoint is complete
     job.engine.destroy()  # autograd hooks keep an engine (and its buffers) alive otherwise
@@ -183,7 +186,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
 
     gc.collect()
     if teardown:
-        toolkit_dist.shutdown()
+        process_group.shutdown()
     if summary["rank0"]:
         summary["loss_png"] = str(_loss_png(Path(args.out)))
         if args.export:

@@ -8,7 +8,7 @@ DeepSpeed picks the wrapper from the weights' dtype, the gradient-accumulation d
   ZeRO-0, bf16, pipeline           BF16_Optimizer, accumulating in bf16
   ZeRO-1, bf16, fp32 accumulation  BF16_Optimizer, its masters partitioned over dp (no offload)
   any other ZeRO 1-3               DeepSpeed's ZeRO optimizers
-  ZeRO-0, accumulation dtype other than the weights'   NotImplementedError (toolkit.config.accumulation refuses it)
+  ZeRO-0, accumulation dtype other than the weights'   NotImplementedError (toolkit.config.rules.accumulation refuses it)
 Three of these need dstk's help:
   - the FP16 wrappers take one optimizer step on zero gradients when they are built
     (runtime/fp16/unfused_optimizer.py:412-425, fused_optimizer.py:125-130): Adam then counts one step too many
@@ -17,7 +17,7 @@ Three of these need dstk's help:
     hands it the model states' single dict when it loads (engine.py:4696 -> bf16_optimizer.py:670,
     `state_dict_list[dp_rank]`: KeyError 0). `load` has DeepSpeed read those files itself.
   - the FP16 wrappers' base optimizer steps their fp32 masters, not the module's parameters: a state restored by HF
-    name (toolkit.train.portable) goes there through `restore_masters`.
+    name (toolkit.checkpoint.portable) goes there through `restore_masters`.
 """
 
 FP16_WRAPPERS = ("FP16_Optimizer", "FP16_UnfusedOptimizer")
@@ -32,14 +32,14 @@ def is_fp16_wrapper(optimizer) -> bool:
 
 
 def initialize(model, groups: list, config: dict, verbose: bool = False):
-    """deepspeed.initialize on the GPU toolkit.dist chose, settled; its prints (BF16_Optimizer reports memory
+    """deepspeed.initialize on the GPU toolkit.distributed.process_group chose, settled; its prints (BF16_Optimizer reports memory
     on stdout, forced, while it builds) only with --verbose."""
     import contextlib
     import io
 
     import deepspeed
 
-    from toolkit.dist import engine_args
+    from toolkit.distributed.process_group import engine_args
 
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with quiet:

@@ -10,13 +10,13 @@ import sys
 
 import torch
 
-from toolkit import dist
-from toolkit.topology import Topology
+from toolkit.distributed import process_group
+from toolkit.distributed.topology import Topology
 from toolkit.train import loop
 from toolkit.train.runner import TrainArgs, read_checked_config
 
 config_path, out_path = sys.argv[-2], sys.argv[-1]
-group = dist.init()
+group = process_group.init()
 cfg, pp = read_checked_config(config_path, group.get_world_size(), None)
 topo = Topology(group.get_world_size(), pp)
 stage, dp_rank = topo.coords(group.get_rank())
@@ -30,4 +30,4 @@ if group.get_rank() == 0:
     with open(out_path, "w") as f:
         json.dump(draws, f)
 job.engine.destroy()
-dist.shutdown()
+process_group.shutdown()

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 import models  # noqa: E402
-from toolkit import dist  # noqa: E402
+from toolkit.distributed import process_group  # noqa: E402
 from toolkit.train import parity  # noqa: E402
 
 CASES = [  # (model_type, task, config overrides, parts over L + 3 (or L + 2) layers with L = 2)
@@ -118,7 +118,7 @@ def run_packed_case(hf, spec, parts):
 
 
 def main(out_dir, hf_dir=None):
-    dist.init()
+    process_group.init()
     results = {}
     for model_type, task, overrides, parts in CASES:
         hf = parity.small_model(model_type, task, **overrides)

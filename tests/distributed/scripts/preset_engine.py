@@ -12,7 +12,7 @@ import sys
 import deepspeed
 import torch
 
-from toolkit import dist
+from toolkit.distributed import process_group
 
 
 def layers():
@@ -28,7 +28,7 @@ def batches(mbs):
 
 
 def main(config_path, out_path):
-    dist.init()
+    process_group.init()
     cfg = json.load(open(config_path))
     pp = cfg.get("pipeline", {}).get("stages", 1)
     if pp > 1:

@@ -1,5 +1,5 @@
 """`python stage_moves.py OUT CASE MODEL [CASE MODEL ...]`, on every rank, for each CASE in turn: build the
-pipeline stage `dstk train` builds (toolkit.train.pipe.pipeline_module, bf16), hand it to deepspeed.initialize,
+pipeline stage `dstk train` builds (toolkit.distributed.pipeline.pipeline_module, bf16), hand it to deepspeed.initialize,
 and write OUT/CASE-<i>-rank<R>.json (i: the pair's index):
 the parameter bytes the stage held at each move to a device (every `nn.Module.to(device)` on the
 PipelineModule, DeepSpeed's own included; on a CPU that move changes nothing, so the bytes it would carry are
@@ -44,23 +44,23 @@ def _watch_moves():
 
 
 def main(out: str, *pairs: str):
-    from toolkit import dist
+    from toolkit.distributed import process_group
 
-    dist.init(cpu=True)
+    process_group.init(cpu=True)
     _watch_moves()
     for i, (case, model) in enumerate(zip(pairs[::2], pairs[1::2])):
         moves.clear()
         report = build(model, case)
         Path(out, f"{case}-{i}-rank{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
-    dist.shutdown()
+    process_group.shutdown()
 
 
 def build(model: str, case: str) -> dict:
     import deepspeed
 
-    from toolkit.topology import Topology
+    from toolkit.distributed.topology import Topology
     from toolkit.train import hf, lora
-    from toolkit.train.pipe import pipeline_module
+    from toolkit.distributed.pipeline import pipeline_module
 
     pp, tp, adapters = CASES[case]
     world = torch.distributed.get_world_size()

@@ -2,7 +2,7 @@
 collectives watched. Each call is recorded in OUT/rank<R>.json at exit: the collective, the device of
 each tensor it got, the engine's device (DeepSpeed's accelerator: cuda:N on a GPU, cpu here), whether an
 object collective (all_gather_object, ...) made it, and the first caller outside torch and deepspeed.comm:
-"toolkit/dist.py"
+"toolkit/distributed/process_group.py"
 for dstk's own helper, "deepspeed/..." for the engine's calls. Nothing is faked: every call goes on to
 the real collective."""
 

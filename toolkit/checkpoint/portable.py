@@ -1,0 +1,363 @@
+"""Moving a run to another layout (pp, dp, ZeRO 0-3): a checkpoint's training state by HF name, and
+putting it into an engine built for the new layout.
+
+A dstk checkpoint knows which HF tensor every pipeline layer holds (layout.json's hf_names), so a
+parameter's state can be named independently of where it lived:
+  weights      fp32 masters by HF name (toolkit.checkpoint.state.load_state_dict)
+  exp_avg, exp_avg_sq   Adam's moments by HF name, from whichever form DeepSpeed wrote:
+               ZeRO-0 (torch's optimizer state, indexed in the order the run gave its parameters to the
+               optimizer: the `param_names` each rank saves with its checkpoint), or ZeRO-1/2 and the
+               bf16 optimizer (flat fp32 partitions per data-parallel rank and stage, with
+               param_slice_mappings: name -> where its fragment starts), or ZeRO-3 (pp = 1: per dp rank a
+               flat partition; a parameter of n elements takes ceil(n / dp) of them on every rank, in the
+               order of the model states' param_shapes, as zero_to_fp32 reads the weights)
+  the optimizer step, the LR scheduler, DeepSpeed's global step / sample counters.
+`restore` then writes each parameter's state into the new engine: the module weight itself and, where
+DeepSpeed keeps fp32 partitions, this rank's share of its high-precision copy and moments (ZeRO-1/2,
+bf16: through the parameter's fragment mapping, then DeepSpeed's own map_to_flat_opt_states; ZeRO-3:
+the parameter's slice of the sub-group's flat partition); a plain torch optimizer (ZeRO-0 fp32) gets
+its state directly, DeepSpeed's FP16 wrappers (bf16/fp16 at ZeRO-0) in their fp32 masters
+(toolkit.train.wrappers). The data position is the global step (the order of rows is the same on every
+layout) and dropout RNG streams restart from the seed.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from toolkit.errors import UnusableInput
+from toolkit.checkpoint.manifest import LAYOUT_KEYS
+from toolkit.checkpoint.state import (PARTITION_FILE, masters_by_hf_name, torch_load, load_state_dict,
+                                            partition_fragments, resolve_tag)
+from toolkit.train.wrappers import is_fp16_wrapper, restore_masters
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class PortableState:
+    """A checkpoint's training state by HF name (tensors flat or shaped; restore reshapes)."""
+
+    weights: dict
+    moments: dict  # "exp_avg" / "exp_avg_sq" -> {HF name: tensor}
+    optimizer_step: int
+    engine: dict = field(default_factory=dict)  # lr_scheduler, global_steps, global_samples, skipped_steps
+
+
+def moved(saved_layout: dict, now: dict) -> list:
+    """The layout keys (pp, dp, zero_stage) whose values differ between a checkpoint and this run."""
+    return [k for k in LAYOUT_KEYS if k in saved_layout and saved_layout[k] != now.get(k)]
+
+
+PORTABLE = "portable"  # a tag's folder of HF-named state, written by `dstk reshard`
+KINDS = ("weights",) + MOMENTS
+
+
+def is_portable(tag_dir: Path) -> bool:
+    return (Path(tag_dir) / PORTABLE / "engine.pt").is_file()
+
+
+def read(ckpt_dir, tag=None, wanted=None) -> PortableState:
+    """The state of checkpoint `tag` of CKPT_DIR by HF name: from DeepSpeed's files, or from the portable
+    folder `dstk reshard` wrote (there only the `wanted` HF names are read, when given)."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = resolve_tag(ckpt_dir, tag)
+    tag_dir = ckpt_dir / tag
+    if is_portable(tag_dir):
+        return _read_portable(tag_dir / PORTABLE, wanted)
+    weights, layout = load_state_dict(ckpt_dir, tag)
+    partitions = sorted(p for p in tag_dir.iterdir() if PARTITION_FILE.fullmatch(p.name))
+    if layout.get("zero_stage") == 3:
+        moments, step = _from_zero3(partitions, tag_dir)
+    elif partitions:
+        moments, step = _from_partitions(partitions, layout)
+    else:
+        moments, step = from_torch_states(tag_dir, layout)
+    first = torch_load(_model_states(tag_dir))
+    engine = {k: first.get(k) for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
+    return PortableState(weights, moments, step, engine)
+
+
+def write(state: PortableState, folder: Path) -> int:
+    """FOLDER/{weights,exp_avg,exp_avg_sq}.safetensors (HF names, fp32) and engine.pt; returns bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    total = 0
+    for kind, tensors in zip(KINDS, (state.weights, *(state.moments[k] for k in MOMENTS))):
+        tensors = {k: v.to(torch.float32, copy=True).contiguous() for k, v in tensors.items()}  # tied: own copies
+        save_file(tensors, str(folder / f"{kind}.safetensors"))
+        total += sum(t.numel() * 4 for t in tensors.values())
+    torch.save({"optimizer_step": state.optimizer_step, **state.engine}, folder / "engine.pt")
+    return total
+
+
+STAGED = "staged-by-dstk-train"  # in a portable folder a move made (and removes), not one `dstk reshard` wrote
+
+
+def stage(ckpt_dir: Path, tag: str) -> bool:
+    """Before a move, on every rank: rank 0 writes the tag's state by HF name into TAG/portable (atomically),
+    so that every rank then reads only the tensors it holds instead of each one reading the whole
+    checkpoint. True when the folder is a staged one (the caller removes it once every rank has read
+    it; one left by a move that failed is used and removed); a failure on rank 0 is raised on every
+    rank. The others wait for rank 0 in toolkit.distributed.process_group.patient_group, not within the process group's
+    timeout: reading and writing a large model's state can take longer."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from toolkit.distributed.process_group import patient_group
+
+    tag_dir = Path(ckpt_dir) / tag
+    waiting = patient_group()
+    failure = None
+    if dist.get_rank() == 0 and not is_portable(tag_dir):
+        for old in tag_dir.glob(f".{PORTABLE}.*"):  # a temp folder of a staging that was killed
+            shutil.rmtree(old, ignore_errors=True)
+        tmp = tag_dir / f".{PORTABLE}.{os.getpid()}"
+        try:
+            write(read(ckpt_dir, tag), tmp)
+            (tmp / STAGED).touch()
+            tmp.rename(tag_dir / PORTABLE)
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = exc
+    box = [None if failure is None else str(failure)]
+    dist.broadcast_object_list(box, src=0, group=waiting)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        raise UnusableInput(box[0])
+    return (tag_dir / PORTABLE / STAGED).is_file()
+
+
+def _read_portable(folder: Path, wanted=None) -> PortableState:
+    from safetensors import safe_open
+
+    found = {}
+    for kind in KINDS:
+        with safe_open(str(folder / f"{kind}.safetensors"), framework="pt") as f:
+            found[kind] = {k: f.get_tensor(k) for k in f.keys() if wanted is None or k in wanted}
+    engine = torch_load(folder / "engine.pt")
+    step = engine.pop("optimizer_step")
+    return PortableState(found["weights"], {k: found[k] for k in MOMENTS}, step, engine)
+
+
+def _from_partitions(paths: list, layout: dict) -> tuple:
+    """ZeRO-1/2 and bf16 optimizer files: the moments' fragments by name, joined across dp ranks."""
+    steps = []
+
+    def moments(saved):
+        states = saved["base_optimizer_state"]["state"]
+        groups = [states[g] if g in states else states[list(states)[g]] for g in range(len(states))]
+        steps.extend(int(state["step"]) for state in groups)
+        return [{key: state[key] for key in MOMENTS} for state in groups]
+
+    pieces = partition_fragments(paths, moments)
+    return {key: _by_hf_name(pieces[key], layout) for key in MOMENTS}, max(steps)
+
+
+def _from_zero3(paths: list, tag_dir: Path) -> tuple:
+    """ZeRO-3 (pp = 1): dp rank r's file holds per sub-group the flat partition of each moment; joined over
+    the sub-groups it is r's share of every parameter in param_shapes order, ceil(n / dp) elements each
+    (the last rank's share padded)."""
+    import torch
+
+    shapes = {name: shape for group in torch_load(_model_states(tag_dir))["param_shapes"]
+              for name, shape in group.items()}
+    flats, step = {key: [] for key in MOMENTS}, 0
+    for path in sorted(paths, key=lambda p: int(PARTITION_FILE.fullmatch(p.name).group(1))):
+        states = torch_load(path)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+        for key in MOMENTS:
+            flats[key].append(torch.cat([states[i][key] for i in sorted(states)]))
+        step = int(states[min(states)]["step"])
+    out, offset = {key: {} for key in MOMENTS}, 0
+    for name, shape in shapes.items():
+        numel = shape.numel()
+        share = -(-numel // len(paths))
+        for key in MOMENTS:
+            out[key][name] = torch.cat([flat.narrow(0, offset, share) for flat in flats[key]])[:numel]
+        offset += share
+    return out, step
+
+
+def _model_states(tag_dir: Path) -> Path:
+    """The file holding the engine's counters and LR scheduler (rank 0's own under ZeRO-3)."""
+    zero3 = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    return zero3 if zero3.is_file() else tag_dir / "mp_rank_00_model_states.pt"
+
+
+def from_torch_states(tag_dir: Path, layout: dict) -> tuple:
+    """ZeRO-0: each stage's mp_rank_XX_model_states.pt holds torch's optimizer state_dict (under bf16/fp16 inside
+    the FP16 wrapper's), whose state i is the i-th parameter given to the optimizer (FP16_Optimizer: the i-th
+    group's parameters end to end); `param_names` (saved by dstk with the checkpoint, or the layout's
+    param_groups at pp = 1) names them in that order."""
+    pieces = {key: {} for key in MOMENTS}
+    step = 0
+    for stage in range(layout.get("pp", 1)):
+        path = tag_dir / f"mp_rank_{stage:02d}_model_states.pt"
+        saved = torch_load(path)
+        names = saved.get("param_names") or layout.get("param_groups")
+        optimizer = saved.get("optimizer") or {}
+        optimizer = optimizer.get("optimizer_state_dict", optimizer)  # an FP16 wrapper's holds the base optimizer's
+        if not names or "state" not in optimizer:
+            raise UnusableInput(f"{path} does not name its optimizer's parameters (a checkpoint from an older dstk): "
+                                "resume it with the layout it was written with")
+        for name, state in _states_by_name(saved, optimizer["state"], names, path):
+            step = int(state["step"])
+            for key in MOMENTS:
+                pieces[key][(stage, name)] = [state[key]]
+    return {key: _by_hf_name(found, layout) for key, found in pieces.items()}, step
+
+
+def _states_by_name(saved: dict, states: dict, names: list, path: Path):
+    """(name, {step, moments flat}) per parameter: torch's state per parameter, or FP16_Optimizer's per group
+    (its flat moments cut by the parameters' sizes, which pp = 1 model states hold)."""
+    if "fp32_groups_flat" not in (saved.get("optimizer") or {}):
+        order = [n for group in names for n in group]
+        for index, state in states.items():
+            yield order[index], {k: v.reshape(-1) if k in MOMENTS else v for k, v in state.items()}
+        return
+    module = saved.get("module") or {}
+    if not all(n in module for group in names for n in group):
+        raise UnusableInput(f"{path}: an fp16 pipeline's flat optimizer state (FusedAdam) cannot be cut into its "
+                            "parameters; resume it with the layout it was written with")
+    for index, state in states.items():
+        sizes = [module[n].numel() for n in names[index]]
+        cut = {k: state[k][: sum(sizes)].split(sizes) for k in MOMENTS}
+        for i, name in enumerate(names[index]):
+            yield name, {"step": state["step"], **{k: cut[k][i] for k in MOMENTS}}
+
+
+def _by_hf_name(pieces: dict, layout: dict) -> dict:
+    """{(stage, module name): fragments} -> {HF name: flat tensor}; at pp = 1 module names are HF names."""
+    if layout.get("pp", 1) > 1:
+        return masters_by_hf_name(pieces, layout)
+    import torch
+
+    return {name: torch.cat(fragments) if len(fragments) > 1 else fragments[0]
+            for (_, name), fragments in pieces.items()}
+
+
+def hf_names_of(module, layout: dict) -> dict:
+    """{parameter: HF name} for this rank's module: a pp = 1 model's own names; a pipeline stage's
+    "<layer>.<key>" / "tied_modules.<tie>.<key>" through the layout's per-layer map."""
+    if layout.get("pp", 1) == 1:
+        return {p: name for name, p in module.named_parameters()}
+    hf_names, tied = layout["hf_names"], layout.get("tied", {})
+    out = {}
+    for name, p in module.named_parameters():
+        head, _, key = name.partition(".")
+        if head == "tied_modules":
+            tie, _, key = key.partition(".")
+            index = min(tied[tie])
+        else:
+            index = int(head)
+        hf = hf_names[index].get(key)
+        if hf is not None:
+            out[p] = hf
+    return out
+
+
+def restore(engine, state: PortableState, names: dict) -> None:
+    """Put `state` into a freshly initialised engine: every trainable parameter's weight, fp32 copy and
+    Adam moments (by HF name), the optimizer step, LR scheduler and DeepSpeed's step counters."""
+    import torch
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    missing = [hf for p, hf in names.items() if p.requires_grad and hf not in state.weights]
+    if missing:
+        raise UnusableInput(f"the checkpoint holds no state for {missing[:3]}: it was written by another model")
+    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: Adam's state, made lazily, made now
+        base = engine.optimizer.optimizer
+        for flat in engine.optimizer.fp32_partitioned_groups_flat:
+            base.state[flat] = {"step": _step(base, state.optimizer_step), **{k: torch.zeros_like(flat) for k in MOMENTS}}
+    flat_groups, wrapped = False, {}
+    for p, hf in names.items():
+        if not p.requires_grad:
+            continue  # frozen (LoRA's base): read from --model, never trained
+        shape = getattr(p, "ds_shape", p.shape)
+        weight = state.weights[hf].reshape(shape)
+        moments = {key: state.moments[key][hf].reshape(shape).float() for key in MOMENTS}
+        if hasattr(p, "ds_id"):  # ZeRO-3: the module holds this rank's partition only
+            _set_zero3(engine.optimizer, p, weight, moments)
+            continue
+        with torch.no_grad():
+            p.data.copy_(weight.to(p.dtype))
+        if is_fp16_wrapper(engine.optimizer):  # bf16/fp16 at ZeRO-0: the wrapper's fp32 masters, gathered below
+            wrapped[id(p)] = (weight, moments)
+        elif getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fp32 fragment and moments
+            flat_groups = True
+            safe_set_full_fp32_param(p, weight.to(p.device))
+            at = p._hp_mapping.lp_fragment_address  # this partition's slice of the flattened parameter
+            p._hp_mapping.optim_fragment = {k: v.flatten().narrow(0, at.start, at.numel).to(p.device).clone()
+                                            for k, v in moments.items()}
+        elif not hasattr(p, "_hp_mapping"):  # torch's optimizer on the module's own parameters (ZeRO-0 fp32)
+            engine.optimizer.state[p] = {"step": _step(engine.optimizer, state.optimizer_step),
+                                         **{k: v.to(p.device) for k, v in moments.items()}}
+    if flat_groups:
+        _flat_states(engine.optimizer, state.optimizer_step)
+    if wrapped:
+        with torch.no_grad():
+            restore_masters(engine.optimizer, wrapped, _step(engine.optimizer.optimizer, state.optimizer_step))
+    _restore_counters(engine, state.engine)
+
+
+def _set_zero3(optimizer, p, weight, moments: dict) -> None:
+    """A ZeRO-3 parameter's share on this rank: elements [r x share, (r + 1) x share) of the flattened
+    tensor, zero-padded on the last rank, written into the module's partition (p.ds_tensor), the fp32
+    partition and each moment's. (deepspeed.utils.safe_set_full_fp32_param cuts the last rank's share
+    with narrow() and fails when the parameter does not divide by dp, hence the slicing here.)"""
+    import torch
+
+    rank = optimizer._get_param_partition_rank(p)
+
+    def share(full, like):
+        mine = full.reshape(-1)[rank * like.numel():(rank + 1) * like.numel()]
+        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        out[:mine.numel()] = mine.to(like.dtype)
+        return out.view_as(like)
+
+    with torch.no_grad():
+        p.ds_tensor.data.copy_(share(weight, p.ds_tensor))
+        for key, full in ((None, weight), *moments.items()):
+            part, _ = optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=True, optim_state_key=key)
+            part.data.copy_(share(full, part))
+
+
+def _step(optimizer, step: int):
+    """Adam's step count as `optimizer` keeps it: torch's optimizers a float tensor, DeepSpeed's FusedAdam
+    (CUDA) an int."""
+    import torch
+
+    return torch.tensor(float(step)) if type(optimizer).__module__.startswith("torch.") else int(step)
+
+
+def _flat_states(optimizer, step: int) -> None:
+    """Build the base optimizer's state of each flat fp32 partition from its parameters' fragments (what
+    DeepSpeed's universal-checkpoint loader does: deepspeed.utils.tensor_fragment.map_to_flat_opt_states)."""
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups")  # ZeRO-1/2, bf16
+    base = optimizer.optimizer
+    for group, lps in zip(base.param_groups, lp_groups):
+        flat = group["params"][0]
+        map_to_flat_opt_states(flat, lps, base.state, MOMENTS)
+        base.state[flat]["step"] = _step(base, step)
+
+
+def _restore_counters(engine, saved: dict) -> None:
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and saved.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(saved["lr_scheduler"])
+        # the optimizer's groups still hold the fresh engine's first LR: the next step must use the schedule's
+        # (DeepSpeed's own load restores it with the optimizer's param_groups; groups differ between layouts)
+        lrs = scheduler.get_lr()
+        for group, lr in zip(engine.optimizer.param_groups, lrs * len(engine.optimizer.param_groups)
+                             if len(lrs) == 1 else lrs):
+            group["lr"] = lr
+        scheduler._last_lr = [g["lr"] for g in engine.optimizer.param_groups]
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        if saved.get(key) is not None:
+            setattr(engine, key, saved[key])

@@ -1,0 +1,114 @@
+"""Rows of packed/padded tokens -> this rank's micro-batches: training order, resume, eval coverage.
+
+Order: epoch e shuffles the N training rows with torch.randperm(N, seed + e), the recipe of
+torch's DistributedSampler, and cuts the order into micro-batches of mbs rows; dp rank r takes
+micro-batches r, r + dp, r + 2dp, ... (DistributedSampler over a BatchSampler). So global step s is
+the micro-batches of perm[s*gbs:(s+1)*gbs] whatever dp and pp are, and no two replicas share a row.
+Sharding whole micro-batches, not rows, keeps each micro-batch the same in every layout: packed and
+padded rows hold different numbers of targets, so a micro-batch's mean loss depends on its rows.
+A batch is ((input_ids, doc_ids), labels), int64 tensors of (mbs, seq_len) (labels (mbs,) for a
+classifier): what DeepSpeed's pipeline sends between stages and models.spec.attention_inputs reads.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.errors import ConfigError
+from toolkit.data.formats import IGNORE_INDEX
+
+
+class Rows:
+    """Fixed-length rows of a (memory-mapped) datasets.Dataset, read a batch at a time as int64 tensors."""
+
+    def __init__(self, ds):
+        self.ds = ds.with_format("numpy")
+        self.classification = "label" in ds.column_names
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def batch(self, idx):
+        """((input_ids, doc_ids), labels) of rows `idx`: (B, T) int64 each; labels (B,) for classification."""
+        idx = [int(i) for i in idx]
+        cols = self.ds[idx] if idx else {k: [] for k in self.ds.column_names}
+        ids, docs = (torch.as_tensor(cols[k], dtype=torch.long).view(len(idx), -1) for k in ("input_ids", "doc_ids"))
+        labels = torch.as_tensor(cols["label" if self.classification else "labels"], dtype=torch.long)
+        return (ids, docs), labels.view(len(idx)) if self.classification else labels.view(len(idx), -1)
+
+
+@dataclass
+class TokenData:
+    """In-memory rows with Rows' interface (tests). input_ids, doc_ids: (N, T) int64; labels (N, T) or (N,)."""
+
+    input_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def batch(self, idx):
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return (self.input_ids[idx], self.doc_ids[idx]), self.labels[idx]
+
+
+class ShardedBatches:
+    """Micro-batches of one data-parallel rank: mbs rows each, gas of them per optimizer step.
+
+    Every rank of a dp group (all pipeline stages of one replica) gets the same stream, as
+    DeepSpeed's pipeline needs: the first stage reads the inputs, the last stage the labels.
+    """
+
+    def __init__(self, data, mbs: int, gas: int, dp: int, dp_rank: int, seed: int):
+        self.data, self.mbs, self.gas, self.dp, self.dp_rank, self.seed = data, mbs, gas, dp, dp_rank, seed
+        self.gbs = mbs * gas * dp
+        self.steps_per_epoch = len(data) // self.gbs  # drop_last: a step never mixes epochs
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"the training split has {len(data)} rows, fewer than one global batch "
+                f"mbs({mbs}) * gas({gas}) * dp({dp}) = {self.gbs}; add data, lower --seq-len or the batch"
+            )
+
+    def epoch_rows(self, epoch: int) -> torch.Tensor:
+        """This rank's row indices for an epoch, in order: (steps_per_epoch * mbs * gas,)."""
+        g = torch.Generator().manual_seed(self.seed + epoch)  # DistributedSampler's recipe
+        perm = torch.randperm(len(self.data), generator=g)[: self.steps_per_epoch * self.gbs]
+        return perm.view(-1, self.mbs)[self.dp_rank :: self.dp].reshape(-1)  # (micro-batches, mbs) -> this rank's
+
+    def micro_batches(self, start_step: int = 0):
+        """Endless (inputs, labels) micro-batches from optimizer step start_step on (for resume)."""
+        epoch, step = divmod(start_step, self.steps_per_epoch)
+        first = step * self.gas  # micro-batch index inside the epoch
+        while True:
+            rows = self.epoch_rows(epoch)
+            for k in range(first, self.steps_per_epoch * self.gas):
+                yield self.data.batch(rows[k * self.mbs : (k + 1) * self.mbs])
+            epoch, first = epoch + 1, 0
+
+
+def eval_batch_count(n_rows: int, mbs: int, dp: int) -> int:
+    """Micro-batches each dp rank runs to cover the whole eval split once (the same on every rank)."""
+    return -(-(-(-n_rows // dp)) // mbs)
+
+
+def eval_micro_batches(data, mbs: int, dp: int, dp_rank: int):
+    """This rank's share of the eval split (rows r, r + dp, ...) in micro-batches of mbs rows; the last
+    ones are filled up with rows that carry no loss, so every rank runs eval_batch_count of them."""
+    mine = list(range(dp_rank, len(data), dp))
+    for k in range(eval_batch_count(len(data), mbs, dp)):
+        idx = mine[k * mbs: (k + 1) * mbs]
+        if len(idx) == mbs:
+            yield data.batch(idx)
+            continue
+        (ids, docs), labels = data.batch(idx + [0] * (mbs - len(idx)))  # row 0 stands in for the filler rows
+        filler = torch.arange(mbs) >= len(idx)
+        ids[filler], docs[filler] = 0, 1  # one document each: no row is fully masked
+        labels[filler] = IGNORE_INDEX
+        yield (ids, docs), labels
+
+
+def loss_weight(labels: torch.Tensor) -> int:
+    """How many targets a micro-batch's mean loss averages: tokens t whose labels[t + 1] is not -100
+    (the causal shift), or rows whose class label is not -100."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum()) if labels.dim() == 2 else int((labels != IGNORE_INDEX).sum())

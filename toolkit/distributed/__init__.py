@@ -1,0 +1,9 @@
+"""How ranks work together: the process group, the topology and the modules each rank builds.
+
+    process_group.py    the one place a process group starts (launcher environment, device, backend,
+                        ports), and the few collectives dstk runs itself
+    topology.py         world = pp x dp x tp, rank <-> coordinates, the one batch arithmetic
+    pipeline.py         pp > 1: the HF model as a PipelineModule on dstk's partition; layer -> HF names
+    tensor_parallel.py  tp inside pipeline stages (3D), which DeepSpeed 0.19 does not offer
+Nothing here imports torch at import time.
+"""

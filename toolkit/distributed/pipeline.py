@@ -1,0 +1,237 @@
+"""pp > 1: the HF model as a PipelineModule on dstk's partition, and the layer -> HF name map
+that export needs to turn layer_XX-model_states.pt files back into a HF state dict.
+
+A local HF directory is never built whole: models.pipeline_layers(dir) gives LayerSpecs that each
+read only their own tensors (safetensors) on the stage that owns them, in the dtype DeepSpeed trains
+the parameters in (hf.param_dtype: a bf16 run never holds them in fp32). Built-in names arrive as
+a live (tiny, seeded) model, the same on every rank, whose modules the layers share.
+
+LoRA (`lora=` settings): a live model arrives already wrapped (toolkit.train.lora.apply, its HF model
+inside); a directory's stages inject the adapters into each module they read (lora.StageAdapters).
+The layer -> name map then holds the PeftModel's names ("base_model.model.model.layers.0.self_attn.
+q_proj.lora_A.default.weight"), so export rebuilds the PeftModel and writes PEFT's adapter files.
+"""
+
+import contextlib
+import io
+import logging
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+from toolkit.train.hf import MODEL_TASKS, param_dtype
+from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, layout_entry, peft_config, wrap
+
+log = logging.getLogger(__name__)
+
+
+def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
+                    lora=None, seed: int = 0):
+    """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
+    with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); layout for
+    checkpoint.save_meta).
+
+    model: a HF model in memory, or a local HF directory (str/Path: loaded per stage).
+    config: the run's HF config; checked against the directory's (num_labels) when given.
+    lora: LoraSettings (needs config); a model in memory must be the HF model inside lora.apply's
+    PeftModel. seed: the adapters' (lora.init_adapters)."""
+    import torch
+
+    import models
+    from models.pipeline import place
+
+    is_dir = isinstance(model, (str, Path))
+    attention = getattr(config, "_attn_implementation", None) if config is not None else None
+    adapters = _peft_config(config, task, lora) if lora is not None else None
+    adapt = StageAdapters(adapters, task, seed) if adapters is not None and is_dir else None
+    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task], attention=attention,
+                                  adapt=adapt, dtype=param_dtype(cfg))  # no fp32 copy of a bf16 run's weights
+    if is_dir and config is not None:
+        _check_labels(str(model), spec.config, config)
+    if topo.pp > spec.num_layers:
+        raise ConfigError(f"pp {topo.pp} is more stages than the model's {spec.num_layers} pipeline layers "
+                          f"(embedding, blocks, head); use pp <= {spec.num_layers}")
+    parts, fallback = choose_parts(spec, topo.pp, cfg, seq_len)
+    if fallback and _is_rank0():
+        log.warning("dstk: %s", fallback)
+    layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
+    if lora is not None:
+        layout["lora"] = layout_entry(lora, adapters)
+        _check_every_stage_trains(layout, spec)
+    # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
+    # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
+    # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
+    # into a leaf keeps it a leaf); built under no_grad there is nothing to warn about.
+    quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())  # its prints
+    plan = _tp_plan(spec.config, task, cfg, topo.tp) if topo.tp > 1 else None  # refused before anything is built
+    with torch.no_grad(), quiet:
+        module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts, on_host=True,
+                                              activation_checkpoint_interval=checkpoint_interval(cfg))
+        _finish_on_host(module, spec, layout, cfg, plan, topo.tp)
+        place(module)  # the stage as it trains (cast, sharded) to its device: nothing bigger goes there first
+    if plan is not None:
+        models.mark_grad_norm_owners(module)
+        layout["tp"] = topo.tp
+    if lora is not None:
+        for name, p in module.named_parameters():  # PEFT's rule: adapters (and a classifier's copy) train
+            p.requires_grad_(is_adapter(name))
+    return module, layout
+
+
+def _finish_on_host(module, spec, layout: dict, cfg: dict, plan, tp: int) -> None:
+    """Make a stage built on the host what it trains as: parameters in the dtype DeepSpeed's engine casts
+    them to (a built-in model and LoRA's adapters arrive in fp32), then its blocks sharded over the tp group
+    (AutoTP copies each shard to the accelerator and frees the whole tensor)."""
+    from models.pipeline import cast_parameters
+
+    cast_parameters(module, param_dtype(cfg))
+    if plan is not None:
+        from toolkit.distributed.tensor_parallel import shard_stage
+
+        module.dstk_tp_info = shard_stage(module, spec, layout["hf_names"], spec.config, plan, tp)
+
+
+def _topology(topo):
+    """DeepSpeed's grid for pp x dp (x tp: a "model" axis, the fastest, as dstk's Topology orders ranks)."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+
+    if topo.tp > 1:
+        return PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.dp)
+    return PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp)
+
+
+def _tp_plan(config, task: str, cfg: dict, tp: int):
+    """AutoTP's layer specs for sharding the stages (toolkit.distributed.tensor_parallel.partition_plan)."""
+    from toolkit.distributed.tensor_parallel import partition_plan
+
+    return partition_plan(config, _skeleton(config, MODEL_TASKS[task]), cfg.get("tensor_parallel") or {}, tp)
+
+
+def _check_every_stage_trains(layout: dict, spec) -> None:
+    """With LoRA a stage of only frozen layers (the embedding alone, or the norm and head) has nothing
+    to train, and DeepSpeed cannot build an optimizer over no parameters: refused, on every rank alike."""
+    parts = layout["parts"]
+    for stage in range(len(parts) - 1):
+        layers = range(parts[stage], parts[stage + 1])
+        if not any(is_adapter(name) for i in layers for name in layout["hf_names"][i].values()):
+            kinds = ", ".join(spec.kinds[i] for i in layers)
+            raise ConfigError(f"--lora with parts {parts}: pipeline stage {stage} holds layers {layers.start}-"
+                              f"{layers.stop - 1} ({kinds}) and no adapters, so it has nothing to train; give every "
+                              "stage a block: fewer stages, partition_method \"compute\", or pipeline.parts "
+                              "(`dstk partition MODEL --pp N --lora R --config FILE`)")
+
+
+def _peft_config(config, task: str, lora):
+    """peft's LoraConfig for the run's model, its targets found on a meta-device skeleton."""
+    if config is None:
+        raise ValueError("pipeline_module(lora=...) needs the run's HF config")
+    return peft_config(_skeleton(config, MODEL_TASKS[task]), lora, task)
+
+
+def _skeleton(config, model_task: str, adapters=None):
+    """The model of `config` on the meta device (its structure and names, no memory, no weights);
+    wrapped by get_peft_model with `adapters` (peft's LoraConfig) when given."""
+    import torch
+
+    import models
+
+    with torch.device("meta"):
+        skeleton = models.auto_class(model_task).from_config(config)
+        return wrap(skeleton, adapters) if adapters is not None else skeleton
+
+
+def checkpoint_interval(cfg: dict) -> int:
+    """pipeline.activation_checkpoint_interval (0: off): layers per checkpointed segment. The engine
+    reads it from the config too; given to the module as it is built, so both agree from the start."""
+    return int((cfg.get("pipeline") or {}).get("activation_checkpoint_interval") or 0)
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _check_labels(path: str, saved, wanted) -> None:
+    """The directory's config decides the classifier's shape: it must have the data's label count."""
+    if getattr(wanted, "num_labels", None) != getattr(saved, "num_labels", None):
+        raise ConfigError(f"{path}/config.json has num_labels {saved.num_labels} but the data has "
+                          f"{wanted.num_labels} labels (0..{wanted.num_labels - 1}); set \"num_labels\": "
+                          f"{wanted.num_labels} (and id2label) in config.json, or use pp 1")
+
+
+def choose_parts(spec, pp: int, cfg: dict, seq_len: int = 128) -> tuple[list, str | None]:
+    """(parts, fallback): the config's pipeline.parts, else dstk's split by pipeline.partition_method.
+
+    fallback is None, or (when dstk's cost model does not describe this layer list) a sentence
+    saying which method was asked for, why it could not be used, and that parameter counts were
+    balanced instead; the caller shows it (pipeline_module: a warning on rank 0)."""
+    from toolkit.plan.cost import partition
+
+    section = cfg.get("pipeline") or {}
+    if section.get("parts"):
+        return list(section["parts"]), None
+    method = section.get("partition_method") or "compute"  # null reads as absent, as in DeepSpeed
+    if method == "profile":  # toolkit.config.rules refuses this before launch; a caller may skip the rules
+        raise ConfigError(PROFILE_NEEDS_PARTS)
+    if method == "parameters":
+        return partition.partition_balanced(spec.param_counts, pp), None
+    if method == "uniform":
+        return partition.partition_uniform(spec.num_layers, pp), None
+    costs, reason = _costs(spec, cfg, seq_len)
+    if costs is None:
+        parts = partition.partition_balanced(spec.param_counts, pp)
+        return parts, (f"pipeline.partition_method {method!r} needs dstk's per-layer cost model, which does not fit "
+                       f"model_type {spec.config.model_type!r} ({reason}); split by parameter counts instead "
+                       f"(DeepSpeed's 'parameters'): parts {parts}. To choose the split, record pipeline.parts "
+                       "(`dstk partition MODEL --pp N --config FILE`) or set partition_method 'parameters' or 'uniform'")
+    return partition.partition_layers(costs, pp, method=method), None
+
+
+PROFILE_NEEDS_PARTS = ('pipeline.partition_method "profile" is not measured at train time: every rank must build the '
+                       'same stages, and timing each layer would build the whole model on one rank. Time the layers '
+                       'once with `dstk partition MODEL --pp N --method profile --config FILE`, which records '
+                       'pipeline.parts in FILE, or use "compute"')
+
+
+def _costs(spec, cfg: dict, seq_len: int) -> tuple[list | None, str | None]:
+    """(toolkit.plan.cost.layers per layer for rows of seq_len tokens, None) when its layer list matches the
+    spec's, else (None, why not)."""
+    from toolkit.plan.arch import arch_from_config
+    from toolkit.plan.cost.layers import layer_costs
+
+    try:
+        arch = arch_from_config(spec.config.to_dict(), name=spec.config.model_type)
+        costs = layer_costs(arch, seq_len=seq_len, mbs=cfg.get("train_micro_batch_size_per_gpu") or 1,
+                            precision="bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp32")
+    except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if len(costs) != spec.num_layers:
+        return None, f"the cost model has {len(costs)} layers, the wrapped model {spec.num_layers}"
+    return costs, None
+
+
+def hf_name_map(spec, adapters=None) -> list:
+    """Per layer, {key in that layer's state_dict: HF state-dict name}.
+
+    The keys come from the same layer list built over a meta-device copy of the model (shapes only:
+    no memory, no weights read), whose tensors ARE that copy's tensors; each layer may only map to
+    names under its spec.hf_names entry. adapters (peft's LoraConfig): the copy is wrapped by
+    get_peft_model first, and the names are the PeftModel's."""
+    import models
+
+    skeleton = _skeleton(spec.config, spec.task, adapters)
+    by_id = {}
+    for name, t in skeleton.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), name)  # a tied weight keeps its first name (the embedding's)
+    prefix = PEFT_PREFIX if adapters is not None else ""
+    meta_spec = models.pipeline_layers(skeleton.base_model.model if adapters is not None else skeleton, task=spec.task)
+    names = []
+    for layer, owned in zip(meta_spec.layers, spec.hf_names):
+        built = layer.build() if hasattr(layer, "build") else layer
+        found = {k: by_id[id(t)] for k, t in built.state_dict(keep_vars=True).items() if id(t) in by_id}
+        bare = [hf.removeprefix(prefix) for hf in found.values()]
+        stray = [hf for hf in bare if not any(hf == n or hf.startswith(n + ".") for n in owned)]
+        if stray:
+            raise ConfigError(f"layer {len(names)} holds {stray[:3]}, outside its HF modules {owned}")
+        names.append(found)
+    return names

@@ -1,0 +1,248 @@
+"""Memory and step time of one layout (pp x dp x tp x ZeRO x mbs/gas x offload x checkpointing) of one model.
+
+All figures are per GPU, per optimizer step, for the pipeline stage whose memory is largest.
+
+Step time = pipeline compute + data-parallel communication + offload traffic, none overlapped
+(DeepSpeed's pipeline engine reduces gradients after the last micro-batch; a pessimistic choice
+for pp = 1 where ZeRO-2/3 can overlap):
+  pipeline    (gas + pp - 1) * t_slowest, t_slowest = slowest stage's FLOPs per micro-batch /
+              (peak TFLOPs * mfu) + its activation send/receive; with activation checkpointing
+              the forward runs twice. gas + pp - 1 slots of which pp - 1 are the bubble.
+  dp comm     ring algorithms, bytes each rank sends for its stage's gradients G = trainable params * w
+              and parameters P = params * w: ZeRO-0/1 one all-reduce per step 2(dp-1)/dp * G (ZeRO-1:
+              reduce-scatter + all-gather of the updated parameters); ZeRO-2 a reduce-scatter per
+              micro-batch (DeepSpeed reduces at every backward) + one all-gather of the updated parameters;
+              ZeRO-3 per micro-batch 2 all-gathers of P (forward, backward) + 1 reduce-scatter of G;
+              each collective (dp-1)/dp of its bytes.
+  pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
+  offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
+              ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
+  tp comm     AutoTP (tp > 1; in a pipeline only the blocks are sharded): the Model is one tp rank's
+              (toolkit.plan.tp.shard_layers: its params, FLOPs and activations), and Model.tp_comm bytes per micro-batch go over `nvlink`
+              (a tp group is tp consecutive ranks of one node): two all-reduces of (mbs, seq, h) per block
+              forward and two backward (toolkit.plan.tp.tp_comm_bytes). The dp comm above then carries
+              the rank's params / tp.
+LoRA (a frozen base, Model.trainable = the adapters per layer): the stage's model states hold gradients and
+optimizer states for the adapters only (toolkit.plan.memory.rank), G and the optimizer's traffic shrink to the
+adapters', and compute is cost/layers.py's: a frozen matmul's backward computes the input gradient only, about 1 x
+its forward instead of 2 x (a simple FLOP count; kernels' efficiency is not modelled).
+Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`, else `network`.
+
+Memory per GPU = model states (toolkit.plan.memory.rank) + activations of the micro-batches in flight, the stage's
+attention masks and, on the stage holding the head, the loss's transient peak once (toolkit.plan.cost.layers) +
+ZeRO-3's gathered layers + the fixed bytes outside torch's allocator (CUDA context, NCCL buffers:
+toolkit.plan.memory.overhead). A layout fits when that is at most the GPU's memory less `--reserve` (the caching
+allocator's fragmentation, toolkit.plan.layouts.planner).
+"""
+
+from dataclasses import dataclass, field
+
+from toolkit.plan.memory.rank import activation_bytes, in_flight, model_state_bytes
+from toolkit.plan.memory.overhead import Fixed, fixed_bytes
+from toolkit.plan.memory.precision import weight_bytes
+from toolkit.distributed.topology import bubble_fraction
+
+CPU_ADAM = 1e9  # parameters per second DeepSpeedCPUAdam updates (order of magnitude, many cores)
+HALF_TOKENS = 512  # a micro-batch of n tokens reaches n / (n + HALF_TOKENS) of the mfu (small matmuls
+# underuse the GPU; a heuristic that makes larger micro-batches faster, not a measurement)
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    zero: int
+    mbs: int
+    gas: int  # = micro-batches per step under a pipeline
+    offload: str = "none"  # none | optimizer | all
+    checkpointing: bool = False
+    tp: int = 1  # tensor-parallel size (AutoTP); world = pp * dp * tp
+
+    def describe(self) -> str:
+        extra = ([f"offload {self.offload}"] if self.offload != "none" else []) + \
+                (["act-ckpt"] if self.checkpointing else [])
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
+        return " ".join([f"pp={self.pp} dp={self.dp}{tp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    stage: int  # the stage whose memory is largest (reported)
+    parts: list  # partition boundaries (len pp+1)
+    states: object  # memory.ModelStates of that stage
+    activations: int  # bytes on that stage
+    working: int  # ZeRO-3: full parameters gathered for the running layer and the prefetched next one
+    capacity: int  # usable bytes per GPU
+    host_capacity: int  # host bytes per GPU for offloaded states
+    bubble: float
+    dp_comm_bytes: int  # per rank per step
+    pp_comm_bytes: int  # per stage boundary per step, both directions
+    times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload, tp_comm
+    tp_comm_bytes: int = 0  # per rank per step, over its tp group
+    loss_peak: int = 0  # of `activations`: the loss's transient peak, on the stage holding the head
+    fixed: Fixed = Fixed(0, 0, 0)  # outside torch's allocator: CUDA context, NCCL buffers (toolkit.plan.memory.overhead)
+
+    @property
+    def allocated(self) -> int:
+        """Bytes torch's caching allocator hands out at the peak (what torch.cuda.max_memory_allocated reads)."""
+        return self.states.peak + self.activations + self.working
+
+    @property
+    def memory(self) -> int:
+        return self.allocated + self.fixed.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.capacity and self.states.cpu <= self.host_capacity
+
+    @property
+    def excess(self) -> int:
+        """Bytes over the GPU's (or the host's, for offload) capacity; <= 0 when it fits."""
+        return max(self.memory - self.capacity, self.states.cpu - self.host_capacity)
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.times.values())
+
+    def to_dict(self) -> dict:
+        return {"layout": vars(self.layout), "describe": self.layout.describe(), "fits": self.fits,
+                "memory_bytes": self.memory, "capacity_bytes": self.capacity, "heaviest_stage": self.stage,
+                "model_states": self.states.to_dict(), "activation_bytes": self.activations,
+                "zero3_working_bytes": self.working, "host_bytes": self.states.cpu,
+                "loss_peak_bytes": self.loss_peak, "allocated_bytes": self.allocated,
+                "fixed_bytes": {"cuda_context": self.fixed.cuda_context, "nccl": self.fixed.nccl,
+                                "nccl_communicators": self.fixed.communicators},
+                "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
+                "tp": self.layout.tp, "tp_comm_bytes": self.tp_comm_bytes,
+                "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts)}
+
+
+@dataclass(frozen=True)
+class Model:
+    """Per-layer figures for one sequence (mbs = 1); everything else scales linearly with mbs."""
+
+    params: list  # parameters per layer (a tied head counts its copy)
+    tied: list  # of which copies of the embedding
+    flops: list  # forward + backward FLOPs
+    fwd_flops: list
+    act: list  # activation bytes held per micro-batch of one sequence
+    boundary: int  # bytes of one (1, seq, h) hidden state sent between stages
+    tokens: int  # seq_len
+    trainable: list | None = None  # parameters per layer with gradients and optimizer states (LoRA's
+    # adapters); None: every parameter trains
+    tp_comm: float = 0.0  # bytes a tp rank sends per micro-batch of one sequence (0 without tp)
+    tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
+    stage_act: int = 0  # bytes each stage holds once per micro-batch in flight (its attention mask)
+    peak: list | None = None  # per layer, transient bytes on top, once per stage (the head's loss)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    capacity: int  # usable bytes per GPU
+    host_capacity: int  # host bytes per GPU (a node's memory / GPUs per node)
+    flops: float  # achieved FLOP/s per GPU (peak * mfu)
+    nvlink: float  # bytes/s
+    network: float
+    pcie: float
+    gpus_per_node: int
+
+
+def stage_params(model: Model, parts: list, s: int) -> int:
+    """Parameters stage s stores; a tied head shares the embedding's tensor when both are on s."""
+    lo, hi = parts[s], parts[s + 1]
+    total = sum(model.params[lo:hi])
+    if lo == 0 and hi == len(model.params):
+        total -= model.tied[-1]
+    return total
+
+
+def stage_trainable(model: Model, parts: list, s: int) -> int:
+    """Parameters of stage s that train: all it stores, or with LoRA its adapters (never tied copies)."""
+    if model.trainable is None:
+        return stage_params(model, parts, s)
+    return sum(model.trainable[parts[s]:parts[s + 1]])
+
+
+def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
+    per_layer = [a * lay.mbs for a in model.act]
+    ckpt = [model.boundary * lay.mbs] * len(per_layer) if lay.checkpointing else None
+    acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
+    acts = [a + model.stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
+    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs for s in range(lay.pp)]
+    acts = [a + p for a, p in zip(acts, peaks)]  # the loss's peak: once, the last stage runs one loss at a time
+    totals = []
+    for s in range(lay.pp):
+        states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
+                                   lay.offload, pipeline=lay.pp > 1,
+                                   overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
+                                   fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
+                                   trainable=stage_trainable(model, parts, s))
+        totals.append((states.peak + acts[s], s, states))
+    _, heaviest, states = max(totals, key=lambda t: t[0])
+    w = weight_bytes(precision)
+    working = 2 * max(model.params) * w if lay.zero == 3 else 0
+    est = Estimate(lay, heaviest, parts, states, acts[heaviest], working, hw.capacity, hw.host_capacity,
+                   bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0,
+                   loss_peak=peaks[heaviest], fixed=fixed_bytes(lay.pp, lay.dp, lay.tp))
+    _times(est, model, hw, precision)
+    return est
+
+
+def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
+    """Seconds per step by part; a pipeline slot is the slowest stage's micro-batch plus its send/receive."""
+    lay, parts = est.layout, est.parts
+    w = weight_bytes(precision)
+    tokens = lay.mbs * model.tokens
+    rate = hw.flops * tokens / (tokens + HALF_TOKENS)
+    slot = 0.0
+    for s in range(lay.pp):
+        lo, hi = parts[s], parts[s + 1]
+        flops = sum(model.flops[lo:hi]) + (sum(model.fwd_flops[lo:hi]) if lay.checkpointing else 0)
+        slot = max(slot, flops * lay.mbs / rate)
+    pp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
+    send = 2 * model.boundary * lay.mbs / (pp_bw * 1e9) if lay.pp > 1 else 0.0
+    heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
+    trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
+    est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
+    # a dp group spans dp * tp consecutive ranks (its members stride by tp)
+    dp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node) else hw.nvlink
+    est.tp_comm_bytes = int((model.tp_comm + lay.checkpointing * model.tp_recompute) * lay.mbs * lay.gas)
+    est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
+                 "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
+                 "offload": _offload_time(lay, trained, heaviest, w, hw),
+                 "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9)}
+
+
+def _dp_volume(lay: Layout, grad_bytes: int, param_bytes: int) -> float:
+    """Bytes a rank sends per step: gradients (and updated parameters) of what trains; ZeRO-3 also
+    gathers every parameter, frozen ones included, twice per micro-batch."""
+    if lay.dp == 1:
+        return 0.0
+    share = (lay.dp - 1) / lay.dp  # of the bytes, in one reduce-scatter or all-gather
+    if lay.zero <= 1:
+        return 2 * share * grad_bytes
+    if lay.zero == 2:
+        return (lay.gas + 1) * share * grad_bytes
+    return lay.gas * share * (2 * param_bytes + grad_bytes)
+
+
+def _offload_time(lay: Layout, trainable: int, params: int, w: int, hw: Hardware) -> float:
+    """Seconds of offload traffic and CPU Adam: the trainable partition's gradients down and updated
+    parameters up; offload "all" also fetches every parameter forward and backward per micro-batch."""
+    if lay.offload == "none":
+        return 0.0
+    part = trainable / lay.dp
+    seconds = 2 * part * w / (hw.pcie * 1e9) + part / CPU_ADAM
+    if lay.offload == "all":
+        seconds += 2 * lay.gas * params / lay.dp * w / (hw.pcie * 1e9)
+    return seconds
+
+
+def _crosses(span: int, pp: int, gpus_per_node: int, boundary: bool = False) -> bool:
+    """Whether some stage's group of `span` consecutive ranks (its dp x tp ranks: ranks s*span ..
+    s*span+span-1) spans two nodes, or with boundary=True whether some stage boundary does (rank r and
+    r + span). Ranks follow DeepSpeed's (pipe, data, model) order."""
+    if not boundary:
+        return any((s * span) // gpus_per_node != (s * span + span - 1) // gpus_per_node for s in range(pp))
+    return any(r // gpus_per_node != (r + span) // gpus_per_node for r in range((pp - 1) * span))

@@ -1,0 +1,74 @@
+"""A PlanResult as text for a terminal, and its chosen layout as a DeepSpeed config."""
+
+from toolkit.errors import ConfigError
+from toolkit.plan.gpus import format_bytes as fb
+from toolkit.plan.layouts.planner import PlanResult
+from toolkit.plan.layouts.estimate import Estimate
+
+OPTIMIZER_TYPES = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
+
+
+def render_text(result: PlanResult) -> str:
+    r = result.request
+    usable = result.fitting[0].capacity if result.fitting else result.closest.capacity
+    active = f", {result.active:,} active per token" if result.active != result.params else ""
+    lines = [f"{r.model} ({result.params:,} parameters{active}) on {r.nodes} x {r.gpus_per_node} "
+             f"{result.gpu.name} ({fb(result.gpu.memory)} each, "
+             f"{fb(usable)} usable after a {r.reserve:.0%} reserve for allocator fragmentation); seq {result.seq_len}, "
+             f"gbs {r.gbs}, {r.precision}",
+             f"{result.considered} layouts considered, {len(result.fitting)} fit."]
+    if r.lora:
+        lines.insert(1, f"LoRA r={r.lora} on every block linear: {result.trainable:,} trainable of {result.params:,} "
+                        f"parameters ({result.trainable / result.params:.2%}); the frozen base holds weights only "
+                        f"(no gradients, master weights or optimizer states)")
+    for i, (e, why) in enumerate(zip(result.best, result.reasons), 1):
+        lines += [""] + _describe(e, f"#{i}") + [f"   why: {why}"]
+    if not result.fitting:
+        e = result.closest
+        over = []
+        if e.memory > e.capacity:
+            over.append(f"GPU memory by {fb(e.memory - e.capacity)} ({e.memory / e.capacity:.0%} of usable)")
+        if e.states.cpu > e.host_capacity:
+            over.append(f"host memory by {fb(e.states.cpu - e.host_capacity)} (offloaded {fb(e.states.cpu)} "
+                        f"per GPU, --host-mem gives {fb(e.host_capacity)} per GPU)")
+        lines += ["", "Nothing fits. Closest:"] + _describe(e, "  ") + [
+            f"   exceeds {' and '.join(over)}; use more or larger GPUs, a shorter --seq-len, or a smaller model"]
+    return "\n".join(lines)
+
+
+def _describe(e: Estimate, label: str) -> list:
+    s, t = e.states, e.times
+    states = (f"params {fb(s.params)}, grads {fb(s.grads)}, master {fb(s.master)}, optimizer {fb(s.optimizer)}"
+              + (f", buckets {fb(s.buffers)}" if s.buffers else ""))
+    stage = f" (stage {e.stage} of {e.layout.pp})" if e.layout.pp > 1 else ""
+    loss = f" (loss peak {fb(e.loss_peak)})" if e.loss_peak else ""
+    fixed = (f", fixed {fb(e.fixed.total)} (CUDA context {fb(e.fixed.cuda_context)}, NCCL {e.fixed.communicators} "
+             f"x {fb(e.fixed.nccl // e.fixed.communicators)})" if e.fixed.communicators else
+             f", fixed {fb(e.fixed.total)} (CUDA context)")
+    working = f", ZeRO-3 gathered layers {fb(e.working)}" if e.working else ""
+    memory = (f"   memory/GPU {fb(e.memory)}{stage}: model states {fb(s.peak)} ({states}), "
+              f"activations {fb(e.activations)}{loss}{working}{fixed}")
+    if s.cpu:
+        memory += f"; host {fb(s.cpu)} offloaded"
+    comm = (f"   bubble {e.bubble:.1%}, dp comm {fb(e.dp_comm_bytes)}/step/GPU, "
+            f"pipeline send/recv {fb(e.pp_comm_bytes)}/step/boundary")
+    if e.layout.tp > 1:
+        comm += f", tp comm {fb(e.tp_comm_bytes)}/step/GPU (within a node)"
+    parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if v)
+    return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})"]
+
+
+def layout_config(result: PlanResult, index: int = 0) -> dict:
+    """The DeepSpeed config of the index-th best layout, through generate-config's build_config."""
+    from toolkit.config.generate import build_config
+    from toolkit.config.options import GenerateOptions
+
+    if not result.fitting:
+        raise ConfigError("--emit-config: no layout fits, so there is no config to write")
+    r, lay = result.request, result.best[index].layout
+    options = GenerateOptions(
+        world_size=r.gpus_per_node * r.nodes, nodes=r.nodes, gpus_per_node=r.gpus_per_node, pp=lay.pp, tp=lay.tp,
+        mbs=lay.mbs, gbs=r.gbs, zero=lay.zero, precision=r.precision, optimizer=OPTIMIZER_TYPES[r.optimizer],
+        offload_optimizer="cpu" if lay.offload != "none" else "none",
+        offload_param="cpu" if lay.offload == "all" else "none", activation_checkpointing=lay.checkpointing)
+    return build_config(options)
