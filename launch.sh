@@ -215,4 +215,51 @@ if [[ $dry_run == 1 ]]; then
 $(printf '%q ' "${cmd[@]}")"
   exit 0
 fi
-exec "${cmd[@]}"
+
+# The launcher runs in a process group of its own (setsid), with every local rank under it. Ctrl-C, or
+# SIGINT / SIGTERM to this script, stops all of them within seconds: DeepSpeed's runner gets SIGTERM
+# first (under pdsh it then stops the other nodes' ranks), then the whole group, then SIGKILL. A rank
+# stopped mid-save leaves that tag without `latest`: the last whole checkpoint is still `latest`.
+out_dir=""
+for ((i = 0; i < ${#train_args[@]}; i++)); do
+  case "${train_args[i]}" in
+    --out) out_dir=${train_args[i + 1]:-} ;;
+    --out=*) out_dir=${train_args[i]#--out=} ;;
+  esac
+done
+last_checkpoint() {  # one line: what a resume would start from
+  local ckpt="$out_dir/checkpoints" latest="" partial=""
+  [[ -n "$out_dir" && -d "$ckpt" ]] || return 0
+  [[ -f "$ckpt/latest" ]] && latest=$(<"$ckpt/latest")
+  for tag in "$ckpt"/global_step*; do
+    [[ -d "$tag" ]] || continue
+    tag=${tag##*/}
+    if [[ -z "$latest" ]] || (( ${tag#global_step} > ${latest#global_step} )); then partial+=" $tag"; fi
+  done
+  if [[ -n "$latest" ]]; then
+    echo "launch.sh: the last whole checkpoint is $ckpt/$latest (resume with --resume)" >&2
+  else
+    echo "launch.sh: no whole checkpoint was written in $ckpt" >&2
+  fi
+  [[ -z "$partial" ]] || echo "launch.sh: interrupted while saving:$partial (incomplete; a resume ignores it)" >&2
+}
+stop() {  # stop SIGNAL EXIT_CODE
+  trap '' INT TERM
+  echo "launch.sh: $1: stopping every rank" >&2
+  kill -TERM "$child" 2>/dev/null || true
+  for _ in {1..30}; do kill -0 "$child" 2>/dev/null || break; sleep 0.1; done
+  kill -TERM -- "-$child" 2>/dev/null || true
+  for _ in {1..50}; do kill -0 -- "-$child" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL -- "-$child" 2>/dev/null || true
+  last_checkpoint
+  [[ -z "${env_file:-}" ]] || rm -f "$env_file"
+  exit "$2"
+}
+setsid "${cmd[@]}" &
+child=$!
+trap 'stop SIGINT 130' INT
+trap 'stop SIGTERM 143' TERM
+rc=0
+wait "$child" || rc=$?
+[[ -z "${env_file:-}" ]] || rm -f "$env_file"
+exit "$rc"

@@ -222,3 +222,54 @@ def test_launcher_misuse_is_refused_before_anything_starts(tmp_path, args, messa
     hosts.write_text("localhost slots=2\n")
     rc, out = dry_run(*[a.format(hosts=hosts) for a in args], "--config", cfg)
     assert rc == 2 and message in out, out
+
+
+def processes_naming(text: str) -> list:
+    """PIDs of live processes whose command line holds `text` (an --out folder no other run uses)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(l for l in (proc / "status").read_text().splitlines() if l.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if text in cmdline and "zombie" not in state:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("how, code", [("sigint", 130), ("sigterm", 143), ("ctrl-c", 130)])
+def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpoint(tmp_path, how, code):
+    """Ctrl-C (SIGINT to the terminal's whole process group), or SIGINT / SIGTERM to launch.sh's PID
+    alone: every rank is gone within seconds, no traceback, and the last whole checkpoint is named."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / f"run-{how}"
+    config = ds_config(tmp_path / "ds.json", 2, 1, 1, clip=CLIP)
+    args = ["--num-gpus", 2, "--config", config, "--", *COMMON, "--out", out, "--steps", 100000,
+            "--save-every", 1, "--no-export"]
+    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), *map(str, args)], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert latest.is_file(), proc.communicate(timeout=30)
+    assert len(processes_naming(str(out))) >= 2  # the ranks (and the launcher) are running
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: every process in the foreground group
+    else:
+        os.kill(proc.pid, signal.SIGINT if how == "sigint" else signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=20)
+    gone = time.monotonic() + 5
+    while processes_naming(str(out)) and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert processes_naming(str(out)) == [], "ranks left running after launch.sh stopped"
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, stderr
+    whole = latest.read_text().strip()
+    assert f"the last whole checkpoint is {out / 'checkpoints' / whole}" in stderr, stderr
+    assert (out / "checkpoints" / whole).is_dir()
