@@ -156,3 +156,38 @@ def test_a_huge_global_batch_in_a_fresh_interpreter_is_quick():
                              "--gbs", "100000000000000"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "Traceback" not in result.stderr and "#1 pp=" in result.stdout
     assert time.perf_counter() - start < 10  # was unbounded: divisors(gbs) counted to 10**14
+
+
+# --json: the JSON alone on stdout, in a fresh process (where `import deepspeed` prints its accelerator line)
+
+
+@pytest.mark.parametrize("args", [
+    ["partition", "tiny-gpt2", "--pp", "2", "--method", "profile", "--reps", "1", "--json"],  # imports deepspeed
+    ["schedule", "--pp", "2", "--gas", "4", "--json"],
+    ["plan", "--model", "gpt2", "--gpu-mem", "24GiB", "--gpus-per-node", "2", "--gbs", "32", "--seq-len", "512",
+     "--json"],
+])
+def test_json_output_is_the_json_alone(args):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # DeepSpeed then says what it chose
+    result = subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    json.loads(result.stdout)  # nothing else on stdout
+    if args[0] == "partition":
+        assert "Setting accelerator to CPU" in result.stderr  # it still shows, where logs go
+
+
+def test_json_stdout_keeps_out_what_the_work_prints_at_any_level():
+    """Python prints and writes to file descriptor 1 (a C library's printf) during a --json command
+    land on stderr; only echo_json reaches stdout."""
+    code = ("import os, click; from toolkit import cli\n"
+            "@click.command('noisy')\n@click.option('--json', 'as_json', is_flag=True)\n"
+            "def noisy(as_json):\n    print('python noise'); os.write(1, b'fd noise\\n'); cli.echo_json({'ok': 1})\n"
+            "cli.COMMANDS['noisy'] = ('__main__:noisy', 'a command that prints')\n"
+            "cli.main(['noisy', '--json'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"ok": 1}
+    assert "python noise" in result.stderr and "fd noise" in result.stderr

@@ -4,7 +4,11 @@ Each entry maps a command name to "module:attribute" and the one-line help shown
 so listing commands never imports a command module (and so never torch or deepspeed).
 """
 
+import contextlib
 import importlib
+import io
+import json
+import os
 import sys
 
 import click
@@ -63,14 +67,51 @@ def cli():
     """
 
 
+@contextlib.contextmanager
+def _stdout_for_json(active: bool):
+    """Under --json nothing but the JSON reaches stdout: while the command runs, whatever else prints
+    (`import deepspeed`'s accelerator line, a C library) goes to stderr, file descriptor 1 included.
+    Yields the stream the JSON goes to (echo_json)."""
+    out = sys.stdout
+    if not active:
+        yield out
+        return
+    try:
+        real_fd = out.fileno() == 1
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # a stream in memory (CliRunner)
+        real_fd = False
+    out.flush()
+    saved = os.dup(1)
+    if real_fd:
+        out = open(os.dup(saved), "w", encoding=sys.stdout.encoding or "utf-8", errors="replace")
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield out
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        if real_fd:
+            out.close()
+
+
+def echo_json(data, indent: int = 2) -> None:
+    """Print a command's --json result: the one thing on stdout."""
+    ctx = click.get_current_context()
+    click.echo(json.dumps(data, indent=indent), file=(ctx.obj or {}).get("stdout", sys.stdout))
+
+
 def main(argv=None):
     """Console entry point: library errors become one line on stderr and an exit code. Under a
     launcher every rank reaches the same refusal: only rank 0 prints it, every rank exits with it."""
     from toolkit.distributed.process_group import env_rank
 
     loud = env_rank() == 0
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        rv = cli.main(args=argv, prog_name="dstk", standalone_mode=False)
+        with _stdout_for_json("--json" in args) as out:
+            rv = cli.main(args=args, prog_name="dstk", standalone_mode=False, obj={"stdout": out})
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)

@@ -1,8 +1,9 @@
 """`dstk parity`: check a wrapped model computes what the HF model computes (exit 1 if not)."""
 
-import json
 
 import click
+
+from toolkit.cli import echo_json
 
 from toolkit.plan.arch import builtin_names
 
@@ -37,7 +38,7 @@ def parity(ctx, model, task, seq_len, attention, attn, no_pad, as_json):
                                "--attention: give --attention alone")
     report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attention or attn)
     if as_json:
-        click.echo(json.dumps({**asdict(report), "ok": report.ok, "tolerance": TOLERANCE}, indent=2))
+        echo_json({**asdict(report), "ok": report.ok, "tolerance": TOLERANCE})
     else:
         click.echo(f"{report.model} ({report.task}, {report.num_layers} pipeline layers, "
                    f"{report.attn_implementation} attention): loss {report.loss_hf:.6f}")

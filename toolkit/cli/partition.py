@@ -9,9 +9,10 @@
 Built-in names and local directories are read without importing torch (except --method profile).
 """
 
-import json
 
 import click
+
+from toolkit.cli import echo_json
 
 from toolkit.plan.arch import builtin_names
 from toolkit.plan.memory.precision import PRECISIONS
@@ -63,7 +64,7 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
         times = profile_model(model, seq_len, mbs, reps=reps, precision=precision)
     report = stage_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
                               attention=attention, lora=lora)
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
+    echo_json(report.to_dict()) if as_json else click.echo(format_report(report))
     if config_path:
         from toolkit.config.generate import record_partition
 

@@ -1,8 +1,9 @@
 """`dstk plan`: memory per GPU, bubble and step time of every layout; the best few, or the closest."""
 
-import json
 
 import click
+
+from toolkit.cli import echo_json
 
 from toolkit.plan.arch import builtin_names
 from toolkit.plan.gpus import GPUS
@@ -58,7 +59,7 @@ def plan(as_json, emit_config, force, **kwargs):
         from toolkit.config.generate import write_config
 
         write_config(layout_config(result), emit_config, force=force, flag="--emit-config")
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_text(result))
+    echo_json(result.to_dict()) if as_json else click.echo(render_text(result))
     if emit_config:
         click.echo(f"wrote {emit_config} ({result.best[0].layout.describe()})" if result.fitting
                    else f"not writing {emit_config}: no layout fits", err=True)

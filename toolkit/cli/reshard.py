@@ -1,8 +1,9 @@
 """`dstk reshard CHECKPOINT_DIR OUT_DIR --pp N [--dp M --zero Z]`: a checkpoint ready for another layout."""
 
-import json
 
 import click
+
+from toolkit.cli import echo_json
 
 
 @click.command()
@@ -29,7 +30,7 @@ def reshard(checkpoint_dir, out_dir, pp, dp, zero, tag, as_json):
 
     done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero)
     if as_json:
-        click.echo(json.dumps(done, indent=1))
+        echo_json(done, indent=1)
         return
     src, dst = done["from"], done["to"]
     click.echo(f"wrote {done['out']}: {done['tag']} ({done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB "

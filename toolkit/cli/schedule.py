@@ -1,8 +1,9 @@
 """`dstk schedule`: draw DeepSpeed's 1F1B TrainSchedule, one row per stage, and its bubble."""
 
-import json
 
 import click
+
+from toolkit.cli import echo_json
 
 
 @click.command("schedule")
@@ -28,7 +29,7 @@ def schedule(pp, gas, micro_batches, png, as_json):
     timeline = train_timeline(pp, gas)
     if png:
         render_png(timeline, png)
-    click.echo(json.dumps(timeline.to_dict(), indent=2) if as_json else render_ascii(timeline))
+    echo_json(timeline.to_dict()) if as_json else click.echo(render_ascii(timeline))
     if png:
         click.echo(f"wrote {png}", err=True)
 

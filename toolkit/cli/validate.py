@@ -8,6 +8,8 @@ import json
 
 import click
 
+from toolkit.cli import echo_json
+
 from toolkit.config.problems import ERROR, has_errors
 
 VALID, INVALID, UNUSABLE = 0, 1, 2
@@ -77,7 +79,7 @@ def validate(files, world_size, pp, strict, model, as_json):
     if as_json:
         out = {"valid": all(r["code"] == VALID for r in reports),
                "files": [dict(r, status=STATUS[r["code"]]) for r in reports]}
-        click.echo(json.dumps(out, indent=2))
+        echo_json(out)
     else:
         for report in reports:
             _print_human(report)
