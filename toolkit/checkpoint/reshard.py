@@ -2,9 +2,9 @@
 
 OUT becomes a run folder whose checkpoints/ holds the tag's whole training state by HF name
 (toolkit.checkpoint.portable: fp32 weights, Adam moments, optimizer step, LR scheduler, step counters) and
-the run's dstk/ folder with the target layout in its manifest; `dstk train --out OUT --resume` on that layout reads
-from it only the tensors its rank holds. (`--resume` straight from the original checkpoint on another
-layout also works: then every rank reads the DeepSpeed files itself.) OUT is written whole or not at all.
+the run's dstk/ folder with the target layout in its manifest; `dstk train --out OUT --resume` on that
+layout reads from it only the tensors its rank holds. (`--resume` straight from the original checkpoint on
+another layout also works: then every rank reads the DeepSpeed files itself.) OUT is written whole or not at all.
 """
 
 import shutil

@@ -125,10 +125,10 @@ def _bf16_optimizer_state(tag_dir: Path) -> dict:
 def _tensor_parallel_state(tag_dir: Path, manifest: dict) -> dict:
     """An AutoTP run (pp = 1, ZeRO 0-2): tp rank t wrote mp_rank_{t:02d}_model_states.pt, its shard of every
     sharded tensor; where DeepSpeed keeps fp32 masters (bf16/fp16) they replace the module's: at ZeRO-0 in
-    that file's optimizer state (as at tp 1), at ZeRO-1/2 in the zero_pp_rank_{dp}_mp_rank_{t:02d} files. The shards are put
-    together by the map AutoTP saved with them (universal_checkpoint_info: per tensor and rank, which
-    strided pieces of the full tensor a shard holds; fused projections included); replicated tensors
-    are taken from rank 0 and a padded vocabulary is cut to the model's."""
+    that file's optimizer state (as at tp 1), at ZeRO-1/2 in the zero_pp_rank_{dp}_mp_rank_{t:02d} files.
+    The shards are put together by the map AutoTP saved with them (universal_checkpoint_info: per tensor
+    and rank, which strided pieces of the full tensor a shard holds; fused projections included);
+    replicated tensors are taken from rank 0 and a padded vocabulary is cut to the model's."""
     import torch
 
     shards = []

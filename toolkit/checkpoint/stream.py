@@ -66,7 +66,8 @@ class PipelineReader:
             self.masters.setdefault(stage, []).append(path)
 
     def names(self) -> list:
-        return list(dict.fromkeys(self.alias.get(hf, hf) for names in self.manifest["hf_names"] for hf in names.values()))
+        hf_names = (hf for names in self.manifest["hf_names"] for hf in names.values())
+        return list(dict.fromkeys(self.alias.get(hf, hf) for hf in hf_names))
 
     def groups(self):
         done = set()
@@ -102,7 +103,8 @@ class PipelineReader:
         pieces = {}
         for path in self.masters[stage]:
             saved = _load(path)["optimizer_state_dict"]
-            for name, fragment in fragments(saved["param_slice_mappings"], saved["single_partition_of_fp32_groups"], mine):
+            found = fragments(saved["param_slice_mappings"], saved["single_partition_of_fp32_groups"], mine)
+            for name, fragment in found:
                 pieces.setdefault((stage, name), []).append(fragment)
             del saved
         return masters_by_hf_name(pieces, self.manifest)

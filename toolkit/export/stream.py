@@ -155,7 +155,8 @@ def write_weights(reader, skeleton, folder: Path, dtype: str, max_bytes: int, wh
     return {"shards": len(writer.files), "total_size": writer.total_size, "largest_group": largest}
 
 
-def export_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, folder: Path, dtype: str, max_bytes: int) -> dict:
+def export_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, folder: Path, dtype: str,
+                     max_bytes: int) -> dict:
     """Write a full (non-LoRA) checkpoint's HF directory into `folder` (config: its HF config; dtype:
     "float32", "bfloat16" or "float16"): config.json (+ "dtype"),
     generation_config.json when the model generates, the weights streamed, the tokenizer from dstk/.
