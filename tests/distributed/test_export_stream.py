@@ -61,7 +61,7 @@ def test_deepspeed_writes_the_layer_files_the_rss_test_fabricates(bf16_pipeline_
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     meta = bf16_pipeline_run / "checkpoints" / "dstk"
-    real_layout = json.loads((meta / "layout.json").read_text())
+    real_layout = json.loads((meta / "manifest.json").read_text())
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta))
     layout = fabricate_pipeline_checkpoint(model, AutoTokenizer.from_pretrained(meta), tmp_path / "ckpt", pp=2)
     assert {k: real_layout[k] for k in ("hf_names", "tied", "pp")} == {k: layout[k] for k in ("hf_names", "tied", "pp")}

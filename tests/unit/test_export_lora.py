@@ -48,7 +48,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
     torch.save({"module": state}, ckpt / "global_step1" / "mp_rank_00_model_states.pt")
     layout = {"pp": 1, "dp": 1, "tp": 1, "zero_stage": 0, "task": "causal-lm", "base_saved": base_dir is None,
               "model": None if base_dir is None else str(base_dir),
-              "lora": lora.layout_entry(settings, peft.peft_config["default"])}
+              "lora": lora.manifest_entry(settings, peft.peft_config["default"])}
     save_meta(ckpt, model.config, tokenizer, layout)
     write_latest(ckpt, "global_step1")
     return peft

@@ -75,7 +75,7 @@ def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path,
     summary = run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=3,
                             progress=False, eval_batches=1, lora=True, lora_r=4))
     assert summary["last_loss"] < summary["first_loss"]
-    groups = json.loads((out / "checkpoints" / "dstk" / "layout.json").read_text())["param_groups"]
+    groups = json.loads((out / "checkpoints" / "dstk" / "manifest.json").read_text())["param_groups"]
     assert groups and all(".lora_A." in n or ".lora_B." in n for g in groups for n in g)  # the optimizer's only
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)  # PEFT's key names, adapters only
@@ -121,17 +121,17 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
                   progress=False, eval_batches=1, lora=True, lora_r=4, export=False))
-    layout_file = out / "checkpoints" / "dstk" / "layout.json"
-    layout = json.loads(layout_file.read_text())
-    assert layout["model"] == str(base_dir.resolve())
-    for own in (out / "checkpoints").glob("*/dstk-layout.json"):
-        own.unlink()  # each tag's copy of the layout: the edits below go to the run's only
-    layout["lora"]["qlora"] = True
-    layout_file.write_text(json.dumps(layout))
+    manifest_file = out / "checkpoints" / "dstk" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["model"] == str(base_dir.resolve())
+    for own in (out / "checkpoints").glob("*/dstk-manifest.json"):
+        own.unlink()  # each tag's copy of the manifest: the edits below go to the run's only
+    manifest["lora"]["qlora"] = True
+    manifest_file.write_text(json.dumps(manifest))
     export(out, tmp_path / "hf", adapter_dir=tmp_path / "adapter")
     assert _merge_gap(tmp_path / "hf", base_dir, tmp_path / "adapter") < 1e-5
-    layout["model"] = str(tmp_path / "gone")
-    layout_file.write_text(json.dumps(layout))
+    manifest["model"] = str(tmp_path / "gone")
+    manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(UnusableInput, match="holds its base in 4 bits only"):
         export(out, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()

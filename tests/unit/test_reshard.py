@@ -73,7 +73,7 @@ def test_an_older_checkpoint_without_named_optimizer_states_cannot_move(tmp_path
 
     meta = tmp_path / "dstk"
     meta.mkdir()
-    (meta / "layout.json").write_text(json.dumps({"model": "m", "pp": 2, "dp": 1, "zero_stage": 0}))
+    (meta / "manifest.json").write_text(json.dumps({"model": "m", "pp": 2, "dp": 1, "zero_stage": 0}))
     with pytest.raises(ConfigError, match="written by an older dstk that did not name its optimizer states"):
         check_resumable(tmp_path, {"model": "m", "pp": 1, "dp": 2, "zero_stage": 0})
     assert check_resumable(tmp_path, {"model": "m", "pp": 2, "dp": 1, "zero_stage": 0}) == []  # same layout
@@ -92,8 +92,8 @@ def test_resuming_with_other_data_is_refused_before_anything_is_built(ds_world1,
 
 def test_a_tensor_parallel_checkpoint_is_not_resharded(tmp_path, capsys):
     (tmp_path / "ckpt" / "dstk").mkdir(parents=True)
-    (tmp_path / "ckpt" / "dstk" / "layout.json").write_text(json.dumps({"model": "m", "pp": 1, "dp": 1, "tp": 2,
-                                                                        "zero_stage": 1}))
+    (tmp_path / "ckpt" / "dstk" / "manifest.json").write_text(json.dumps({"model": "m", "pp": 1, "dp": 1, "tp": 2,
+                                                                          "zero_stage": 1}))
     (tmp_path / "ckpt" / "global_step2").mkdir()
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
     with pytest.raises(SystemExit) as done:
@@ -101,3 +101,26 @@ def test_a_tensor_parallel_checkpoint_is_not_resharded(tmp_path, capsys):
     err = capsys.readouterr().err
     assert done.value.code == 1 and "tensor-parallel run (tp 2)" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_written_before_the_manifest_had_its_name_exports_resumes_and_moves(ds_world1, tmp_path):
+    """An older dstk wrote dstk/layout.json and <tag>/dstk-layout.json: still read. A move to another layout
+    writes dstk/manifest.json (the stale layout.json goes); the older tag keeps its own copy."""
+    from toolkit.export.directory import export
+    from toolkit.train.runner import run
+
+    run(_args(tmp_path, 1, steps=2, export=False, eval_fraction=0))  # ZeRO-1
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / "dstk" / "manifest.json").rename(ckpt / "dstk" / "layout.json")
+    for own in ckpt.glob("*/dstk-manifest.json"):
+        own.rename(own.with_name("dstk-layout.json"))
+    assert not list(ckpt.rglob("*manifest.json"))
+    export(ckpt, tmp_path / "hf_old")
+    assert (tmp_path / "hf_old" / "config.json").is_file()
+    run(_args(tmp_path, 0, steps=4, export=False, eval_fraction=0, resume=True))  # moves to ZeRO-0
+    assert json.loads((ckpt / "dstk" / "manifest.json").read_text())["zero_stage"] == 0
+    assert not (ckpt / "dstk" / "layout.json").exists()
+    assert json.loads((ckpt / "global_step2" / "dstk-layout.json").read_text())["zero_stage"] == 1
+    assert not (ckpt / "global_step2" / "dstk-manifest.json").exists()
+    export(ckpt, tmp_path / "hf_new", tag="global_step2")  # through its own old-named copy
+    export(ckpt, tmp_path / "hf_latest")

@@ -46,6 +46,6 @@ def test_a_resume_that_moves_into_or_out_of_tensor_parallelism_is_refused(tmp_pa
 
     (tmp_path / "dstk").mkdir()
     saved = {"model": "m", "pp": 1, "dp": 2, "tp": saved_tp, "zero_stage": 1, "portable": True}
-    (tmp_path / "dstk" / "layout.json").write_text(json.dumps(saved))
+    (tmp_path / "dstk" / "manifest.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match="only `dstk export` merges"):
         check_resumable(tmp_path, {**saved, "tp": now_tp, "dp": 4 // now_tp})

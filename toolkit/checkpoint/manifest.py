@@ -1,13 +1,17 @@
-"""DeepSpeed checkpoints written by `dstk train`: saving, `latest`, and what export needs beside them.
+"""DeepSpeed checkpoints written by `dstk train`: saving, `latest`, and the run's manifest beside them.
 
-Layout of CHECKPOINT_DIR:
+Files in CHECKPOINT_DIR:
   global_stepN/          DeepSpeed's own files: mp_rank_00_model_states.pt (+ ZeRO shards) for
                          pp = 1, layer_XX-model_states.pt per pipeline layer for pp > 1
   global_stepN/rng_state_R.pt  rank R's random-number generators (python, numpy, torch CPU and CUDA: what
                          dropout draws from), one file per global rank as the HF Trainer writes them
   latest                 the tag of the newest COMPLETE checkpoint, written by us after every rank
                          finished saving (os.replace: a run killed mid-save leaves the old one)
-  dstk/                  config.json + tokenizer + layout.json (task, pp, HF names per layer)
+  dstk/                  config.json + tokenizer + manifest.json: the run's record (task, model, its
+                         layout: pp, dp, tp, ZeRO stage; HF names per pipeline layer; LoRA settings...)
+  global_stepN/dstk-manifest.json  the tag's own copy of the manifest (the run may have moved since)
+
+Runs written before the manifest had its name hold dstk/layout.json and dstk-layout.json: read still.
 """
 
 import json
@@ -15,24 +19,27 @@ import os
 import re
 from pathlib import Path
 
+from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.distributed.process_group import patient_group
 from toolkit.errors import ConfigError, UnusableInput
 
 META = "dstk"
-TAG_LAYOUT = "dstk-layout.json"  # a tag's own copy of layout.json (the run may have moved since)
+MANIFEST = "manifest.json"  # in META: the run's record
+TAG_MANIFEST = "dstk-manifest.json"  # a tag's own copy of the manifest (the run may have moved since)
+OLD_MANIFEST, OLD_TAG_MANIFEST = "layout.json", "dstk-layout.json"  # their names in runs of older dstk: read only
 
 
-def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=None, layout=None) -> str:
+def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=None, manifest=None) -> str:
     """Save every rank's part under tag global_step<step>, then point `latest` at it. frozen=False
     leaves frozen parameters out (a LoRA run's base: its --model directory holds it unchanged).
     param_names: this rank's optimizer parameters by name, per group, in the order the optimizer got
     them (saved with the rank's states: what names torch's optimizer state for another layout).
-    layout: the run's layout.json, also written into the tag (TAG_LAYOUT): the layout that tag has."""
+    manifest: the run's manifest, also written into the tag (TAG_MANIFEST): the layout that tag has."""
     import torch.distributed as dist
 
     tag = f"global_step{step}"
     client = {"step": step, "param_names": param_names}
-    if (layout or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
+    if (manifest or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
         client.update(universal_info())
     elif getattr(engine.module, "dstk_tp_info", None):  # tp inside pipeline stages: this stage's map
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
@@ -43,8 +50,8 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
     save_rng(Path(ckpt_dir) / tag, dist.get_rank())  # DeepSpeed keeps the client state of dp rank 0 only
     dist.barrier(group=patient_group())  # every rank's files are on disk before `latest` names the tag (slow disks)
     if dist.get_rank() == 0:
-        if layout is not None:
-            (Path(ckpt_dir) / tag / TAG_LAYOUT).write_text(json.dumps(layout, indent=1))
+        if manifest is not None:
+            (Path(ckpt_dir) / tag / TAG_MANIFEST).write_text(json.dumps(manifest, indent=1))
         write_latest(ckpt_dir, tag)
     dist.barrier()
     return tag
@@ -137,43 +144,100 @@ def step_of(tag: str) -> int:
     return int(match.group(1))
 
 
-def tag_layout(ckpt_dir: Path, tag: str) -> dict:
-    """The layout checkpoint `tag` was written with: its own copy, else the run's layout.json."""
-    own = Path(ckpt_dir) / tag / TAG_LAYOUT
-    return json.loads((own if own.is_file() else Path(ckpt_dir) / META / "layout.json").read_text())
+def _first_file(*paths: Path) -> Path:
+    """The first of `paths` that exists, else the first (named in the error when none does)."""
+    return next((p for p in paths if p.is_file()), paths[0])
 
 
-def move_meta(ckpt_dir: Path, layout: dict) -> None:
-    """The run continues on another layout: every tag without its own copy keeps the old layout.json,
-    which then becomes `layout`."""
-    meta = Path(ckpt_dir) / META / "layout.json"
-    old = meta.read_text()
+def run_manifest_path(ckpt_dir: Path) -> Path:
+    """CHECKPOINT_DIR/dstk/manifest.json (layout.json in runs of older dstk)."""
+    meta = Path(ckpt_dir) / META
+    return _first_file(meta / MANIFEST, meta / OLD_MANIFEST)
+
+
+def read_manifest(ckpt_dir: Path, tag: str | None = None) -> dict:
+    """The run's manifest; with `tag`, the one that tag was written with: its own copy (a run that moved
+    to another layout keeps one per tag), else the run's."""
+    path = run_manifest_path(ckpt_dir)
+    if tag is not None:
+        own = _first_file(Path(ckpt_dir) / tag / TAG_MANIFEST, Path(ckpt_dir) / tag / OLD_TAG_MANIFEST)
+        path = own if own.is_file() else path
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnusableInput(f"{path} is missing: the checkpoint was not written by dstk train") from None
+    except (OSError, ValueError) as exc:
+        raise UnusableInput(f"{path} cannot be read: {first_line(exc)}") from None
+
+
+def write_manifest(ckpt_dir: Path, manifest: dict) -> None:
+    """Write the run's dstk/manifest.json atomically; an older dstk's layout.json goes (it would be stale)."""
+    meta = Path(ckpt_dir) / META
+    tmp = meta / f".{MANIFEST}.{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, meta / MANIFEST)
+    (meta / OLD_MANIFEST).unlink(missing_ok=True)
+
+
+def move_manifest(ckpt_dir: Path, manifest: dict) -> None:
+    """The run continues on another layout: every tag without its own copy keeps the old manifest,
+    and the run's becomes `manifest`."""
+    old = run_manifest_path(ckpt_dir).read_text()
     for tag_dir in Path(ckpt_dir).glob("*/"):
-        if tag_dir.name != META and tag_dir.is_dir() and not (tag_dir / TAG_LAYOUT).exists():
-            (tag_dir / TAG_LAYOUT).write_text(old)
-    tmp = meta.with_name(f".layout.{os.getpid()}")
-    tmp.write_text(json.dumps(layout, indent=1))
-    os.replace(tmp, meta)
+        own = tag_dir / TAG_MANIFEST
+        if tag_dir.name != META and tag_dir.is_dir() and not own.exists() and not (tag_dir / OLD_TAG_MANIFEST).exists():
+            own.write_text(old)
+    write_manifest(ckpt_dir, manifest)
 
 
-def save_meta(ckpt_dir: Path, config, tokenizer, layout: dict) -> None:
-    """What export needs besides the weights: the HF config, the tokenizer, the layer layout."""
+def save_meta(ckpt_dir: Path, config, tokenizer, manifest: dict) -> None:
+    """What export needs besides the weights: the HF config, the tokenizer, the run's manifest."""
     meta = Path(ckpt_dir) / META
     meta.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(meta)
     tokenizer.save_pretrained(meta)
-    (meta / "layout.json").write_text(json.dumps(layout, indent=1))
+    (meta / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def layer_of(stage_name: str, manifest: dict):
+    """A pipeline stage's parameter name -> (global layer index, key in that layer's state dict), or None
+    for a name that is neither. DeepSpeed names a stage's parameters "<layer>.<key>" ("3.layer.mlp.
+    down_proj.weight"), and a tied module, which every stage using it holds, "tied_modules.<tie>.<key>":
+    that one is read as its first layer's."""
+    head, _, key = stage_name.partition(".")
+    if head == "tied_modules":
+        tie, _, key = key.partition(".")
+        layers = manifest.get("tied", {}).get(tie)
+        return (min(layers), key) if layers else None
+    return (int(head), key) if head.isdigit() else None
+
+
+def hf_name_of(stage_name: str, manifest: dict) -> str | None:
+    """A pipeline stage's parameter name -> its HF name, through the manifest's per-layer map
+    (hf_names[i]: {key in layer i's state dict: HF name}); None where the map has none."""
+    found = layer_of(stage_name, manifest)
+    if found is None:
+        return None
+    index, key = found
+    hf_names = manifest["hf_names"]
+    return (hf_names[index] if index < len(hf_names) else {}).get(key)
+
+
+def stage_of(manifest: dict, index: int) -> int | None:
+    """The pipeline stage holding layer `index` (the manifest's parts: stage s holds parts[s]..parts[s+1])."""
+    parts = manifest.get("parts") or []
+    return next((s for s in range(len(parts) - 1) if parts[s] <= index < parts[s + 1]), None)
 
 
 RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora", "data")  # what a resume must match
-LAYOUT_KEYS = ("pp", "dp", "tp", "zero_stage")  # what may change on resume (toolkit.checkpoint.portable)
+LAYOUT_KEYS = ("pp", "dp", "tp", "zero_stage")  # the layout: what may change on resume (toolkit.checkpoint.portable)
 
 
 def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
     """Refuse to resume a checkpoint written with another model, tokenizer, task, seq-len or LoRA setting,
     and a move to another layout that cannot be honoured; returns the layout keys that change (pp, dp,
     zero_stage: the run continues there through toolkit.checkpoint.portable)."""
-    saved = tag_layout(ckpt_dir, tag) if tag else json.loads((Path(ckpt_dir) / META / "layout.json").read_text())
+    saved = read_manifest(ckpt_dir, tag)
     diffs = [_diff(k, saved[k], now.get(k)) for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
     if diffs:
         raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(diffs)}); resume with the same "

@@ -1,7 +1,7 @@
 """Moving a run to another layout (pp, dp, ZeRO 0-3): a checkpoint's training state by HF name, and
 putting it into an engine built for the new layout.
 
-A dstk checkpoint knows which HF tensor every pipeline layer holds (layout.json's hf_names), so a
+A dstk checkpoint knows which HF tensor every pipeline layer holds (the manifest's hf_names), so a
 parameter's state can be named independently of where it lived:
   weights      fp32 masters by HF name (toolkit.checkpoint.state.load_state_dict)
   exp_avg, exp_avg_sq   Adam's moments by HF name, from whichever form DeepSpeed wrote:
@@ -21,14 +21,17 @@ its state directly, DeepSpeed's FP16 wrappers (bf16/fp16 at ZeRO-0) in their fp3
 layout) and dropout RNG streams restart from the seed.
 """
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import UnusableInput
-from toolkit.checkpoint.manifest import LAYOUT_KEYS
-from toolkit.checkpoint.state import (PARTITION_FILE, masters_by_hf_name, torch_load, load_state_dict,
-                                            partition_fragments, resolve_tag)
-from toolkit.train.wrappers import is_fp16_wrapper, restore_masters
+from toolkit.checkpoint.deepspeed_files import (Kind, checkpoint_kind, join, model_states, param_shapes,
+                                                partition_files, torch_load, zero3_full, zero3_model_states,
+                                                zero3_pieces, zero3_rank_share, zero3_table)
+from toolkit.checkpoint.manifest import LAYOUT_KEYS, hf_name_of
+from toolkit.checkpoint.state import load_state_dict, masters_by_hf_name, partition_fragments, resolve_tag
+from toolkit.train.wrappers import is_bf16_optimizer, is_fp16_wrapper, restore_masters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -43,9 +46,9 @@ class PortableState:
     engine: dict = field(default_factory=dict)  # lr_scheduler, global_steps, global_samples, skipped_steps
 
 
-def moved(saved_layout: dict, now: dict) -> list:
-    """The layout keys (pp, dp, zero_stage) whose values differ between a checkpoint and this run."""
-    return [k for k in LAYOUT_KEYS if k in saved_layout and saved_layout[k] != now.get(k)]
+def moved(saved: dict, now: dict) -> list:
+    """The layout keys (pp, dp, zero_stage) whose values differ between a checkpoint's manifest and this run's."""
+    return [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
 
 
 PORTABLE = "portable"  # a tag's folder of HF-named state, written by `dstk reshard`
@@ -64,14 +67,14 @@ def read(ckpt_dir, tag=None, wanted=None) -> PortableState:
     tag_dir = ckpt_dir / tag
     if is_portable(tag_dir):
         return _read_portable(tag_dir / PORTABLE, wanted)
-    weights, layout = load_state_dict(ckpt_dir, tag)
-    partitions = sorted(p for p in tag_dir.iterdir() if PARTITION_FILE.fullmatch(p.name))
-    if layout.get("zero_stage") == 3:
-        moments, step = _from_zero3(partitions, tag_dir)
-    elif partitions:
-        moments, step = _from_partitions(partitions, layout)
-    else:
-        moments, step = from_torch_states(tag_dir, layout)
+    weights, manifest = load_state_dict(ckpt_dir, tag)
+    kind = checkpoint_kind(tag_dir, manifest)
+    if kind is Kind.ZERO3:
+        moments, step = _from_zero3(tag_dir)
+    elif kind in (Kind.ZERO12, Kind.BF16_OPTIMIZER, Kind.PIPELINE_PARTITIONED):
+        moments, step = _from_partitions(list(partition_files(tag_dir).values()), manifest)
+    else:  # ZeRO-0: torch's optimizer state in the model states files
+        moments, step = from_torch_states(tag_dir, manifest)
     first = torch_load(_model_states(tag_dir))
     engine = {k: first.get(k) for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
     return PortableState(weights, moments, step, engine)
@@ -144,7 +147,7 @@ def _read_portable(folder: Path, wanted=None) -> PortableState:
     return PortableState(found["weights"], {k: found[k] for k in MOMENTS}, step, engine)
 
 
-def _from_partitions(paths: list, layout: dict) -> tuple:
+def _from_partitions(paths: list, manifest: dict) -> tuple:
     """ZeRO-1/2 and bf16 optimizer files: the moments' fragments by name, joined across dp ranks."""
     steps = []
 
@@ -155,50 +158,45 @@ def _from_partitions(paths: list, layout: dict) -> tuple:
         return [{key: state[key] for key in MOMENTS} for state in groups]
 
     pieces = partition_fragments(paths, moments)
-    return {key: _by_hf_name(pieces[key], layout) for key in MOMENTS}, max(steps)
+    return {key: _by_hf_name(pieces[key], manifest) for key in MOMENTS}, max(steps)
 
 
-def _from_zero3(paths: list, tag_dir: Path) -> tuple:
-    """ZeRO-3 (pp = 1): dp rank r's file holds per sub-group the flat partition of each moment; joined over
-    the sub-groups it is r's share of every parameter in param_shapes order, ceil(n / dp) elements each
-    (the last rank's share padded)."""
-    import torch
-
-    shapes = {name: shape for group in torch_load(_model_states(tag_dir))["param_shapes"]
-              for name, shape in group.items()}
-    flats, step = {key: [] for key in MOMENTS}, 0
-    for path in sorted(paths, key=lambda p: int(PARTITION_FILE.fullmatch(p.name).group(1))):
+def _from_zero3(tag_dir: Path) -> tuple:
+    """ZeRO-3 (pp = 1): dp rank r's file holds per sub-group the flat partition of each moment; the
+    sub-groups end to end are r's share of every parameter (deepspeed_files.zero3_table)."""
+    paths = list(partition_files(tag_dir).values())  # in dp-rank order (mp 0)
+    table = zero3_table(param_shapes(torch_load(_model_states(tag_dir))), len(paths))
+    flats, step = {key: [] for key in MOMENTS}, 0  # moment -> [rank][sub-group]
+    for path in paths:
         states = torch_load(path)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
         for key in MOMENTS:
-            flats[key].append(torch.cat([states[i][key] for i in sorted(states)]))
+            flats[key].append([states[i][key] for i in sorted(states)])
         step = int(states[min(states)]["step"])
-    out, offset = {key: {} for key in MOMENTS}, 0
-    for name, shape in shapes.items():
-        numel = shape.numel()
-        share = -(-numel // len(paths))
+    out = {key: {} for key in MOMENTS}
+    for name, (offset, share, shape) in table.items():
         for key in MOMENTS:
-            out[key][name] = torch.cat([flat.narrow(0, offset, share) for flat in flats[key]])[:numel]
-        offset += share
+            pieces = [piece for rank_flats in flats[key] for piece in zero3_pieces(rank_flats, offset, share)]
+            out[key][name] = zero3_full(pieces, (shape.numel(),))  # flat: restore reshapes
     return out, step
 
 
 def _model_states(tag_dir: Path) -> Path:
     """The file holding the engine's counters and LR scheduler (rank 0's own under ZeRO-3)."""
-    zero3 = tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    return zero3 if zero3.is_file() else tag_dir / "mp_rank_00_model_states.pt"
+    zero3 = tag_dir / zero3_model_states()
+    return zero3 if zero3.is_file() else tag_dir / model_states()
 
 
-def from_torch_states(tag_dir: Path, layout: dict) -> tuple:
+def from_torch_states(tag_dir: Path, manifest: dict) -> tuple:
     """ZeRO-0: each stage's mp_rank_XX_model_states.pt holds torch's optimizer state_dict (under bf16/fp16 inside
     the FP16 wrapper's), whose state i is the i-th parameter given to the optimizer (FP16_Optimizer: the i-th
-    group's parameters end to end); `param_names` (saved by dstk with the checkpoint, or the layout's
+    group's parameters end to end); `param_names` (saved by dstk with the checkpoint, or the manifest's
     param_groups at pp = 1) names them in that order."""
     pieces = {key: {} for key in MOMENTS}
     step = 0
-    for stage in range(layout.get("pp", 1)):
-        path = tag_dir / f"mp_rank_{stage:02d}_model_states.pt"
+    for stage in range(manifest.get("pp", 1)):
+        path = tag_dir / model_states(stage)
         saved = torch_load(path)
-        names = saved.get("param_names") or layout.get("param_groups")
+        names = saved.get("param_names") or manifest.get("param_groups")
         optimizer = saved.get("optimizer") or {}
         optimizer = optimizer.get("optimizer_state_dict", optimizer)  # an FP16 wrapper's holds the base optimizer's
         if not names or "state" not in optimizer:
@@ -208,7 +206,7 @@ def from_torch_states(tag_dir: Path, layout: dict) -> tuple:
             step = int(state["step"])
             for key in MOMENTS:
                 pieces[key][(stage, name)] = [state[key]]
-    return {key: _by_hf_name(found, layout) for key, found in pieces.items()}, step
+    return {key: _by_hf_name(found, manifest) for key, found in pieces.items()}, step
 
 
 def _states_by_name(saved: dict, states: dict, names: list, path: Path):
@@ -230,100 +228,126 @@ def _states_by_name(saved: dict, states: dict, names: list, path: Path):
             yield name, {"step": state["step"], **{k: cut[k][i] for k in MOMENTS}}
 
 
-def _by_hf_name(pieces: dict, layout: dict) -> dict:
+def _by_hf_name(pieces: dict, manifest: dict) -> dict:
     """{(stage, module name): fragments} -> {HF name: flat tensor}; at pp = 1 module names are HF names."""
-    if layout.get("pp", 1) > 1:
-        return masters_by_hf_name(pieces, layout)
-    import torch
-
-    return {name: torch.cat(fragments) if len(fragments) > 1 else fragments[0]
-            for (_, name), fragments in pieces.items()}
+    if manifest.get("pp", 1) > 1:
+        return masters_by_hf_name(pieces, manifest)
+    return {name: join(fragments) for (_, name), fragments in pieces.items()}
 
 
-def hf_names_of(module, layout: dict) -> dict:
+def hf_names_of(module, manifest: dict) -> dict:
     """{parameter: HF name} for this rank's module: a pp = 1 model's own names; a pipeline stage's
-    "<layer>.<key>" / "tied_modules.<tie>.<key>" through the layout's per-layer map."""
-    if layout.get("pp", 1) == 1:
+    through the manifest's per-layer map (manifest.hf_name_of)."""
+    if manifest.get("pp", 1) == 1:
         return {p: name for name, p in module.named_parameters()}
-    hf_names, tied = layout["hf_names"], layout.get("tied", {})
-    out = {}
-    for name, p in module.named_parameters():
-        head, _, key = name.partition(".")
-        if head == "tied_modules":
-            tie, _, key = key.partition(".")
-            index = min(tied[tie])
-        else:
-            index = int(head)
-        hf = hf_names[index].get(key)
-        if hf is not None:
-            out[p] = hf
-    return out
+    named = {p: hf_name_of(name, manifest) for name, p in module.named_parameters()}
+    return {p: hf for p, hf in named.items() if hf is not None}
+
+
+class Keeper(enum.Enum):
+    """Where an engine keeps a parameter's fp32 weight and Adam moments: what `restore` writes into. DeepSpeed
+    picks it from the ZeRO stage and the precision (toolkit.train.wrappers lists which wrapper when)."""
+
+    ZERO3 = "ZeRO-3: this rank's share of each parameter (p.ds_tensor) and of its fp32 copy and moments"
+    FRAGMENTS = "ZeRO-1/2 or BF16_Optimizer: this rank's fragment of each parameter in flat fp32 partitions"
+    FP16_WRAPPER = "bf16/fp16 at ZeRO-0: the FP16 wrapper's fp32 masters, one per parameter or per group"
+    TORCH = "fp32 at ZeRO-0: torch's optimizer, on the module's own parameters"
+
+
+def keeper_of(engine) -> Keeper:
+    if engine.zero_optimization_stage() == 3:
+        return Keeper.ZERO3
+    if is_fp16_wrapper(engine.optimizer):
+        return Keeper.FP16_WRAPPER
+    if engine.zero_optimization_stage() in (1, 2) or is_bf16_optimizer(engine.optimizer):
+        return Keeper.FRAGMENTS
+    return Keeper.TORCH
 
 
 def restore(engine, state: PortableState, names: dict) -> None:
     """Put `state` into a freshly initialised engine: every trainable parameter's weight, fp32 copy and
     Adam moments (by HF name), the optimizer step, LR scheduler and DeepSpeed's step counters."""
     import torch
-    from deepspeed.utils import safe_set_full_fp32_param
 
     missing = [hf for p, hf in names.items() if p.requires_grad and hf not in state.weights]
     if missing:
         raise UnusableInput(f"the checkpoint holds no state for {missing[:3]}: it was written by another model")
-    if hasattr(engine.optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: Adam's state, made lazily, made now
-        base = engine.optimizer.optimizer
-        for flat in engine.optimizer.fp32_partitioned_groups_flat:
-            base.state[flat] = {"step": _step(base, state.optimizer_step), **{k: torch.zeros_like(flat) for k in MOMENTS}}
-    flat_groups, wrapped = False, {}
-    for p, hf in names.items():
-        if not p.requires_grad:
-            continue  # frozen (LoRA's base): read from --model, never trained
-        shape = getattr(p, "ds_shape", p.shape)
-        weight = state.weights[hf].reshape(shape)
-        moments = {key: state.moments[key][hf].reshape(shape).float() for key in MOMENTS}
-        if hasattr(p, "ds_id"):  # ZeRO-3: the module holds this rank's partition only
-            _set_zero3(engine.optimizer, p, weight, moments)
-            continue
-        with torch.no_grad():
-            p.data.copy_(weight.to(p.dtype))
-        if is_fp16_wrapper(engine.optimizer):  # bf16/fp16 at ZeRO-0: the wrapper's fp32 masters, gathered below
-            wrapped[id(p)] = (weight, moments)
-        elif getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fp32 fragment and moments
-            flat_groups = True
-            safe_set_full_fp32_param(p, weight.to(p.device))
-            at = p._hp_mapping.lp_fragment_address  # this partition's slice of the flattened parameter
-            p._hp_mapping.optim_fragment = {k: v.flatten().narrow(0, at.start, at.numel).to(p.device).clone()
-                                            for k, v in moments.items()}
-        elif not hasattr(p, "_hp_mapping"):  # torch's optimizer on the module's own parameters (ZeRO-0 fp32)
-            engine.optimizer.state[p] = {"step": _step(engine.optimizer, state.optimizer_step),
-                                         **{k: v.to(p.device) for k, v in moments.items()}}
-    if flat_groups:
-        _flat_states(engine.optimizer, state.optimizer_step)
-    if wrapped:
-        with torch.no_grad():
-            restore_masters(engine.optimizer, wrapped, _step(engine.optimizer.optimizer, state.optimizer_step))
+    keeper = keeper_of(engine)
+    trained = {p: hf for p, hf in names.items() if p.requires_grad}  # frozen (LoRA's base): read from --model
+    if keeper is Keeper.ZERO3:
+        _restore_zero3(engine.optimizer, state, trained)
+    else:
+        for p, hf in trained.items():
+            with torch.no_grad():
+                p.data.copy_(state.weights[hf].reshape(p.shape).to(p.dtype))
+        restore_optimizer = {Keeper.FRAGMENTS: _restore_fragments, Keeper.FP16_WRAPPER: _restore_fp16_wrapper,
+                             Keeper.TORCH: _restore_torch}[keeper]
+        restore_optimizer(engine.optimizer, state, trained)
     _restore_counters(engine, state.engine)
 
 
+def _weight_and_moments(state: PortableState, hf: str, shape) -> tuple:
+    """(fp32 weight, {moment: fp32 tensor}) of HF name `hf`, in `shape` (the state holds them flat or shaped)."""
+    return state.weights[hf].reshape(shape), {key: state.moments[key][hf].reshape(shape).float() for key in MOMENTS}
+
+
+def _restore_zero3(optimizer, state: PortableState, trained: dict) -> None:
+    """ZeRO-3: Adam's state is made lazily, at the first step; it is made now (zeros), then every parameter's
+    share written into it (_set_zero3). p.ds_shape: the full shape (p itself is an empty placeholder)."""
+    import torch
+
+    base = optimizer.optimizer
+    for flat in optimizer.fp32_partitioned_groups_flat:
+        base.state[flat] = {"step": _step(base, state.optimizer_step), **{k: torch.zeros_like(flat) for k in MOMENTS}}
+    for p, hf in trained.items():
+        _set_zero3(optimizer, p, *_weight_and_moments(state, hf, p.ds_shape))
+
+
+def _restore_fragments(optimizer, state: PortableState, trained: dict) -> None:
+    """ZeRO-1/2 and BF16_Optimizer: each parameter's fragment on this rank (p._hp_mapping, None where this
+    rank holds none) of the fp32 copy and moments; then the flat partitions' Adam state from them."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for p, hf in trained.items():
+        if p._hp_mapping is None:
+            continue
+        weight, moments = _weight_and_moments(state, hf, p.shape)
+        safe_set_full_fp32_param(p, weight.to(p.device))
+        at = p._hp_mapping.lp_fragment_address  # this partition's slice of the flattened parameter
+        p._hp_mapping.optim_fragment = {k: v.flatten().narrow(0, at.start, at.numel).to(p.device).clone()
+                                        for k, v in moments.items()}
+    _flat_states(optimizer, state.optimizer_step)
+
+
+def _restore_fp16_wrapper(optimizer, state: PortableState, trained: dict) -> None:
+    """bf16/fp16 at ZeRO-0: the wrapper's fp32 masters and its base optimizer's state (wrappers.restore_masters)."""
+    import torch
+
+    wrapped = {id(p): _weight_and_moments(state, hf, p.shape) for p, hf in trained.items()}
+    with torch.no_grad():
+        restore_masters(optimizer, wrapped, _step(optimizer.optimizer, state.optimizer_step))
+
+
+def _restore_torch(optimizer, state: PortableState, trained: dict) -> None:
+    """fp32 at ZeRO-0: torch's optimizer state, keyed by the module's parameters."""
+    for p, hf in trained.items():
+        _, moments = _weight_and_moments(state, hf, p.shape)
+        optimizer.state[p] = {"step": _step(optimizer, state.optimizer_step),
+                              **{k: v.to(p.device) for k, v in moments.items()}}
+
+
 def _set_zero3(optimizer, p, weight, moments: dict) -> None:
-    """A ZeRO-3 parameter's share on this rank: elements [r x share, (r + 1) x share) of the flattened
-    tensor, zero-padded on the last rank, written into the module's partition (p.ds_tensor), the fp32
-    partition and each moment's. (deepspeed.utils.safe_set_full_fp32_param cuts the last rank's share
-    with narrow() and fails when the parameter does not divide by dp, hence the slicing here.)"""
+    """A ZeRO-3 parameter's share on this rank (deepspeed_files.zero3_rank_share), written into the module's
+    partition (p.ds_tensor), the fp32 partition and each moment's. (deepspeed.utils.safe_set_full_fp32_param
+    cuts the last rank's share with narrow() and fails when the parameter does not divide by dp.)"""
     import torch
 
     rank = optimizer._get_param_partition_rank(p)
-
-    def share(full, like):
-        mine = full.reshape(-1)[rank * like.numel():(rank + 1) * like.numel()]
-        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-        out[:mine.numel()] = mine.to(like.dtype)
-        return out.view_as(like)
-
     with torch.no_grad():
-        p.ds_tensor.data.copy_(share(weight, p.ds_tensor))
+        p.ds_tensor.data.copy_(zero3_rank_share(weight, rank, p.ds_tensor))
         for key, full in ((None, weight), *moments.items()):
             part, _ = optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=True, optim_state_key=key)
-            part.data.copy_(share(full, part))
+            part.data.copy_(zero3_rank_share(full, rank, part))
 
 
 def _step(optimizer, step: int):
@@ -339,7 +363,7 @@ def _flat_states(optimizer, step: int) -> None:
     DeepSpeed's universal-checkpoint loader does: deepspeed.utils.tensor_fragment.map_to_flat_opt_states)."""
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
 
-    lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups")  # ZeRO-1/2, bf16
+    lp_groups = optimizer.bf16_groups if is_bf16_optimizer(optimizer) else optimizer.bit16_groups  # ZeRO-1/2
     base = optimizer.optimizer
     for group, lps in zip(base.param_groups, lp_groups):
         flat = group["params"][0]

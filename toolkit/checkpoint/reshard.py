@@ -2,12 +2,11 @@
 
 OUT becomes a run folder whose checkpoints/ holds the tag's whole training state by HF name
 (toolkit.checkpoint.portable: fp32 weights, Adam moments, optimizer step, LR scheduler, step counters) and
-the run's dstk/ metadata with the target layout; `dstk train --out OUT --resume` on that layout reads
-from it only the tensors its rank holds. (`--resume` straight from the original checkpoint on another
-layout also works: then every rank reads the DeepSpeed files itself.) OUT is written whole or not at all.
+the run's dstk/ folder with the target layout in its manifest; `dstk train --out OUT --resume` on that
+layout reads from it only the tensors its rank holds. (`--resume` straight from the original checkpoint on
+another layout also works: then every rank reads the DeepSpeed files itself.) OUT is written whole or not at all.
 """
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,8 +14,8 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 from toolkit.files import as_umask
 from toolkit.checkpoint import portable
-from toolkit.checkpoint.manifest import LAYOUT_KEYS, META, check_resumable, write_latest
-from toolkit.checkpoint.state import find_checkpoint_dir, read_layout, resolve_tag
+from toolkit.checkpoint.manifest import LAYOUT_KEYS, META, check_resumable, read_manifest, write_latest, write_manifest
+from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 
 
 def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict:
@@ -27,14 +26,14 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} already holds files; give a new OUT folder (reshard never overwrites a run)")
-    layout = read_layout(ckpt_dir / META / "layout.json")
-    if layout.get("tp", 1) > 1:
-        raise ConfigError(f"{ckpt_dir} is a tensor-parallel run (tp {layout['tp']}): its tensors are tp shards, "
+    manifest = read_manifest(ckpt_dir)
+    if manifest.get("tp", 1) > 1:
+        raise ConfigError(f"{ckpt_dir} is a tensor-parallel run (tp {manifest['tp']}): its tensors are tp shards, "
                           "which only `dstk export` merges today; export it and start a new run from the HF directory")
-    source = {k: layout.get(k, 1 if k == "tp" else None) for k in LAYOUT_KEYS}
+    source = {k: manifest.get(k, 1 if k == "tp" else None) for k in LAYOUT_KEYS}
     target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("zero_stage", zero)) if v is not None}}
-    _check_target(layout, target)
-    check_resumable(ckpt_dir, {**layout, **target})  # older checkpoints: refused here too
+    _check_target(manifest, target)
+    check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
     parent = out.absolute().parent
     if not parent.is_dir():
@@ -43,8 +42,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
     try:
         folder = tmp / "checkpoints"
         shutil.copytree(ckpt_dir / META, folder / META)
-        moved = {**layout, **target, "portable": True}
-        (folder / META / "layout.json").write_text(json.dumps(moved, indent=1))
+        write_manifest(folder, {**manifest, **target, "portable": True})  # an older run's layout.json goes
         size = portable.write(state, folder / tag / portable.PORTABLE)
         write_latest(folder, tag)
         as_umask(tmp)
@@ -60,7 +58,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
                       f"dp {target['dp']}, ZeRO {target['zero_stage']})"}
 
 
-def _check_target(layout: dict, target: dict) -> None:
+def _check_target(manifest: dict, target: dict) -> None:
     """The target layout the config rules would accept for this model."""
     pp, dp, zero = target["pp"], target["dp"], target["zero_stage"]
     for key, value in (("--pp", pp), ("--dp", dp)):
@@ -71,12 +69,12 @@ def _check_target(layout: dict, target: dict) -> None:
     if pp > 1 and zero > 1:
         raise ConfigError(f"--zero {zero} with --pp {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only; "
                           "use --zero 1, or --pp 1")
-    layers = _pipeline_layers(layout)
+    layers = _pipeline_layers(manifest)
     if layers is not None and pp > layers:
         raise ConfigError(f"--pp {pp} is more stages than the model's {layers} pipeline layers; use --pp <= {layers}")
 
 
-def _pipeline_layers(layout: dict):
-    """How many pipeline layers the model has (embedding, blocks, norm, head), when the layout says."""
-    names = layout.get("hf_names")
-    return len(names) if layout.get("pp", 1) > 1 and names else None
+def _pipeline_layers(manifest: dict):
+    """How many pipeline layers the model has (embedding, blocks, norm, head), when the manifest says."""
+    names = manifest.get("hf_names")
+    return len(names) if manifest.get("pp", 1) > 1 and names else None

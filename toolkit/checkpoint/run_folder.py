@@ -1,6 +1,6 @@
 """The run folder (--out): one run per folder, never mixed, never silently lost.
 
-    OUT/checkpoints/   DeepSpeed's tags + `latest` + dstk/ (see checkpoint.py)
+    OUT/checkpoints/   DeepSpeed's tags + `latest` + dstk/ (see manifest.py)
     OUT/metrics.jsonl  one JSON line per step, then the summary
     OUT/hf/            the export at the end
 

@@ -1,17 +1,21 @@
 """What a dstk checkpoint holds, by HF name: pipeline layer files, pp = 1 module states, ZeRO shards
 (gathered with DeepSpeed's zero_to_fp32) and the fp32 masters of DeepSpeed's bf16/fp16 optimizers,
-through the layout dstk train saved beside them. toolkit.export.directory turns this into HF directories.
+through the manifest dstk train saved beside them. toolkit.export.directory turns this into HF directories.
+How a tag is read follows its kind (deepspeed_files.checkpoint_kind).
 """
 
 import contextlib
 import io
-import json
 import math
 import re
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.checkpoint.manifest import META, TAG_LAYOUT, read_latest
+from toolkit.checkpoint.deepspeed_files import (MODEL_STATES_GLOB, PARTITION_FILE, Kind, bf16_optimizer_files,
+                                                checkpoint_kind, first_line, fragments, join, layer_file,
+                                                model_states, param_shapes, partition_files, stage_of_model_states,
+                                                torch_load, zero3_full, zero3_model_states, zero3_pieces, zero3_table)
+from toolkit.checkpoint.manifest import META, hf_name_of, layer_of, read_latest, read_manifest, stage_of
 from toolkit.train.lora import is_adapter
 
 
@@ -52,134 +56,132 @@ def resolve_tag(ckpt_dir: Path, tag: str | None) -> str:
 
 
 def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]:
-    """(HF state dict in fp32, layout) from a pipeline or pp = 1 (incl. ZeRO) checkpoint."""
+    """(HF state dict in fp32, manifest) from any checkpoint dstk train writes."""
     ckpt_dir = Path(ckpt_dir)
     tag = resolve_tag(ckpt_dir, tag)
-    layout = layout_of(ckpt_dir, tag)
-    if layout.get("pp", 1) > 1 and layout.get("tp", 1) > 1:
-        state = _pipeline_tp_state(ckpt_dir / tag, layout)
-    elif layout.get("pp", 1) > 1:
-        state = {**_pipeline_state(ckpt_dir / tag, layout["hf_names"], layout.get("base_saved", True)),
-                 **_pipeline_masters(ckpt_dir / tag, layout)}
-    elif layout.get("tp", 1) > 1:
-        state = _tensor_parallel_state(ckpt_dir / tag, layout)
-    elif _bf16_optimizer_files(ckpt_dir / tag):
-        state = _bf16_optimizer_state(ckpt_dir / tag)
-    elif list((ckpt_dir / tag).glob("*_optim_states.pt")):  # ZeRO 1-3: the optimizer's fp32 partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
-                state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-            state = {**_frozen(ckpt_dir / tag), **state}  # a frozen base (LoRA) is not in the optimizer's files
-        except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
-            raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({first_line(exc)}); "
-                                "the checkpoint is incomplete or damaged: export another tag with --tag") from None
+    manifest = read_manifest(ckpt_dir, tag)
+    tag_dir = ckpt_dir / tag
+    kind = checkpoint_kind(tag_dir, manifest)
+    if kind is Kind.PIPELINE_TP:
+        state = _pipeline_tp_state(tag_dir, manifest)
+    elif kind in (Kind.PIPELINE, Kind.PIPELINE_PARTITIONED):
+        state = {**_pipeline_state(tag_dir, manifest["hf_names"], manifest.get("base_saved", True)),
+                 **_pipeline_masters(tag_dir, manifest, partitioned=kind is Kind.PIPELINE_PARTITIONED)}
+    elif kind is Kind.TENSOR_PARALLEL:
+        state = _tensor_parallel_state(tag_dir, manifest)
+    elif kind is Kind.ZERO3_TENSOR_PARALLEL:
+        state = _zero3_tensor_parallel_state(tag_dir, manifest)
+    elif kind is Kind.BF16_OPTIMIZER:
+        state = _bf16_optimizer_state(tag_dir)
+    elif kind in (Kind.ZERO12, Kind.ZERO3):
+        state = _zero_state(ckpt_dir, tag)
     else:
-        saved = torch_load(ckpt_dir / tag / "mp_rank_00_model_states.pt")
-        if not isinstance(saved, dict) or "module" not in saved:
-            raise UnusableInput(f"{ckpt_dir / tag / 'mp_rank_00_model_states.pt'} holds no 'module' state dict: "
-                                "not a DeepSpeed model checkpoint")
-        state = {**saved["module"], **zero0_masters(saved, layout)}
-    return {k: v.float() for k, v in state.items()}, layout
+        state = _module_state(tag_dir, manifest)
+    return {k: v.float() for k, v in state.items()}, manifest
 
 
-def _bf16_optimizer_files(tag_dir: Path) -> list:
-    """pp = 1 files of DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradient accumulation), [] for
-    any other kind: its partitions carry no "zero_stage", so DeepSpeed's zero_to_fp32 refuses them."""
-    files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    if not files:
-        return []
-    saved = torch_load(files[0], mmap=True).get("optimizer_state_dict") or {}
-    return files if "zero_stage" not in saved and "param_slice_mappings" in saved else []
+def _module_state(tag_dir: Path, manifest: dict) -> dict:
+    """pp = 1 at ZeRO-0: the module, with the FP16 wrappers' fp32 masters in place of its weights."""
+    path = tag_dir / model_states()
+    saved = torch_load(path)
+    if not isinstance(saved, dict) or "module" not in saved:
+        raise UnusableInput(f"{path} holds no 'module' state dict: not a DeepSpeed model checkpoint")
+    return {**saved["module"], **zero0_masters(saved, manifest)}
+
+
+def _zero_state(ckpt_dir: Path, tag: str) -> dict:
+    """pp = 1 at ZeRO 1-3: the optimizer's fp32 partitions, gathered by DeepSpeed's zero_to_fp32."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as exc:
+        raise UnusableInput(f"{ckpt_dir / tag}: the ZeRO shards cannot be gathered ({first_line(exc)}); "
+                            "the checkpoint is incomplete or damaged: export another tag with --tag") from None
+    return {**_frozen(ckpt_dir / tag), **state}  # a frozen base (LoRA) is not in the optimizer's files
+
+
+def _masters(saved: dict) -> list:
+    """Per parameter group {"weights": the rank's flat fp32 partition} of a ZeRO-1/2 or bf16 optimizer file."""
+    return [{"weights": flat} for flat in saved["single_partition_of_fp32_groups"]]
 
 
 def _bf16_optimizer_state(tag_dir: Path) -> dict:
     """The module's tensors, with BF16_Optimizer's fp32 masters (each dp rank's fragments by the module's
     names, param_slice_mappings) in place of the trained ones; a tied weight's other names
     (shared_params) get its master too."""
-    saved = torch_load(tag_dir / "mp_rank_00_model_states.pt")
+    saved = torch_load(tag_dir / model_states())
     module = dict(saved.get("module") or {})
-    masters = partition_fragments(_bf16_optimizer_files(tag_dir), lambda optim: [
-        {"weights": flat} for flat in optim["single_partition_of_fp32_groups"]]).get("weights", {})
-    for (_, name), fragments in masters.items():
-        module[name] = _cat(fragments).reshape(module[name].shape)
+    masters = partition_fragments(bf16_optimizer_files(tag_dir), _masters).get("weights", {})
+    for (_, name), pieces in masters.items():
+        module[name] = join(pieces).reshape(module[name].shape)
     for alias, name in (saved.get("shared_params") or {}).items():
         if (0, name) in masters and alias in module:
             module[alias] = module[name]
     return module
 
 
-def _tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:
+def _tensor_parallel_state(tag_dir: Path, manifest: dict) -> dict:
     """An AutoTP run (pp = 1, ZeRO 0-2): tp rank t wrote mp_rank_{t:02d}_model_states.pt, its shard of every
     sharded tensor; where DeepSpeed keeps fp32 masters (bf16/fp16) they replace the module's: at ZeRO-0 in
-    that file's optimizer state (as at tp 1), at ZeRO-1/2 in the zero_pp_rank_{dp}_mp_rank_{t:02d} files. The shards are put
-    together by the map AutoTP saved with them (universal_checkpoint_info: per tensor and rank, which
-    strided pieces of the full tensor a shard holds; fused projections included); replicated tensors
-    are taken from rank 0 and a padded vocabulary is cut to the model's."""
+    that file's optimizer state (as at tp 1), at ZeRO-1/2 in the zero_pp_rank_{dp}_mp_rank_{t:02d} files.
+    The shards are put together by the map AutoTP saved with them (universal_checkpoint_info: per tensor
+    and rank, which strided pieces of the full tensor a shard holds; fused projections included);
+    replicated tensors are taken from rank 0 and a padded vocabulary is cut to the model's."""
     import torch
 
-    if layout.get("zero_stage") == 3:
-        return _zero3_tensor_parallel_state(tag_dir, layout)
     shards = []
-    for t in range(layout["tp"]):
-        path = tag_dir / f"mp_rank_{t:02d}_model_states.pt"
+    for t in range(manifest["tp"]):
+        path = tag_dir / model_states(t)
         saved = torch_load(path)
         if not isinstance(saved, dict) or "module" not in saved:
             raise UnusableInput(f"{path} holds no 'module' state dict: not a DeepSpeed model checkpoint")
-        shards.append({**saved["module"], **zero0_masters(saved, layout)})
+        shards.append({**saved["module"], **zero0_masters(saved, manifest)})
         if t == 0:
             info = saved.get("universal_checkpoint_info") or {}
-    files = [p for p in tag_dir.iterdir() if PARTITION_FILE.fullmatch(p.name)]
+    files = list(partition_files(tag_dir).values())
     if files and next(iter(shards[0].values())).dtype != torch.float32:  # bf16/fp16: the fp32 masters
-        masters = partition_fragments(files, lambda saved: [{"weights": flat}
-                                                            for flat in saved["single_partition_of_fp32_groups"]])
-        for (t, name), fragments in masters.get("weights", {}).items():
+        masters = partition_fragments(files, _masters)
+        for (t, name), pieces in masters.get("weights", {}).items():
             if name in shards[t]:
-                shards[t][name] = _cat(fragments).reshape(shards[t][name].shape)
+                shards[t][name] = join(pieces).reshape(shards[t][name].shape)
     return merge_tp_shards(shards, info)
 
 
-def _zero3_tensor_parallel_state(tag_dir: Path, layout: dict) -> dict:
-    """AutoTP under ZeRO-3 (dp x tp ranks, rank g = d * tp + t): zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt
-    holds, parameter after parameter in its model states' param_shapes order (groups end to end), rank
-    (d, t)'s ZeRO-3 share of each fp32 master. A tp shard is partitioned over its dp ranks (ceil(n / dp)
-    each); a tensor the tp ranks share (AutoTP's tp_replicated_parameter_patterns: embedding, norms) was
-    partitioned by zero.Init over the whole world (ceil(n / (dp x tp)) each, in global rank order), and
-    AutoTP's map records no shape for it. Shards are gathered per tp rank and merged (merge_tp_shards)."""
-    import math
-
-    import torch
-
-    files = {tuple(map(int, PARTITION_FILE.fullmatch(p.name).groups())): p
-             for p in tag_dir.glob("zero_pp_rank_*_mp_rank_*_optim_states.pt")}
-    tp, dp = layout["tp"], 1 + max((d for d, _ in files), default=-1)
+def _zero3_tensor_parallel_state(tag_dir: Path, manifest: dict) -> dict:
+    """AutoTP under ZeRO-3: dp x tp ranks, global rank g = d * tp + t. Rank (d, t)'s partition file
+    (zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt) holds its ZeRO-3 share of each fp32 master, in the
+    param_shapes order of tp rank t's model states, groups end to end. Two kinds of tensor:
+      a tp shard (a sharded projection): cut over its tp rank's dp ranks, ceil(n / dp) elements each;
+      a tensor the tp ranks share (AutoTP's tp_replicated_parameter_patterns: embedding, norms): cut by
+        zero.Init over the whole world, ceil(n / (dp x tp)) each, in global rank order; AutoTP's map
+        records no shape for it, and it is gathered once.
+    The shards, gathered per tp rank, are then merged (merge_tp_shards)."""
+    tp, files = manifest["tp"], partition_files(tag_dir)  # (d, t) -> path
+    dp = 1 + max((d for d, _ in files), default=-1)
     if sorted(files) != [(d, t) for d in range(dp) for t in range(tp)]:
         raise UnusableInput(f"{tag_dir}: the ZeRO-3 files of {dp} dp x {tp} tp ranks are not all there (found "
                             f"{len(files)}); the checkpoint is incomplete: export another tag with --tag")
-    flats = {key: torch.cat(torch_load(path)["optimizer_state_dict"]["fp32_flat_groups"])
-             for key, path in files.items()}
-    models = [torch_load(tag_dir / f"zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt") for t in range(tp)]
+    flats = {rank: torch_load(path)["optimizer_state_dict"]["fp32_flat_groups"] for rank, path in files.items()}
+    models = [torch_load(tag_dir / zero3_model_states(0, t)) for t in range(tp)]
     info = models[0].get("universal_checkpoint_info") or {}
-    shared = [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []]
-    def world(name):  # the ranks a tensor's ZeRO-3 pieces lie on, in order
-        return [(g // tp, g % tp) for g in range(dp * tp)] if any(p.match(name) for p in shared) else None
+    patterns = [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []]
 
-    where = []
-    for saved in models:  # per tp rank: name -> (offset, piece, shape); shards of one tensor may differ in size
-        table, offset = {}, 0
-        for name, shape in (item for group in saved["param_shapes"] for item in group.items()):
-            piece = math.ceil(math.prod(shape) / (dp * tp if world(name) else dp))
-            table[name], offset = (offset, piece, shape), offset + piece
-        where.append(table)
-    shards, whole = [{} for _ in range(tp)], {}
-    for t, table in enumerate(where):
-        for name, (_, _, shape) in table.items():
-            if world(name) and t > 0:
-                continue  # a shared tensor is gathered once
-            ranks = world(name) or [(d, t) for d in range(dp)]
-            pieces = [flats[d, u][where[u][name][0]: where[u][name][0] + where[u][name][1]] for d, u in ranks]
-            (whole if world(name) else shards[t])[name] = torch.cat(pieces)[: math.prod(shape)].view(shape)
+    def shared(name: str) -> bool:
+        return any(p.match(name) for p in patterns)
+
+    # per tp rank: name -> (offset, share, shape) in each of its ranks' partitions (a shard's size may differ by t)
+    tables = [zero3_table(param_shapes(saved), lambda name: dp * tp if shared(name) else dp) for saved in models]
+
+    def gather(name: str, ranks: list):  # the tensor from its shares on `ranks` [(d, t)], in that order
+        pieces = [piece for d, t in ranks for piece in zero3_pieces(flats[d, t], *tables[t][name][:2])]
+        return zero3_full(pieces, tables[ranks[0][1]][name][2])
+
+    world = [(g // tp, g % tp) for g in range(dp * tp)]
+    whole = {name: gather(name, world) for name in tables[0] if shared(name)}
+    shards = [{name: gather(name, [(d, t) for d in range(dp)]) for name in table if not shared(name)}
+              for t, table in enumerate(tables)]
     merged = merge_tp_shards(shards, {**info, "tp_replicated_parameter_patterns": []})
     return {**whole, **merged}
 
@@ -225,19 +227,19 @@ def merge_tp_shards(shards: list, info: dict) -> dict:
 def _frozen(tag_dir: Path) -> dict:
     """The module's own tensors at pp = 1 (frozen parameters are not in ZeRO's optimizer files; under
     ZeRO-3 the module holds empty placeholders, which are left out)."""
-    path = tag_dir / "mp_rank_00_model_states.pt"
+    path = tag_dir / model_states()
     saved = torch_load(path) if path.exists() else {}
     return {k: v for k, v in (saved.get("module") or {}).items() if v.numel()}
 
 
-def zero0_masters(saved: dict, layout: dict) -> dict:
+def zero0_masters(saved: dict, manifest: dict) -> dict:
     """ZeRO-0 under bf16/fp16: the fp32 masters DeepSpeed's optimizer wrapper keeps, by name, in the
-    optimizer's parameter order that training recorded (layout["param_groups"]): one tensor per
+    optimizer's parameter order that training recorded (manifest["param_groups"]): one tensor per
     parameter ("fp32_groups", FP16_UnfusedOptimizer: torch's AdamW) or one flat tensor per group
     ("fp32_groups_flat", FP16_Optimizer: FusedAdam on CUDA). {} without masters (fp32 training: the
     module's weights are the masters); a checkpoint that does not match the recorded order is refused."""
     optimizer = saved.get("optimizer") if isinstance(saved.get("optimizer"), dict) else {}
-    names = layout.get("param_groups")
+    names = manifest.get("param_groups")
     groups = optimizer.get("fp32_groups")
     if groups is None and optimizer.get("fp32_groups_flat") is not None:
         groups = [_split(flat, [saved["module"][n].numel() for n in group_names])
@@ -258,54 +260,15 @@ def _split(flat, numels: list) -> list:
     return list(flat[: sum(numels)].split(numels))
 
 
-def layout_of(ckpt_dir: Path, tag: str) -> dict:
-    """The layout tag was written with: its own copy (a run that moved to another layout keeps one per
-    tag), else the run's dstk/layout.json."""
-    own = Path(ckpt_dir) / tag / TAG_LAYOUT
-    return read_layout(own if own.is_file() else Path(ckpt_dir) / META / "layout.json")
-
-
-def read_layout(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UnusableInput(f"{path} is missing: the checkpoint was not written by dstk train") from None
-    except (OSError, ValueError) as exc:
-        raise UnusableInput(f"{path} cannot be read: {first_line(exc)}") from None
-
-
-def torch_load(path: Path, mmap: bool = False):
-    """torch.load, with a one-line error for a missing, truncated or foreign file. mmap: the tensors
-    stay in the file (pages are read when touched, and let go with the last tensor)."""
-    import pickle
-    import zipfile
-
-    import torch
-
-    if not path.is_file():
-        raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
-        raise UnusableInput(f"{path} cannot be read ({first_line(exc)}): the file is truncated or damaged "
-                            "(a save cut short?); export another tag with --tag") from None
-
-
-def first_line(exc: Exception) -> str:
-    """The first sentence of an exception's message (torch's run to a paragraph)."""
-    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return line.split(". ")[0].rstrip(".")
-
-
-def _pipeline_tp_state(tag_dir: Path, layout: dict) -> dict:
+def _pipeline_tp_state(tag_dir: Path, manifest: dict) -> dict:
     """Pipeline stages sharded over tp (toolkit.distributed.tensor_parallel): tp rank t of each stage wrote
     layer_XX-model_{t:02d}-model_states.pt, and (dp rank 0) mp_rank_{stage * tp + t:02d}_model_states.pt with
     the map AutoTP made of that stage's shards. Each rank's layers are read by HF name as at tp 1 (bf16:
     with its fp32 masters), the stages' maps joined, and the shards merged as at pp 1 (merge_tp_shards);
     what the map does not name (embedding, final norm, head) every tp rank holds whole: rank 0's is taken."""
-    tp = layout["tp"]
+    tp = manifest["tp"]
     info = {}
-    for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+    for path in sorted(tag_dir.glob(MODEL_STATES_GLOB)):
         for key, value in (torch_load(path).get("universal_checkpoint_info") or {}).items():
             if key == "affine_map":
                 info.setdefault(key, {}).setdefault("params", {}).update(value.get("params") or {})
@@ -316,24 +279,24 @@ def _pipeline_tp_state(tag_dir: Path, layout: dict) -> dict:
     masters = _pipeline_fragments(tag_dir)
     shards = []
     for t in range(tp):
-        shard = _pipeline_state(tag_dir, layout["hf_names"], layout.get("base_saved", True), f"-model_{t:02d}")
-        mine = {(mp // tp, name): fragments for (mp, name), fragments in masters.items() if mp % tp == t}
-        for name, flat in masters_by_hf_name(mine, layout).items():
+        shard = _pipeline_state(tag_dir, manifest["hf_names"], manifest.get("base_saved", True), t)
+        mine = {(mp // tp, name): pieces for (mp, name), pieces in masters.items() if mp % tp == t}
+        for name, flat in masters_by_hf_name(mine, manifest).items():
             if name in shard:
                 shard[name] = flat.reshape(shard[name].shape)
         shards.append(shard)
     return {**shards[0], **merge_tp_shards(shards, info)}
 
 
-def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True, rank: str = "") -> dict:
-    """layer_XX-model_states.pt (keys relative to the layer) -> HF names via the saved layout.
+def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True, tp_rank: int | None = None) -> dict:
+    """layer_XX-model_states.pt (keys relative to the layer) -> HF names via the manifest.
 
     hf_names[i] is {key in that layer's state dict: HF parameter name}. base_saved False (LoRA from a
     directory): a layer without adapters has no file, and the others hold their adapters only.
-    rank: "-model_TT" for tp rank TT's files (tp inside the stages)."""
+    tp_rank: tp rank t's files (tp inside the stages)."""
     state = {}
     for i, names in enumerate(hf_names):
-        path = tag_dir / f"layer_{i:02d}{rank}-model_states.pt"
+        path = tag_dir / layer_file(i, tp_rank)
         if not names or (not path.exists() and set(names.values()) <= set(state)):
             continue  # DeepSpeed saves a tied module once, with its first layer
         if not path.exists() and not base_saved and not any(is_adapter(hf) for hf in names.values()):
@@ -345,21 +308,21 @@ def _pipeline_state(tag_dir: Path, hf_names: list, base_saved: bool = True, rank
     return state
 
 
-def _pipeline_masters(tag_dir: Path, layout: dict) -> dict:
+def _pipeline_masters(tag_dir: Path, manifest: dict, partitioned: bool) -> dict:
     """A pipeline trained in bf16/fp16: the fp32 masters, by HF name ({} when there are none: in fp32 the
-    weights are the masters)."""
-    return masters_by_hf_name(_pipeline_fragments(tag_dir) or _pipeline_zero0_fragments(tag_dir), layout)
+    weights are the masters). partitioned: in ZeRO-1 / BF16_Optimizer files, else each stage's mp_rank file."""
+    pieces = _pipeline_fragments(tag_dir) if partitioned else _pipeline_zero0_fragments(tag_dir)
+    return masters_by_hf_name(pieces, manifest)
 
 
 def _pipeline_fragments(tag_dir: Path) -> dict:
     """{(mp rank, stage-module name): fp32 master fragments} from the optimizer's partition files: BF16_Optimizer's
     (bf16_zero_pp_rank_*) and ZeRO-1's (zero_pp_rank_*: fp16, or bf16 accumulating in bf16); {} without such
     files. The mp rank is the stage (stage * tp + tp rank with tp inside the stages)."""
-    files = sorted(p for p in tag_dir.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt") if PARTITION_FILE.fullmatch(p.name))
+    files = list(partition_files(tag_dir).values())
     if not files:
         return {}
-    return partition_fragments(files, lambda saved: [{"weights": flat}
-                                                     for flat in saved["single_partition_of_fp32_groups"]])["weights"]
+    return partition_fragments(files, _masters)["weights"]
 
 
 def _pipeline_zero0_fragments(tag_dir: Path) -> dict:
@@ -368,7 +331,7 @@ def _pipeline_zero0_fragments(tag_dir: Path) -> dict:
     named by the param_names training saved beside them (checkpoint.save) and cut by DeepSpeed's
     param_shapes. {} where a stage holds none (fp32: its weights are the masters)."""
     pieces = {}
-    for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+    for path in sorted(tag_dir.glob(MODEL_STATES_GLOB)):
         pieces.update(zero0_stage_masters(path))
     return pieces
 
@@ -384,12 +347,9 @@ def zero0_stage_masters(path: Path, mmap: bool = False) -> dict:
         groups = [_split(flat, n) for flat, n in zip(optimizer["fp32_groups_flat"], numels)]
     if not groups or not names or [len(g) for g in groups] != [len(n) for n in names]:
         return {}
-    stage = int(path.name.split("_")[2])
+    stage = stage_of_model_states(path)
     return {(stage, name): [master.reshape(-1)] for group, group_names in zip(groups, names)
             for name, master in zip(group_names, group)}
-
-
-PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 def partition_fragments(files: list, flats) -> dict:
@@ -401,47 +361,31 @@ def partition_fragments(files: list, flats) -> dict:
     returns {kind: {(stage, name): [fragments in dp-rank order]}} (a parameter's fragments, joined, are
     its flat tensor)."""
     pieces = {}
-    for path in sorted(files, key=lambda p: tuple(map(int, PARTITION_FILE.fullmatch(p.name).groups()))[::-1]):
-        stage = int(PARTITION_FILE.fullmatch(path.name).group(2))
+    ranks = {path: tuple(map(int, PARTITION_FILE.fullmatch(path.name).groups())) for path in files}  # (dp, mp)
+    for path in sorted(files, key=lambda p: ranks[p][::-1]):
+        stage = ranks[path][1]
         saved = torch_load(path).get("optimizer_state_dict") or {}
         if "param_slice_mappings" not in saved:
             raise UnusableInput(f"{path} holds no param_slice_mappings: not a ZeRO-1/2 or bf16 optimizer partition")
-        for by_kind, mapping in zip(flats(saved), saved["param_slice_mappings"]):
-            for kind, flat in by_kind.items():
-                for name, where in mapping.items():
-                    pieces.setdefault(kind, {}).setdefault((stage, name), []).append(
-                        flat.narrow(0, where.start, where.numel))
+        by_group = flats(saved)  # per group {kind: flat}
+        for kind in (by_group[0] if by_group else {}):
+            found = fragments(saved["param_slice_mappings"], [group[kind] for group in by_group])
+            for name, fragment in found:
+                pieces.setdefault(kind, {}).setdefault((stage, name), []).append(fragment)
     return pieces
 
 
-def masters_by_hf_name(pieces: dict, layout: dict) -> dict:
+def masters_by_hf_name(pieces: dict, manifest: dict) -> dict:
     """{(stage, stage-module name): fragments} -> {HF name: flat fp32 tensor}. A tied module's copy is
     taken from the first layer that holds it (the same stage whose layer file export reads)."""
-    hf_names, tied = layout["hf_names"], layout.get("tied", {})
     out = {}
-    for (stage, name), fragments in pieces.items():
-        head, _, key = name.partition(".")
-        if head == "tied_modules":
-            tie, _, key = key.partition(".")
-            index = min(tied.get(tie, [None]) or [None])
-            if index is None or not _in_stage(layout, index, stage):
-                continue  # a later stage's copy of the tied weight
-        elif head.isdigit():
-            index = int(head)
-        else:
+    for (stage, name), fragments_of_name in pieces.items():
+        found = layer_of(name, manifest)
+        if found is None:
             continue
-        hf = (hf_names[index] if index < len(hf_names) else {}).get(key)
+        if name.startswith("tied_modules.") and stage_of(manifest, found[0]) != stage:
+            continue  # a later stage's copy of the tied weight
+        hf = hf_name_of(name, manifest)
         if hf is not None:
-            out[hf] = _cat(fragments)
+            out[hf] = join(fragments_of_name)
     return out
-
-
-def _in_stage(layout: dict, index: int, stage: int) -> bool:
-    parts = layout.get("parts") or []
-    return len(parts) > stage + 1 and parts[stage] <= index < parts[stage + 1]
-
-
-def _cat(fragments: list):
-    import torch
-
-    return torch.cat(fragments) if len(fragments) > 1 else fragments[0]

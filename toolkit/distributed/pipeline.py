@@ -19,7 +19,7 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError
 from toolkit.train.hf import MODEL_TASKS, param_dtype
-from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, layout_entry, peft_config, wrap
+from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, manifest_entry, peft_config, wrap
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
                     lora=None, seed: int = 0):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
-    with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); layout for
-    checkpoint.save_meta).
+    with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); the run's
+    manifest entries: pp, parts, hf_names, tied (+ lora, tp), for checkpoint.manifest.save_meta).
 
     model: a HF model in memory, or a local HF directory (str/Path: loaded per stage).
     config: the run's HF config; checked against the directory's (num_labels) when given.
@@ -55,7 +55,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
         log.warning("dstk: %s", fallback)
     layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
     if lora is not None:
-        layout["lora"] = layout_entry(lora, adapters)
+        layout["lora"] = manifest_entry(lora, adapters)
         _check_every_stage_trains(layout, spec)
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel

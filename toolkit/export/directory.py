@@ -20,12 +20,13 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.files import as_umask
-from toolkit.checkpoint.manifest import META
-from toolkit.checkpoint.state import find_checkpoint_dir, first_line, load_state_dict, read_layout
+from toolkit.checkpoint.deepspeed_files import first_line
+from toolkit.checkpoint.manifest import META, read_manifest
+from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
 from toolkit.train.hf import MODEL_TASKS
 from toolkit.train.lora import PEFT_PREFIX, is_adapter
 
-__all__ = ["export", "find_checkpoint_dir", "first_line", "load_state_dict"]  # the last three: toolkit.checkpoint.state's
+__all__ = ["export", "find_checkpoint_dir", "first_line", "load_state_dict"]  # the last three: toolkit.checkpoint's
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -43,7 +44,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
 
     A full model or a LoRA merge is streamed (stream.py, lora_merge.py: about one layer in memory
     at a time); stream=False, or a checkpoint the streaming readers do not cover, load the whole
-    model and save_pretrained it. A LoRA run (layout["lora"]): OUT_DIR holds the adapters merged
+    model and save_pretrained it. A LoRA run (manifest["lora"]): OUT_DIR holds the adapters merged
     into full weights, and `adapter_dir` (when given) the adapters alone in PEFT's format; with
     merge=False OUT_DIR holds the adapters alone instead (no merged weights)."""
     from toolkit.export.stream import parse_size
@@ -54,17 +55,16 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
         raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     _check_out(out_dir, overwrite)
-    meta = ckpt_dir / META
-    layout = read_layout(meta / "layout.json")
-    check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(layout.get("lora")))
+    manifest = read_manifest(ckpt_dir)
+    check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(manifest.get("lora")))
     if adapter_dir is not None:
         _check_out(Path(adapter_dir), overwrite)
-    if stream and _streamed(ckpt_dir, tag, layout, out_dir, dtype, max_bytes, adapter_dir, merge):
+    if stream and _streamed(ckpt_dir, tag, manifest, out_dir, dtype, max_bytes, adapter_dir, merge):
         return out_dir
     return _export_in_memory(ckpt_dir, out_dir, tag, dtype, adapter_dir, merge, max_bytes)
 
 
-def _streamed(ckpt_dir: Path, tag, layout: dict, out_dir: Path, dtype: str, max_bytes: int, adapter_dir,
+def _streamed(ckpt_dir: Path, tag, manifest: dict, out_dir: Path, dtype: str, max_bytes: int, adapter_dir,
               merge: bool) -> bool:
     """Whether the streaming export wrote OUT_DIR (False: this checkpoint needs the whole model)."""
     from toolkit.checkpoint.state import resolve_tag
@@ -74,10 +74,10 @@ def _streamed(ckpt_dir: Path, tag, layout: dict, out_dir: Path, dtype: str, max_
 
     tag = resolve_tag(ckpt_dir, tag)
     config = _read_config(ckpt_dir / META)
-    lora = layout.get("lora")
+    lora = manifest.get("lora")
     base_dir = None
     if lora and merge:  # the adapters merge into the exact weights the run started from, where they still are
-        base_dir = _lora_base_dir(layout, required=bool(lora.get("qlora")) or layout.get("base_saved") is False)
+        base_dir = _lora_base_dir(manifest, required=bool(lora.get("qlora")) or manifest.get("base_saved") is False)
     def save_adapters(folder: Path):  # PEFT's adapter folder (+ the tokenizer), from the model given
         return lambda model: write_dir_atomically(folder, lambda tmp: _save_with_tokenizer(model, meta, tmp))
 
@@ -85,14 +85,14 @@ def _streamed(ckpt_dir: Path, tag, layout: dict, out_dir: Path, dtype: str, max_
 
     try:
         if not lora:
-            write_dir_atomically(out_dir, lambda folder: export_streaming(ckpt_dir, tag, layout, config, folder,
+            write_dir_atomically(out_dir, lambda folder: export_streaming(ckpt_dir, tag, manifest, config, folder,
                                                                            DTYPES[dtype], max_bytes))
         elif merge:
             write_dir_atomically(out_dir, lambda folder: export_lora_streaming(
-                ckpt_dir, tag, layout, config, folder, DTYPES[dtype], max_bytes, base_dir,
+                ckpt_dir, tag, manifest, config, folder, DTYPES[dtype], max_bytes, base_dir,
                 None if adapter_dir is None else save_adapters(Path(adapter_dir)), check_base=not lora.get("qlora")))
         else:  # the adapters alone into OUT_DIR
-            export_lora_streaming(ckpt_dir, tag, layout, config, None, DTYPES[dtype], max_bytes, None,
+            export_lora_streaming(ckpt_dir, tag, manifest, config, None, DTYPES[dtype], max_bytes, None,
                                   save_adapters(out_dir), merge=False)
     except NotStreamable:
         return False
@@ -116,17 +116,17 @@ def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_di
     import models
 
     meta = ckpt_dir / META
-    state, layout = load_state_dict(ckpt_dir, tag)
+    state, manifest = load_state_dict(ckpt_dir, tag)
     config = _read_config(meta)
-    cls = models.auto_class(MODEL_TASKS[layout["task"]])
+    cls = models.auto_class(MODEL_TASKS[manifest["task"]])
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3
-    lora = layout.get("lora") or {}
+    lora = manifest.get("lora") or {}
     base = None
     if lora and merge:  # the adapters merge into the exact weights the run started from, where they still are
-        required = bool(lora.get("qlora")) or layout.get("base_saved") is False  # no usable base in the checkpoint
-        base = _lora_base(layout, cls, config, required=required)
+        required = bool(lora.get("qlora")) or manifest.get("base_saved") is False  # no usable base in the checkpoint
+        base = _lora_base(manifest, cls, config, required=required)
         if base is not None and not lora.get("qlora") and not _same_base(state, base[0]):
             base = None  # the directory changed since the run: the checkpoint's own copy of the base it trained on
     adapters_only = base is not None or (lora and not merge)
@@ -136,7 +136,7 @@ def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_di
     else:
         model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
     if lora:
-        model = _with_adapters(model, lora, layout["task"])
+        model = _with_adapters(model, lora, manifest["task"])
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
@@ -183,7 +183,7 @@ def _save_with_tokenizer(model, meta: Path, folder: Path, max_bytes: int | None 
     AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
 
 
-def _lora_base(layout: dict, cls, config, required: bool):
+def _lora_base(manifest: dict, cls, config, required: bool):
     """(the run's --model directory loaded in fp32, the HF names it lacks) for a LoRA run, or None when
     there is no such directory (a built-in model, or moved) and it is not `required`.
 
@@ -193,7 +193,7 @@ def _lora_base(layout: dict, cls, config, required: bool):
     import torch
     from transformers.utils import logging as hf_logging
 
-    path = _lora_base_dir(layout, required)
+    path = _lora_base_dir(manifest, required)
     if path is None:
         return None
     level = hf_logging.get_verbosity()
@@ -205,15 +205,15 @@ def _lora_base(layout: dict, cls, config, required: bool):
     return model, set(info["missing_keys"])
 
 
-def _lora_base_dir(layout: dict, required: bool) -> Path | None:
+def _lora_base_dir(manifest: dict, required: bool) -> Path | None:
     """The run's --model directory, or None where there is none here (a built-in model, or moved) and
     it is not `required` (refused then: the checkpoint holds no usable base)."""
-    path = layout.get("model")
+    path = manifest.get("model")
     if path and Path(path).is_dir():
         return Path(path)
     if not required:
         return None
-    held = "in 4 bits only (QLoRA)" if (layout.get("lora") or {}).get("qlora") else "not at all (adapters only)"
+    held = "in 4 bits only (QLoRA)" if (manifest.get("lora") or {}).get("qlora") else "not at all (adapters only)"
     raise UnusableInput(f"this LoRA checkpoint holds its base {held}; export merges the adapters into the "
                         f"model the run was trained from, {path!r}, which is not a directory here. Make it "
                         "available at that path (or export on the machine that has it)")

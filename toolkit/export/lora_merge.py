@@ -100,7 +100,7 @@ class MergedReader:
                               f"{sorted(linears - self.merged)[:4]}")
 
 
-def export_lora_streaming(ckpt_dir: Path, tag: str, layout: dict, config, out: Path, dtype: str, max_bytes: int,
+def export_lora_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, out: Path, dtype: str, max_bytes: int,
                           base_dir: Path | None, save_adapters=None, merge: bool = True,
                           check_base: bool = False) -> dict:
     """Write a LoRA run's merged HF directory into `out` (merge=False: nothing there); save_adapters
@@ -113,10 +113,10 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, layout: dict, config, out: P
     from toolkit.checkpoint.stream import NotStreamable, open_reader
     from toolkit.export.stream import expected_tensors, write_metadata, write_weights
 
-    skeleton, wrapped = _skeletons(config, layout)
+    skeleton, wrapped = _skeletons(config, manifest)
     expected, tied = expected_tensors(skeleton)  # tied: every state-dict name -> the name written
     tag_dir = ckpt_dir / tag
-    names = open_reader(tag_dir, layout, {}).names()
+    names = open_reader(tag_dir, manifest, {}).names()
     alias = {n: tied.get(hf_name(n), hf_name(n)) for n in names}  # checkpoint name -> HF name
     heads = {alias[n] for n in names if ".modules_to_save." in n}
     from_dir = None
@@ -128,14 +128,14 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, layout: dict, config, out: P
     shapes = {k.removeprefix(PEFT_PREFIX): tuple(t.shape) for k, t in wrapped.state_dict().items() if ".lora_" in k}
     lacking = {n for n in expected if from_dir is not None and n not in from_dir.files}  # heads saved without
     same = SameBase(from_dir, [alias[n] for n in names if not is_adapter(n)]) if check_base and from_dir else None
-    adapters, extra = read_adapters(open_reader(tag_dir, _saved_layers(tag_dir, layout), alias), shapes,
+    adapters, extra = read_adapters(open_reader(tag_dir, _saved_layers(tag_dir, manifest), alias), shapes,
                                     heads | lacking, same)
     if same is not None and not same.same:  # the directory changed since the run: the checkpoint's own base
         from_dir, base_dir, extra = None, None, {n: extra[n] for n in heads}
     stats = {}
     if merge:
         lora = wrapped.peft_config[ADAPTER]
-        bases = from_dir or open_reader(tag_dir, layout, alias)
+        bases = from_dir or open_reader(tag_dir, manifest, alias)
         reader = MergedReader(bases, set(tied), extra, adapters, lora.lora_alpha / lora.r, lora.fan_in_fan_out)
         stats = write_weights(reader, skeleton, out, dtype, max_bytes, str(tag_dir))
         reader.check_all_merged(str(tag_dir))
@@ -149,17 +149,19 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, layout: dict, config, out: P
     return stats
 
 
-def _saved_layers(tag_dir: Path, layout: dict) -> dict:
-    """`layout` less the pipeline layers that have no file (a run whose base is a directory saves the
+def _saved_layers(tag_dir: Path, manifest: dict) -> dict:
+    """The manifest less the pipeline layers that have no file (a run whose base is a directory saves the
     layers holding adapters only)."""
-    if layout.get("pp", 1) == 1:
-        return layout
-    hf_names = [names if (tag_dir / f"layer_{i:02d}-model_states.pt").exists() else {}
-                for i, names in enumerate(layout["hf_names"])]
-    return {**layout, "hf_names": hf_names}
+    from toolkit.checkpoint.deepspeed_files import layer_file
+
+    if manifest.get("pp", 1) == 1:
+        return manifest
+    hf_names = [names if (tag_dir / layer_file(i)).exists() else {}
+                for i, names in enumerate(manifest["hf_names"])]
+    return {**manifest, "hf_names": hf_names}
 
 
-def _skeletons(config, layout: dict):
+def _skeletons(config, manifest: dict):
     """(the HF model, another wrapped with the run's adapters as a PeftModel), both on the meta device."""
     import torch
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -171,14 +173,14 @@ def _skeletons(config, layout: dict):
     from toolkit.train.lora import LoraSettings, apply
 
     unset_hf_deepspeed_config()  # plain skeletons, even in a process that trained under ZeRO-3
-    cls = models.auto_class(MODEL_TASKS[layout["task"]])
-    s = layout["lora"]
+    cls = models.auto_class(MODEL_TASKS[manifest["task"]])
+    s = manifest["lora"]
     with torch.device("meta"):
         skeleton, base = (cls.from_config(config, dtype=torch.float32) for _ in range(2))
         if converts_weights(skeleton):
             raise NotStreamable(f"{type(skeleton).__name__} renames or fuses weights when saved")
         settings = LoraSettings(s["r"], s["alpha"], s["dropout"], tuple(s["targets"]), bool(s.get("qlora")))
-        wrapped = apply(base, settings, layout["task"])
+        wrapped = apply(base, settings, manifest["task"])
     return skeleton, wrapped
 
 

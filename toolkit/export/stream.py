@@ -155,7 +155,8 @@ def write_weights(reader, skeleton, folder: Path, dtype: str, max_bytes: int, wh
     return {"shards": len(writer.files), "total_size": writer.total_size, "largest_group": largest}
 
 
-def export_streaming(ckpt_dir: Path, tag: str, layout: dict, config, folder: Path, dtype: str, max_bytes: int) -> dict:
+def export_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, folder: Path, dtype: str,
+                     max_bytes: int) -> dict:
     """Write a full (non-LoRA) checkpoint's HF directory into `folder` (config: its HF config; dtype:
     "float32", "bfloat16" or "float16"): config.json (+ "dtype"),
     generation_config.json when the model generates, the weights streamed, the tokenizer from dstk/.
@@ -171,11 +172,11 @@ def export_streaming(ckpt_dir: Path, tag: str, layout: dict, config, folder: Pat
     meta = ckpt_dir / META
     unset_hf_deepspeed_config()  # a plain skeleton, even in a process that trained under ZeRO-3
     with torch.device("meta"):
-        skeleton = models.auto_class(MODEL_TASKS[layout["task"]]).from_config(config, dtype=torch.float32)
+        skeleton = models.auto_class(MODEL_TASKS[manifest["task"]]).from_config(config, dtype=torch.float32)
     if converts_weights(skeleton):
         raise NotStreamable(f"{type(skeleton).__name__} renames or fuses weights when saved")
     _, alias = expected_tensors(skeleton)
-    reader = open_reader(ckpt_dir / tag, layout, alias)
+    reader = open_reader(ckpt_dir / tag, manifest, alias)
     stats = write_weights(reader, skeleton, folder, dtype, max_bytes, str(ckpt_dir / tag))
     write_metadata(skeleton, meta, folder, dtype)
     return stats

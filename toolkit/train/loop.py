@@ -38,7 +38,7 @@ class Job:
     save_frozen: bool = True  # False: a LoRA run from a directory saves adapters (and optimizer) only
     data_info: dict | None = None  # data.Prepared.info: format, documents, rows, truncations
     param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
-    layout: dict | None = None  # the run's layout.json, also saved with every tag (a run can change layout)
+    layout: dict | None = None  # the run's manifest (dstk/manifest.json), also saved with every tag (a run can change layout)
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
@@ -99,18 +99,18 @@ def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
 def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool, seed: int, dp_rank: int) -> None:
     """Load checkpoint `tag` into the engine: DeepSpeed's own load on the layout it was written with,
     with each rank's random-number generators; on another layout (or from `dstk reshard`'s portable
-    folder) by HF name (toolkit.checkpoint.portable), after which layout.json describes the new layout (each
+    folder) by HF name (toolkit.checkpoint.portable), after which the run's manifest describes the new layout (each
     older tag keeps its own copy), and the generators re-seeded (seed_streams)."""
     from toolkit.checkpoint import portable
 
-    saved = manifest.tag_layout(ckpt_dir, tag)
+    saved = manifest.read_manifest(ckpt_dir, tag)
     if portable.moved(saved, layout) or portable.is_portable(ckpt_dir / tag):
         made = portable.stage(ckpt_dir, tag)
         names = portable.hf_names_of(engine.module, layout)
         portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
         dist.barrier()
         if dist.get_rank() == 0:
-            manifest.move_meta(ckpt_dir, layout)
+            manifest.move_manifest(ckpt_dir, layout)
             if made:  # the tag is as it was written
                 shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
         dist.barrier()
@@ -198,7 +198,7 @@ def make_model(args, config, topo, cfg: dict):
         if settings is None:
             return model, {"pp": 1}
         model = lora.apply(model, settings, args.task, args.seed)
-        return model, {"pp": 1, "lora": lora.layout_entry(settings, model.peft_config["default"])}
+        return model, {"pp": 1, "lora": lora.manifest_entry(settings, model.peft_config["default"])}
     from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():
@@ -299,7 +299,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
             record["eval_ppl"] = _perplexity(record["eval_loss"])
         if step == job.steps or (args.save_every and step % args.save_every == 0):
             manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
-                            layout=job.layout)
+                            manifest=job.layout)
         losses.append(loss)
         if log:
             log.write(record)

@@ -88,8 +88,8 @@ def peft_config(model, settings: LoraSettings, task: str):
                       fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
 
 
-def layout_entry(settings: LoraSettings, config) -> dict:
-    """What layout.json records of a LoRA run (export rebuilds the adapters from it): the settings,
+def manifest_entry(settings: LoraSettings, config) -> dict:
+    """What the run's manifest records of a LoRA run (export rebuilds the adapters from it): the settings,
     with the targets peft's LoraConfig `config` resolved to."""
     return {**settings.to_dict(), "targets": sorted(config.target_modules)}
 

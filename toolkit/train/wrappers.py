@@ -31,6 +31,10 @@ def is_fp16_wrapper(optimizer) -> bool:
     return _kind(optimizer) in FP16_WRAPPERS
 
 
+def is_bf16_optimizer(optimizer) -> bool:
+    return _kind(optimizer) == "BF16_Optimizer"
+
+
 def initialize(model, groups: list, config: dict, verbose: bool = False):
     """deepspeed.initialize on the GPU toolkit.distributed.process_group chose, settled; its prints (BF16_Optimizer reports memory
     on stdout, forced, while it builds) only with --verbose."""
@@ -63,7 +67,7 @@ def load(engine, ckpt_dir, tag: str, strict: bool):
     import contextlib
     import io
 
-    bf16_zero0 = _kind(engine.optimizer) == "BF16_Optimizer" and not engine.zero_optimization()
+    bf16_zero0 = is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
     with contextlib.redirect_stdout(io.StringIO()):  # BF16_Optimizer prints a debugging line as it loads
         loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict,
                                            load_optimizer_states=not bf16_zero0)
