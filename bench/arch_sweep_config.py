@@ -243,12 +243,13 @@ def build_tiny(model_type: str, seed: int = 0):
     """The tiny HF causal LM of `model_type`: fp32, eager attention, dropout off, eval mode."""
     import torch
 
+    from toolkit.train.hf import random_model
+
     cls, config = causal_lm_class(tiny_config(model_type))
     with torch.device("meta"):
         params = sum(p.numel() for p in cls._from_config(config).parameters())
     if params > MAX_PARAMS:
         raise ValueError(f"tiny config still has {params / 1e6:.1f}M parameters (> {MAX_PARAMS / 1e6:.0f}M): "
                          "some size is not shrunk")
-    torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = random_model(config, seed=seed, cls=cls, attn_implementation="eager", dtype=torch.float32)
     return model.float().eval()

@@ -1,7 +1,6 @@
 """Runs that several test files read, each made once per session. Ranks are forked from the warm rank
 server (tests/ranks.py); what a run costs is its training, not the ~20 s a launcher's start-up took."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -49,13 +48,15 @@ class TrainRuns:
 
     def get(self, name: str) -> Path:
         """The run folder of layout `name` (its config: FOLDER/NAME.json, its output: FOLDER/NAME.log)."""
-        from tests.distributed.test_train import CLIP, COMMON, ds_config, launch
+        from tests.configs import run_config, write_config
+        from tests.distributed.launch import COMMON, launch
+        from tests.distributed.test_train import CLIP
 
         out = self.folder / name
         if name not in self.done:
             procs, mbs, gas, pp, steps = self.LAYOUTS[name]
             shown = [a for a in COMMON if a != "--no-progress"] if name == "pp2dp1" else COMMON
-            cfg = ds_config(self.folder / f"{name}.json", mbs, gas, pp, clip=CLIP)
+            cfg = write_config(self.folder / f"{name}.json", run_config(mbs, gas, pp, clip=CLIP))
             rc, log = launch(cfg, out, procs, "--steps", steps, *([] if name == "pp2dp1" else ["--no-export"]),
                              model_args=shown)
             assert rc == 0, log[-3000:]
@@ -84,17 +85,14 @@ class Bf16Runs:
         self.done = set()
 
     def get(self, model: str, pp: int, zero: int, export: bool = True) -> Path:
+        from tests.configs import QUIET, write_config
         from tests.ranks import run_train
 
         tmp = self.folder / f"{model}_pp{pp}_zero{zero}{'' if export else '_no_export'}"
         if tmp not in self.done:
             tmp.mkdir(exist_ok=True)
             cfg = tmp / "ds.json"
-            cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                                       "gradient_clipping": 0.0, "bf16": {"enabled": True},
-                                       "zero_optimization": {"stage": zero}, "pipeline": {"stages": pp},
-                                       "steps_per_print": 10**6,
-                                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
+            write_config(cfg, mbs=2, gas=2, zero=zero, pp=pp, bf16=True, gradient_clipping=0.0, **QUIET)
             args = ["--config", cfg, "--model", model, "--data", REPO / "toolkit" / "corpus" / "corpus.txt",
                     "--seq-len", "32", "--steps", "2", "--no-progress", "--eval-batches", "1",
                     *([] if export else ["--no-export"]), "--out", tmp / "run"]
@@ -122,10 +120,8 @@ class SavedModels:
 
         out = self.folder / f"{name}_seed{seed}"
         if not out.exists():
-            tok = hf.load_tokenizer(name)
-            model = hf.build_model(name, hf.load_config(name, tok, "causal-lm"), "causal-lm", seed)
-            model.save_pretrained(out.with_suffix(".tmp"))
-            tok.save_pretrained(out.with_suffix(".tmp"))
+            hf.builtin_model(name, seed).save_pretrained(out.with_suffix(".tmp"))
+            hf.byte_tokenizer().save_pretrained(out.with_suffix(".tmp"))
             out.with_suffix(".tmp").rename(out)
         return out
 

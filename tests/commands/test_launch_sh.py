@@ -3,12 +3,12 @@
 Bad counts and stages that do not divide the processes: test_refusals_launch.py."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.launch import launch_sh
 from tests.unit.test_train_refusals import train_config, refused
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,15 +17,10 @@ CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 # tests/unit/test_launch.py
 
 
-def dry_run(*args):
-    env = dict(os.environ, PYTHON=sys.executable)
-    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env, cwd=REPO)
-
-
 def test_dry_run_prints_the_deepspeed_command(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text("{}")
-    run = dry_run("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
+    run = launch_sh("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
     assert run.returncode == 0, run.stderr
     assert "-m deepspeed.launcher.runner --master_port " in run.stdout and " --num_gpus 2 " in run.stdout  # a free port
     assert (f"--log_level error --module toolkit.train --config {cfg} "
@@ -35,7 +30,7 @@ def test_dry_run_prints_the_deepspeed_command(tmp_path):
 def test_node_rank_without_ssh_writes_a_hostfile_and_passes_the_master(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text("{}")
-    run = dry_run("--num-nodes", "2", "--num-gpus", "1", "--node-rank", "1", "--master-addr", "10.0.0.1",
+    run = launch_sh("--num-nodes", "2", "--num-gpus", "1", "--node-rank", "1", "--master-addr", "10.0.0.1",
                   "--master-port", "29555", "--config", str(cfg), "--dry-run", "--", "--model", "m")
     assert run.returncode == 0, run.stderr
     assert "--no_ssh --node_rank 1 --master_addr 10.0.0.1 --master_port 29555" in run.stdout
@@ -54,7 +49,7 @@ def test_node_rank_without_ssh_writes_a_hostfile_and_passes_the_master(tmp_path)
 def test_bad_launch_options_are_refused(tmp_path, args, message):
     cfg = tmp_path / "ds.json"
     cfg.write_text("{}")
-    run = dry_run(*[a.format(cfg=cfg) for a in args])
+    run = launch_sh(*[a.format(cfg=cfg) for a in args])
     assert run.returncode == 2 and message in run.stderr
 
 
@@ -62,19 +57,16 @@ def test_bad_launch_options_are_refused(tmp_path, args, message):
 
 
 def test_launch_sh_refuses_once_before_starting_any_rank(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable)
-    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(train_config(tmp_path)), "--",
-           "--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "0", "--out", str(tmp_path / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    result = launch_sh("--num-gpus", "2", "--config", train_config(tmp_path), "--", "--model", "tiny-gpt2",
+                       "--data", CORPUS, "--seq-len", "0", "--out", tmp_path / "run")
     refused(result, 2, "--seq-len")
     assert "spawned" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
 
 
 def test_launcher_logs_only_with_verbose(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable)
-    base = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(train_config(tmp_path)), "--dry-run", "--"]
-    quiet = subprocess.run(base + ["--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
-    loud = subprocess.run(base + ["--model", "m", "--verbose"], capture_output=True, text=True, env=env, cwd=REPO)
+    base = ["--num-gpus", "2", "--config", train_config(tmp_path), "--dry-run", "--"]
+    quiet = launch_sh(*base, "--model", "m")
+    loud = launch_sh(*base, "--model", "m", "--verbose")
     assert "--log_level error --module toolkit.train" in quiet.stdout
     assert "--log_level info --module toolkit.train" in loud.stdout
 
@@ -88,8 +80,7 @@ def test_num_gpus_takes_the_gpus_a_scheduler_made_visible(tmp_path, visible, gpu
     cfg = tmp_path / "ds.json"
     cfg.write_text("{}")
     env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cuda", CUDA_VISIBLE_DEVICES=visible)
-    run = subprocess.run(["bash", str(REPO / "launch.sh"), "--num-gpus", str(gpus), "--config", str(cfg), "--dry-run",
-                          "--", "--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
+    run = launch_sh("--num-gpus", gpus, "--config", cfg, "--dry-run", "--", "--model", "m", env=env)
     assert run.returncode == 0 and expect in run.stdout, run.stdout + run.stderr
     assert ("--num_gpus" in run.stdout) == (not visible)
 
@@ -98,8 +89,7 @@ def test_more_gpus_than_visible_are_refused(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text("{}")
     env = dict(os.environ, PYTHON=sys.executable, DS_ACCELERATOR="cuda", CUDA_VISIBLE_DEVICES="4")
-    run = subprocess.run(["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(cfg), "--dry-run",
-                          "--", "--model", "m"], capture_output=True, text=True, env=env, cwd=REPO)
+    run = launch_sh("--num-gpus", "2", "--config", cfg, "--dry-run", "--", "--model", "m", env=env)
     assert run.returncode == 2 and "--num-gpus 2, but CUDA_VISIBLE_DEVICES=4 shows 1 GPU(s); use --num-gpus 1" in run.stderr
 
 
@@ -124,9 +114,8 @@ def _remote_launch(tmp_path, *launch_args):
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
     env.update(PYTHON=sys.executable, PATH=f"{bin_dir}:{env['PATH']}", HOME=str(home), RECORD=str(tmp_path),
                NCCL_SOCKET_IFNAME="ib0", NCCL_DEBUG="WARN")
-    cmd = ["bash", str(REPO / "launch.sh"), "--hostfile", str(hosts), *launch_args, "--config",
-           str(train_config(tmp_path)), "--", "--model", "tiny-gpt2", "--data", str(CORPUS), "--out", str(tmp_path / "run")]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    run = launch_sh("--hostfile", hosts, *launch_args, "--config", train_config(tmp_path), "--", "--model", "tiny-gpt2",
+                    "--data", CORPUS, "--out", tmp_path / "run", env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     return run
 
@@ -155,7 +144,7 @@ def test_openmpi_tcp_goes_over_the_master_addresss_subnet(tmp_path, extra, expec
     hosts.write_text("localhost slots=2\n")
     cfg = tmp_path / "ds.json"
     cfg.write_text("{}")
-    run = dry_run("--launcher", "openmpi", "--hostfile", str(hosts), *extra, "--config", str(cfg), "--dry-run", "--",
+    run = launch_sh("--launcher", "openmpi", "--hostfile", str(hosts), *extra, "--config", str(cfg), "--dry-run", "--",
                   "--model", "m")
     assert run.returncode == 0 and expect in run.stdout, run.stdout + run.stderr
     assert run.stdout.count("btl_tcp_if_include") == (0 if note else 1)

@@ -85,13 +85,15 @@ def test_streamed_lora_merge_peaks_near_one_layer(tmp_path, monkeypatch):
     glibc's malloc keeps freed tensors below its dynamic mmap threshold (which rises to 32 MiB) in
     its heap, some 3 blocks more at the peak here whatever export holds: the exports run with the
     threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_), so the peak measures what export holds."""
-    from tests.unit.test_export_lora import fabricate_lora_checkpoint, tiny
+    from tests.unit.test_export_lora import fabricate_lora_checkpoint
     from tests.unit.test_export_stream import read_weights
+    from toolkit.train import hf
 
-    small, tok = tiny("tiny-llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    tok = hf.byte_tokenizer()
+    small = hf.builtin_model("tiny-llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     fabricate_lora_checkpoint(small, tok, tmp_path / "tiny", tmp_path / "tiny_base")
-    model, tok = tiny("tiny-llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
-                      num_attention_heads=16, num_key_value_heads=16)
+    model = hf.builtin_model("tiny-llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
+                             num_attention_heads=16, num_key_value_heads=16)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     fabricate_lora_checkpoint(model, tok, tmp_path / "big", tmp_path / "big_base")

@@ -3,20 +3,20 @@ never bash's own errors (arithmetic, unbound variables), and no hostfile left be
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.launch import launch_sh
 
 REPO = Path(__file__).resolve().parents[2]
 BASH_ERRORS = ("syntax error", "unbound variable", "arithmetic", "invalid number", "division by")
 
 
 def launch(tmp_path, *args):
-    env = dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path))
-    return subprocess.run(["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120)
+    """launch.sh with its temporary files (the hostfile) in tmp_path."""
+    return launch_sh(*args, env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)), timeout=120)
 
 
 def config(tmp_path, **cfg):

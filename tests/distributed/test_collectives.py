@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import COMMON, ds_config
+from tests.configs import run_config, write_config
+from tests.distributed.launch import COMMON
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -21,7 +22,7 @@ HELPER = "toolkit/distributed/process_group.py"
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_every_collective_tensor_is_on_the_engines_device(tmp_path, pp):
-    cfg = ds_config(tmp_path / "ds.json", mbs=2, gas=2, pp=pp)
+    cfg = write_config(tmp_path / "ds.json", run_config(mbs=2, gas=2, pp=pp))
     args = ["--config", cfg, *COMMON, "--steps", "2", "--eval-every", "1", "--eval-batches", "1", "--no-export",
             "--out", tmp_path / "run"]
     rc, log = run_ranks([SCRIPT, tmp_path, *args], 2)

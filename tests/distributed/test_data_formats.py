@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import ds_config, launch, losses, summary
+from tests.configs import run_config, write_config
+from tests.distributed.launch import launch
+from tests.distributed.test_train import losses, summary
 
 pytestmark = pytest.mark.distributed
 
@@ -76,7 +78,7 @@ def runs(tmp_path_factory):
         extra = [str(path) if a == "EVAL" else a for a in extra]  # prompt-completion evaluates on its own file
         args = ["--model", "tiny-gpt2", "--data", str(path), "--no-progress", "--chat-template", str(template),
                 "--data-cache", str(tmp / "cache"), "--eval-fraction", "0.125", *extra]
-        rc, log = launch(ds_config(tmp / f"{kind}.json", mbs, gas, pp, lr=3e-3), tmp / f"run_{kind}", procs, "--steps", 12,
+        rc, log = launch(write_config(tmp / f"{kind}.json", run_config(mbs, gas, pp, lr=3e-3)), tmp / f"run_{kind}", procs, "--steps", 12,
                          *(["--no-export"] if kind in ("alpaca",) else []), model_args=args)
         assert rc == 0, f"{kind}:\n{log[-6000:]}"
         done[kind] = (tmp / f"run_{kind}", args, log)

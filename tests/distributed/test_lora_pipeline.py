@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from models.spec import attention_inputs
-from tests.distributed.test_train import CORPUS, close, ds_config, launch, losses, summary, weather_rows
+from tests.configs import run_config, write_config
+from tests.distributed.launch import CORPUS, launch
+from tests.distributed.test_train import close, losses, summary, weather_rows
 from tests.reference import eval_reference
 
 pytestmark = pytest.mark.distributed
@@ -40,7 +42,7 @@ def runs(tmp_path_factory, saved_models):
     base = tmp / "base"  # the session's saved tiny-gpt2, where the tests read it
     base.symlink_to(saved_models.get("tiny-gpt2", SEED), target_is_directory=True)
     for name, (procs, mbs, gas, pp) in {**LAYOUTS, "builtin": (2, 2, 4, 2), "bf16": (2, 2, 4, 2)}.items():
-        cfg = ds_config(tmp / f"{name}.json", mbs, gas, pp, lr=1e-2)
+        cfg = write_config(tmp / f"{name}.json", run_config(mbs, gas, pp, lr=1e-2))
         if name == "pp2dp2":
             cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "zero_optimization": {"stage": 1},
                                        "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}))
@@ -145,7 +147,7 @@ def test_minilm_fine_tunes_for_classification_with_lora_at_pp2(tmp_path):
     data_file = weather_rows(tmp_path / "cls.jsonl")
     args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
             "--no-progress", "--eval-fraction", "0.125", *LORA]
-    rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=1e-3), tmp_path / "run", 2, "--steps", 6,
+    rc, log = launch(write_config(tmp_path / "pp2.json", run_config(4, 2, 2, lr=1e-3)), tmp_path / "run", 2, "--steps", 6,
                      model_args=args)
     assert rc == 0, log[-3000:]
     got = losses(tmp_path / "run")

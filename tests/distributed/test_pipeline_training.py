@@ -20,19 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.configs import run_config
+
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 STEPS, SEQ, LR, CLIP = 10, 32, 1e-3, 1.0
 COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", str(SEQ), "--no-progress",
           "--no-export", "--steps", str(STEPS)]
-
-
-def ds_config(mbs: int, gas: int, pp: int, **pipeline) -> dict:
-    """fp32, torch's AdamW, clipping at 1.0; gbs = mbs * gas * dp = 8 rows in every layout."""
-    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                      "weight_decay": 0.0, "torch_adam": True}},
-            "pipeline": {"stages": pp, **pipeline}, "steps_per_print": 10**6}
 
 
 # ---------------------------------------------------------------- dstk train, every layout
@@ -85,7 +79,7 @@ def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def layouts(train_runs, tmp_path_factory):
     """name -> step -> loss. pp1, pp2 and pp2dp2 are train_runs' pp1dp1, pp2dp1 and pp2dp2: the same
-    configs as ds_config(2, 4, 1), ds_config(2, 4, 2) and ds_config(2, 2, 2) here, the same COMMON flags
+    configs as run_config(2, 4, 1, clip=CLIP), (2, 4, 2) and (2, 2, 2) here, the same COMMON flags
     (pp2dp1 also shows progress and exports, which trains nothing differently)."""
     from tests.distributed import test_train
 
@@ -93,7 +87,7 @@ def layouts(train_runs, tmp_path_factory):
     shared = {"pp1": "pp1dp1", "pp2": "pp2dp1", "pp2dp2": "pp2dp2"}
     got = {name: test_train.losses(train_runs.get(run)) for name, run in shared.items()}
     got["pp2_ckpt"] = train(tmp_path_factory.mktemp("clip_ckpt"), "pp2_ckpt", 2,
-                            ds_config(2, 4, 2, activation_checkpoint_interval=1))
+                            run_config(2, 4, 2, clip=CLIP, activation_checkpoint_interval=1))
     return got
 
 
@@ -241,7 +235,8 @@ def checkpoint_case(interval: int, reentrant: bool, frozen: bool) -> dict:
     from toolkit.distributed.topology import Topology
     from toolkit.train import hf
 
-    cfg = ds_config(CKPT_MBS, CKPT_GAS, 2, activation_checkpoint_interval=interval, use_reentrant=reentrant)
+    cfg = run_config(CKPT_MBS, CKPT_GAS, 2, clip=CLIP, activation_checkpoint_interval=interval,
+                     use_reentrant=reentrant)
     config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
     model = hf.build_model("tiny-gpt2", config, "causal-lm", 1234)
     embedding = [model.transformer.wte.weight, model.transformer.wpe.weight]

@@ -17,13 +17,14 @@ name). The rest of the matrix is heavy. tiny-llama on the corpus, seq 32, gbs 8 
 AdamW lr 3e-3 with weight decay 0.01, no clipping, no dropout.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.configs import QUIET, adamw, write_config
 from tests.distributed.test_resume_layouts import resumed_from
-from tests.distributed.test_train import CORPUS, launch, losses
+from tests.distributed.launch import CORPUS, launch
+from tests.distributed.test_train import losses
 from tests.unit.test_export_stream import read_weights
 
 pytestmark = pytest.mark.distributed
@@ -39,14 +40,9 @@ DEFAULT_MOVE = "pp1z0"  # from pp2z0 (item 2); the chained test below moves that
 
 def config(path: Path, name: str) -> Path:
     pp, zero = LAYOUTS[name]
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2 * pp, "gradient_clipping": 0.0,
-           "bf16": {"enabled": True}, "zero_optimization": {"stage": zero}, "pipeline": {"stages": pp},
-           "steps_per_print": 10**6,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}}}
-    if zero:
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    path.write_text(json.dumps(cfg))
-    return path
+    fp32_accumulation = {"data_types": {"grad_accum_dtype": "fp32"}} if zero else {}
+    return write_config(path, mbs=2, gas=2 * pp, optimizer=adamw(3e-3, weight_decay=0.01), zero=zero, pp=pp,
+                        bf16=True, gradient_clipping=0.0, **QUIET, **fp32_accumulation)
 
 
 class Matrix:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import COMMON, OPTIMIZER, launch, losses
+from tests.configs import OPTIMIZER, QUIET, write_config
+from tests.distributed.launch import COMMON, launch
+from tests.distributed.test_train import losses
 from toolkit.checkpoint import manifest
 
 pytestmark = pytest.mark.distributed
@@ -27,11 +29,8 @@ SCHEDULER = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_m
 
 def config(path: Path, pp: int, dp: int, zero: int = 0) -> Path:
     """gbs 8 on every layout: mbs 2 x gas (4 / dp) x dp."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp, "gradient_clipping": 0.0,
-           "optimizer": OPTIMIZER, "scheduler": SCHEDULER, "pipeline": {"stages": pp}, "steps_per_print": 10**6,
-           "zero_optimization": {"stage": zero}}
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_config(path, mbs=2, gas=4 // dp, optimizer=OPTIMIZER, zero=zero, pp=pp, gradient_clipping=0.0,
+                        scheduler=SCHEDULER, **QUIET)
 
 
 def resumed_from(source: Path, step: int, out: Path) -> Path:

@@ -8,13 +8,14 @@
   model built as at ZeRO 0-2), so the first step's loss is the same.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.configs import OPTIMIZER, QUIET, write_config
 from tests.distributed.test_resume_layouts import resumed_from
-from tests.distributed.test_train import COMMON, OPTIMIZER, launch, losses
+from tests.distributed.launch import COMMON, launch
+from tests.distributed.test_train import losses
 
 pytestmark = pytest.mark.distributed
 
@@ -23,10 +24,8 @@ DROPOUT = [*COMMON, "--lora", "--lora-r", "4", "--lora-dropout", "0.1", "--eval-
 
 def config(path: Path, dp: int, zero: int = 0, pp: int = 1) -> Path:
     """gbs 8: mbs 2 x gas (4 / dp) x dp."""
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp,
-                                "gradient_clipping": 0.0, "optimizer": OPTIMIZER, "steps_per_print": 10**6,
-                                "zero_optimization": {"stage": zero}, "pipeline": {"stages": pp}}))
-    return path
+    return write_config(path, mbs=2, gas=4 // dp, optimizer=OPTIMIZER, zero=zero, pp=pp, gradient_clipping=0.0,
+                        **QUIET)
 
 
 def train(tmp: Path, name: str, dp: int, *args, zero: int = 0, pp: int = 1, model_args=DROPOUT) -> Path:

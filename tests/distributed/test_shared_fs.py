@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import COMMON, ds_config
+from tests.configs import run_config, write_config
+from tests.distributed.launch import COMMON
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +30,7 @@ def test_an_out_folder_that_is_each_nodes_own_disk_is_refused(tmp_path):
     folder.mkdir()
     script = tmp_path / "own_disk.py"
     script.write_text(OWN_DISK)
-    cfg = ds_config(tmp_path / "ds.json", mbs=2, gas=2, pp=1)
+    cfg = write_config(tmp_path / "ds.json", run_config(mbs=2, gas=2, pp=1))
     rc, log = run_ranks([script, folder, "--config", cfg, *COMMON, "--steps", "1", "--out", folder / "run"], 2,
                         timeout=120)
     assert rc == 1 and "Traceback" not in log, log[-3000:]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ranks import run_ranks
+from tests.distributed.launch import run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -30,8 +30,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "stage_moves.py"
 def _launch(tmp_path: Path, nprocs: int, *pairs) -> dict:
     """{(case, i): [rank reports]} for the (case, model) pairs, built in one launch of `nprocs` ranks."""
     tmp_path.mkdir(exist_ok=True)
-    rc, log = run_ranks([SCRIPT, tmp_path, *[str(x) for pair in pairs for x in pair]], nprocs, timeout=240)
-    assert rc == 0, log[-3000:]
+    run_script(SCRIPT, tmp_path, *[str(x) for pair in pairs for x in pair], num_procs=nprocs, timeout=240)
     return {(case, i): [json.loads((tmp_path / f"{case}-{i}-rank{r}.json").read_text()) for r in range(nprocs)]
             for i, (case, _) in enumerate(pairs)}
 

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_resume_layouts import resumed_from
-from tests.distributed.test_train import CORPUS, OPTIMIZER, launch, losses, summary
+from tests.configs import OPTIMIZER, QUIET, write_config
+from tests.distributed.launch import CORPUS, launch
+from tests.distributed.test_train import losses, summary
 from tests.reference import eval_reference
 
 pytestmark = pytest.mark.distributed
@@ -35,13 +37,8 @@ RESUMED = ("dp2tp2z3", "pp2tp2")
 
 def config(path: Path, procs: int, pp: int, tp: int, zero: int, bf16: bool = False) -> Path:
     dp = procs // (pp * tp)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp, "gradient_clipping": 1.0,
-           "optimizer": OPTIMIZER, "zero_optimization": {"stage": zero}, "steps_per_print": 10**6,
-           "bf16": {"enabled": bf16}, "pipeline": {"stages": pp}}
-    if tp > 1:
-        cfg["tensor_parallel"] = {"autotp_size": tp}
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_config(path, mbs=2, gas=4 // dp, optimizer=OPTIMIZER, zero=zero, pp=pp, tp=tp, bf16=bf16,
+                        gradient_clipping=1.0, **QUIET)
 
 
 class Runs:

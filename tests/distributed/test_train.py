@@ -8,54 +8,20 @@ the plain-DDP reference clips the same way.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.ranks import run_ranks, run_train
+from tests.configs import run_config, write_config
+from tests.distributed.launch import COMMON, CORPUS, launch
+from tests.ranks import run_ranks
 from tests.reference import eval_reference
 
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
-COMMON = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--seq-len", "32", "--no-progress"]
-ENV = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
-                                         "torch_adam": True}}
-
-
-def ds_config(path: Path, mbs: int, gas: int, pp: int, lr: float = 1e-3, clip: float = 0.0) -> Path:
-    optimizer = json.loads(json.dumps(OPTIMIZER))
-    optimizer["params"]["lr"] = lr
-    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
-           "optimizer": optimizer, "pipeline": {"stages": pp}, "steps_per_print": 10**6}
-    path.write_text(json.dumps(cfg))
-    return path
-
-
-def launch(cfg: Path, out: Path, procs: int, *args, launcher=(), model_args=COMMON, wait=True, timeout=300):
-    """`dstk train` on `procs` ranks forked from the warm rank server (tests/ranks.py), with launch.sh's
-    checks first; with `launcher` flags (or wait=False), through launch.sh and the deepspeed launcher."""
-    if not launcher and wait:
-        return run_train(["--config", cfg, *model_args, "--out", out, *args], procs, timeout=timeout)
-    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", str(procs), *launcher, "--config", str(cfg), "--",
-           *model_args, "--out", str(out), *map(str, args)]
-    if "--master-port" not in launcher:
-        cmd[2:2] = ["--master-port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return finish(proc, timeout) if wait else proc
-
-
-def finish(proc, timeout=300):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
 
 
 def losses(out: Path) -> dict:
@@ -185,7 +151,7 @@ def test_dp2_equals_plain_ddp_with_distributed_sampler(layouts, tmp_path):
 
 
 def test_killed_rank_fails_the_launch_fast_and_resume_continues_exactly(layouts, tmp_path):
-    cfg = ds_config(tmp_path / "dp2.json", 2, 2, 1, clip=CLIP)
+    cfg = write_config(tmp_path / "dp2.json", run_config(2, 2, 1, clip=CLIP))
     out = tmp_path / "crash"
     rc, log = launch(cfg, out, 2, "--steps", 20, "--save-every", 10, "--crash-at-step", 12, "--no-export")
     # rank 1 SIGKILLs itself right after step 12 (rank 0 logs it); the launch must notice, not hang
@@ -202,7 +168,7 @@ def test_config_for_another_world_is_refused_once_before_training(tmp_path):
     """launch.sh's `toolkit.train --check` refuses before starting a rank (launch.sh's own message first:
     tests/launchers); ranks started without that check (as the deepspeed launcher starts them) each
     refuse, and only rank 0 prints the message."""
-    cfg = ds_config(tmp_path / "pp3.json", 2, 4, 3)
+    cfg = write_config(tmp_path / "pp3.json", run_config(2, 4, 3))
     rc, log = launch(cfg, tmp_path / "bad", 2, "--steps", 2)
     assert rc != 0 and "Traceback" not in log, log[-3000:]
     assert log.count("world size 2 is not divisible by pp 3") == 1, log[-3000:]
@@ -231,7 +197,7 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
     data_file = weather_rows(tmp_path / "cls.jsonl")
     args = ["--model", str(model_dir), "--data", str(data_file), "--task", "classification", "--seq-len", "16",
             "--no-progress", "--eval-fraction", "0.125"]
-    rc, log = launch(ds_config(tmp_path / "pp2.json", 4, 2, 2, lr=5e-5), tmp_path / "run", 2, "--steps", 6,
+    rc, log = launch(write_config(tmp_path / "pp2.json", run_config(4, 2, 2, lr=5e-5)), tmp_path / "run", 2, "--steps", 6,
                      model_args=args)
     assert rc == 0, log[-3000:]
     # no rank ran from_pretrained on the directory (it would print HF's load report: no classifier
@@ -251,7 +217,7 @@ def test_minilm_fine_tunes_with_pp2_and_its_export_reloads(tmp_path):
 def test_dropout_draws_another_stream_on_each_data_parallel_replica(tmp_path):
     """pp 2 x dp 2: the two stages of a replica draw alike, the two replicas differently (the same
     dropout masks on every replica would make dp x the batch see one mask pattern)."""
-    cfg = ds_config(tmp_path / "ds.json", 2, 2, 2)
+    cfg = write_config(tmp_path / "ds.json", run_config(2, 2, 2))
     out = tmp_path / "draws.json"
     rc, log = run_ranks([REPO / "tests" / "distributed" / "scripts" / "dropout_streams.py", cfg, out], 4)
     assert rc == 0, log[-3000:]

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_train import CORPUS, ENV, REPO
+from tests.configs import QUIET, write_config
+from tests.conftest import free_port
+from tests.distributed.launch import CORPUS, ENV, launch_sh
 
 # A fresh process per rank (launch.sh): glibc reads MALLOC_MMAP_THRESHOLD_ when malloc starts, which in
 # a rank forked from the warm server (tests/ranks.py) happened before the variable was set.
@@ -28,34 +30,26 @@ ZERO3 = {"stage": 3, "reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_si
 
 
 def _run(tmp: Path, model: Path, zero: dict) -> dict:
-    import subprocess
-
-    from tests.conftest import free_port
-
-    cfg = tmp / f"zero{zero['stage']}.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                               "gradient_clipping": 0.0, "zero_optimization": zero, "steps_per_print": 10**6,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}))
+    cfg = write_config(tmp / f"zero{zero['stage']}.json", mbs=1, gas=1, lr=1e-4, gradient_clipping=0.0,
+                       zero_optimization=zero, **QUIET)
     out = tmp / f"run{zero['stage']}"
-    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--master-port", str(free_port()), "--config", str(cfg),
-           "--", "--model", str(model), "--data", str(CORPUS), "--seq-len", "32", "--steps", "2", "--no-progress",
-           "--eval-fraction", "0", "--no-export", "--out", str(out)]
-    env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = launch_sh("--num-gpus", 2, "--master-port", free_port(), "--config", cfg, "--", "--model", model,
+                     "--data", CORPUS, "--seq-len", 32, "--steps", 2, "--no-progress", "--eval-fraction", 0,
+                     "--no-export", "--out", out, env={**ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return next(r["summary"] for r in lines if "summary" in r)
 
 
 def test_zero3_ranks_hold_well_below_zero0_at_dp2(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
     from toolkit.train import hf
 
     tok = hf.byte_tokenizer()
     config = GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=len(tok), n_positions=256,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = GPT2LMHeadModel(config)
+    model = hf.random_model(config)
     assert 80e6 < sum(p.numel() for p in model.parameters()) < 90e6
     model.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")

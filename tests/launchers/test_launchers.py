@@ -8,14 +8,15 @@ These are the `heavy` tier (`make test-all`), except the dry runs.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import child_env, free_port
-from tests.distributed.test_train import CLIP, COMMON, close, ds_config, finish, launch, losses, summary
+from tests.configs import run_config, write_config
+from tests.distributed.launch import COMMON, finish, launch, launch_sh, run_tasks
+from tests.distributed.test_train import CLIP, close, losses, summary
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -28,12 +29,6 @@ def env(**extra) -> dict:
             "PYTHONPATH": str(REPO), **extra}
 
 
-def launch_sh(*args, timeout=300):
-    run = subprocess.run(["bash", str(REPO / "launch.sh"), *map(str, args)], cwd=REPO, env=env(),
-                         capture_output=True, text=True, timeout=timeout)
-    return run.returncode, run.stdout + run.stderr
-
-
 def train_args(out: Path, *extra) -> list:
     return [*COMMON, "--out", out, "--steps", STEPS, "--no-export", *extra]
 
@@ -42,13 +37,6 @@ def slurm_task(rank: int, **extra) -> dict:
     """srun's variables for task `rank` of 2 on one node; no RANK, no MASTER_*."""
     return env(**{"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "1",
                   "SLURM_NODELIST": "localhost", **extra})
-
-
-def run_tasks(cmd: list, envs: list, timeout=300) -> list:
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for e in envs]
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +65,7 @@ def test_launch_sh_trains_like_forked_ranks_and_prints_only_dstk_lines(train_run
 
 @pytest.mark.heavy
 def test_launch_sh_refuses_a_config_for_another_world_once_before_starting_a_rank(tmp_path):
-    cfg = ds_config(tmp_path / "pp3.json", 2, 4, 3)
+    cfg = write_config(tmp_path / "pp3.json", run_config(2, 4, 3))
     rc, log = launch(cfg, tmp_path / "bad", 2, "--steps", 2, launcher=["--master-port", str(free_port())])
     assert rc != 0 and log.count("does not divide 2; use --num-gpus 3") == 1, log[-3000:]
     assert "Traceback" not in log and not (tmp_path / "bad").exists()
@@ -87,7 +75,7 @@ def test_launch_sh_refuses_a_config_for_another_world_once_before_starting_a_ran
 def test_two_simulated_nodes_train_like_one_node(train_runs, tmp_path):
     """One launch.sh per node (--num-nodes 2 --node-rank R: deepspeed's --no_ssh), one process each."""
     ref = train_runs.get("pp2dp1")
-    cfg = ds_config(tmp_path / "pp2.json", 2, 4, 2, clip=CLIP)
+    cfg = write_config(tmp_path / "pp2.json", run_config(2, 4, 2, clip=CLIP))
     port = str(free_port())
     procs = [launch(cfg, tmp_path / "two_nodes", 1, "--steps", 10, "--no-export", wait=False,
                     launcher=["--num-nodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
@@ -103,8 +91,8 @@ def test_torchrun_trains_like_forked_ranks(reference, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "toolkit.train", "--config", str(cfg), *map(str, train_args(out))]
-    run = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    [(rc, log)] = run_tasks(cmd, [env()])
+    assert rc == 0, log[-3000:]
     assert len(summary(out)["params_per_rank"]) == 2
     assert close(losses(out), losses(ref), range(1, STEPS + 1))
 
@@ -114,8 +102,9 @@ def test_openmpi_launch_trains_two_distinct_ranks_like_the_deepspeed_launcher(re
     cfg, ref = reference
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n")
-    rc, log = launch_sh("--launcher", "openmpi", "--hostfile", hosts, "--master-port", free_port(), "--config", cfg,
-                        "--", *train_args(tmp_path / "run", "--verbose"))
+    run = launch_sh("--launcher", "openmpi", "--hostfile", hosts, "--master-port", free_port(), "--config", cfg,
+                    "--", *train_args(tmp_path / "run", "--verbose"), env=env())
+    rc, log = run.returncode, run.stdout + run.stderr
     assert rc == 0, log[-3000:]
     assert "cmd = mpirun -n 2 -hostfile" in log, log[-3000:]  # mpirun started the ranks, not DeepSpeed's launch
     assert len(summary(tmp_path / "run")["params_per_rank"]) == 2  # one world of 2, not 2 worlds of 1
@@ -192,7 +181,8 @@ def test_slurm_tasks_train_like_the_deepspeed_launcher(reference, tmp_path):
 
 
 def dry_run(*args):
-    return launch_sh(*args, "--dry-run", "--", "--model", "m")
+    run = launch_sh(*args, "--dry-run", "--", "--model", "m", env=env())
+    return run.returncode, run.stdout + run.stderr
 
 
 def test_openmpi_and_slurm_commands_use_the_asked_launcher_even_on_one_host(tmp_path):

@@ -16,16 +16,6 @@ from tests.unit.test_export_stream import read_weights
 from toolkit.train import hf, lora
 
 
-def tiny(name: str, **sizes):
-    """A built-in tiny model (`sizes` override its config: hidden_size, num_hidden_layers, ...)."""
-    tok = hf.byte_tokenizer()
-    config = hf.load_config(name, tok, "causal-lm")
-    if sizes:
-        fields = {k: v for k, v in config.to_dict().items() if k != "head_dim"}  # head_dim: derived again
-        config = type(config)(**{**fields, **sizes}, attn_implementation=config._attn_implementation)
-    return hf.build_model(name, config, "causal-lm", 0), tok
-
-
 def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None, seed: int = 0):
     """RUN/checkpoints as `dstk train --lora` at pp = 1 leaves it: the adapters alone when the base is a
     --model directory (`base_dir`, written here; base_saved False), else the whole PeftModel. Returns
@@ -64,7 +54,7 @@ def test_the_streamed_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, monke
 
     monkeypatch.setattr(export_module, "_export_in_memory", lambda *a, **k: pytest.fail("loaded the whole model"))
 
-    model, tok = tiny(name)
+    model, tok = hf.builtin_model(name), hf.byte_tokenizer()
     peft = fabricate_lora_checkpoint(model, tok, tmp_path / "run", tmp_path / "base" if from_dir else None)
     adapters = {k: v.clone() for k, v in peft.state_dict().items() if ".lora_" in k}
     want = peft.merge_and_unload().state_dict()
@@ -90,7 +80,7 @@ def test_the_streamed_lora_export_writes_the_whole_exports_directory(tmp_path, d
     in state-dict order), and the same tensors by name and dtype; with --no-merge the adapters alone."""
     from toolkit.export.directory import export
 
-    model, tok = tiny("tiny-llama")
+    model, tok = hf.builtin_model("tiny-llama"), hf.byte_tokenizer()
     fabricate_lora_checkpoint(model, tok, tmp_path / "run", tmp_path / "base")
     for kind, stream in (("whole", False), ("streamed", True)):
         export(tmp_path / "run", tmp_path / kind, dtype=dtype, merge=merge, stream=stream, max_shard_size="60KB",

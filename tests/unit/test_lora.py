@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.configs import write_config
 from toolkit.errors import ConfigError
 from toolkit.train import hf, lora
 
@@ -13,20 +14,12 @@ REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 
 
-def _model(name="tiny-llama"):
-    tok = hf.byte_tokenizer()
-    return hf.build_model(name, hf.load_config(name, tok, "causal-lm"), "causal-lm", 0)
-
-
 def _base_and_config(tmp_path, **ds) -> tuple:
     """(a saved tiny-llama directory with the byte tokenizer, a DeepSpeed config file: mbs 2, AdamW lr 1e-2 + `ds`)."""
     base_dir = tmp_path / "base"
-    _model().save_pretrained(base_dir)
+    hf.builtin_model("tiny-llama").save_pretrained(base_dir)
     hf.byte_tokenizer().save_pretrained(base_dir)
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, **ds,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
-    return base_dir, cfg
+    return base_dir, write_config(tmp_path / "ds.json", mbs=2, gas=1, lr=1e-2, **ds)
 
 
 def _merge_gap(merged_dir, base_dir, adapter_dir) -> float:
@@ -46,13 +39,13 @@ def _merge_gap(merged_dir, base_dir, adapter_dir) -> float:
     ("tiny-gpt2", ["c_attn", "c_proj", "c_fc"]),
 ])
 def test_default_targets_are_every_block_linear(name, expected):
-    assert sorted(lora.linear_names(_model(name))) == sorted(expected)
+    assert sorted(lora.linear_names(hf.builtin_model(name))) == sorted(expected)
 
 
 def test_a_target_that_matches_nothing_lists_the_linears():
     with pytest.raises(ConfigError, match=r"--lora-targets qkv match no linear layer of LlamaForCausalLM; its block "
                                           r"linears are: q_proj, k_proj"):
-        lora.resolve_targets(_model(), lora.LoraSettings(targets=("qkv",)))
+        lora.resolve_targets(hf.builtin_model("tiny-llama"), lora.LoraSettings(targets=("qkv",)))
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -64,13 +57,10 @@ def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path,
     from toolkit.train.runner import TrainArgs, run
 
     base_dir = tmp_path / "base"
-    base = _model()
+    base = hf.builtin_model("tiny-llama")
     base.save_pretrained(base_dir)
     hf.byte_tokenizer().save_pretrained(base_dir)
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                               "gradient_clipping": 0.0, "zero_optimization": {"stage": zero},
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    cfg = write_config(tmp_path / "ds.json", mbs=2, gas=1, lr=1e-2, zero=zero, gradient_clipping=0.0)
     out = tmp_path / "run"
     summary = run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=3,
                             progress=False, eval_batches=1, lora=True, lora_r=4))
@@ -144,9 +134,7 @@ def test_dstk_export_writes_the_adapters_alone_or_beside_the_merge(ds_world1, tm
     from toolkit.cli import cli
     from toolkit.train.runner import TrainArgs, run
 
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}))
+    cfg = write_config(tmp_path / "ds.json", mbs=2, gas=1, lr=1e-2)
     out = tmp_path / "run"
     run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
                   progress=False, eval_batches=1, lora=True, lora_r=4))
@@ -226,5 +214,5 @@ def test_a_lora_run_saves_its_adapters_only_and_resumes_exactly(ds_world1, tmp_p
     sizes = sum(f.stat().st_size for f in (tmp_path / "resumed" / "checkpoints" / "global_step2").iterdir())
     resumed = train(tmp_path / "resumed", 4, resume=True)
     assert all(abs(resumed[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in (3, 4)), (resumed, straight)
-    base_bytes = sum(p.numel() * 4 for p in _model().parameters())
+    base_bytes = sum(p.numel() * 4 for p in hf.builtin_model("tiny-llama").parameters())
     assert sizes < base_bytes, (sizes, base_bytes)  # adapters and their Adam states, not another copy of the base

@@ -18,15 +18,14 @@ CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
 @pytest.fixture(scope="module")
 def bf16_llama(tmp_path_factory):
     """A small Llama saved in bf16 (as almost every published checkpoint is), with the byte tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("bf16_llama")
     tok = hf.byte_tokenizer()
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    hf.random_model(config, seed=0).to(torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -13,20 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.configs import ds_config, write_config
 from tests.conftest import DIST_ENV
 from tests.invoke import invoke_dstk
 from toolkit.errors import ConfigError, UnusableInput
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
-GOOD_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+GOOD_CONFIG = ds_config(2, 2, gradient_clipping=0.0)
 
 
 def train_config(tmp_path, cfg=None) -> Path:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(GOOD_CONFIG if cfg is None else cfg))
-    return path
+    return write_config(tmp_path / "ds.json", GOOD_CONFIG if cfg is None else cfg)
 
 
 def train_entry(args, env=None):

@@ -193,12 +193,36 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
         if reference is not None:
             fp32_buffers(built, reference)
     else:  # random: built whole, as at ZeRO 0-2 (under zero.Init HF draws other weights: another first loss)
-        built = cls.from_config(config, dtype=torch.float32, **attn)
+        built = random_model(config, MODEL_TASKS[task], seed, dtype=torch.float32, **attn)
         zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
         if zero3:
             partition(built, zero3_config.config)
     built.dstk_hf_deepspeed_config = zero3_config
     return built
+
+
+def random_model(config, task: str = "causal-lm", seed: int = 0, cls=None, **kwargs):
+    """The HF model of `config` with random weights drawn from `seed`: the one place dstk, its benchmarks
+    and its tests build a model from a config. task: a models/ task (causal-lm, sequence-classification,
+    ...) naming the class, unless `cls` is given; kwargs go to transformers' _from_config (dtype,
+    attn_implementation). Weights as the class's constructor draws them, in train mode."""
+    import torch
+
+    import models
+
+    cls = cls or models.auto_class(task, config)
+    torch.manual_seed(seed)
+    return cls._from_config(config, **kwargs)
+
+
+def builtin_model(name: str, seed: int = 0, task: str = "causal-lm", **sizes):
+    """Built-in `name` as `dstk train --model NAME` builds it (the byte tokenizer's vocabulary, random weights
+    from `seed`); `sizes` override config fields (hidden_size, num_hidden_layers, ...; head_dim derived again)."""
+    config = load_config(name, byte_tokenizer(), task)
+    if sizes:
+        fields = {k: v for k, v in config.to_dict().items() if k != "head_dim"}
+        config = type(config)(**{**fields, **sizes}, attn_implementation=config._attn_implementation)
+    return build_model(name, config, task, seed)
 
 
 def partition(model, ds_config: dict) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.checkpoint.state import first_line
-from toolkit.train.hf import no_dropout
+from toolkit.train.hf import no_dropout, random_model
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
 PAD = 3  # tokens of right padding in row 0 of the batch (pad=True)
@@ -48,10 +48,9 @@ def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=N
     """A HF model of transformers `model_type` with SMALL dimensions and random weights (fp32, no
     dropout); a name from the model registry (toolkit.plan.arch: tiny-gpt2, gpt2, llama-3.2-1b, ...)
     with the registry's dimensions instead when `registry` is set (what `dstk parity NAME` does)."""
-    import torch
     from transformers import AutoConfig
 
-    from models import auto_class, default_task
+    from models import default_task
     from toolkit.plan.arch import builtin_names, is_builtin, load_arch, to_hf_config
 
     try:
@@ -62,10 +61,8 @@ def small_model(model_type: str, task=None, seed: int = 0, attn_implementation=N
                           f"({builtin_names()}) nor a transformers model_type (llama, gpt2, bert, qwen2, mistral, "
                           "gemma, phi3, ...)") from None
     no_dropout(config)
-    task = task or default_task(config)
-    torch.manual_seed(seed)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    return auto_class(task, config)._from_config(config, **kwargs).float().eval()
+    return random_model(config, task or default_task(config), seed, **kwargs).float().eval()
 
 
 def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
