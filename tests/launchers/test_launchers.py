@@ -235,14 +235,15 @@ def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpo
     alone: every rank is gone within seconds, no traceback, and the last whole checkpoint is named."""
     import os
     import signal
+    import subprocess
     import time
 
     out = tmp_path / f"run-{how}"
-    config = ds_config(tmp_path / "ds.json", 2, 1, 1, clip=CLIP)
+    config = write_config(tmp_path / "ds.json", run_config(2, 1, 1, clip=CLIP))
     args = ["--num-gpus", 2, "--config", config, "--", *COMMON, "--out", out, "--steps", 100000,
             "--save-every", 1, "--no-export"]
-    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), *map(str, args)], cwd=REPO, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), *map(str, args)], cwd=REPO, env=env(),  # a terminal's
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # group
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 240
     while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
