@@ -208,3 +208,22 @@ def test_flash_attention_with_an_fp32_config_is_refused_before_anything_is_built
     refused(train_cli(tmp_path, "--attention", "flash_attention_2", "--check"), 1,
             "--attention flash_attention_2 with an fp32 config", '"bf16": {"enabled": true}')
     assert not (tmp_path / "run").exists()
+
+
+def test_a_chat_template_with_a_jinja_syntax_error_is_refused_naming_file_and_line(tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    refused(train_cli(tmp_path, "--chat-template", str(broken), "--check"), 1,
+            f"--chat-template {broken}: line 2:", "Jinja syntax error")
+
+
+def test_a_chat_template_that_raises_on_a_row_is_named_with_the_row(tmp_path):
+    from toolkit.data.formats import render_chat
+    from toolkit.errors import UnusableInput
+    from toolkit.train import hf
+
+    tok = hf.byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}" \
+                        "{{ raise_exception('no assistants here') }}{% endif %}{% endfor %}"
+    with pytest.raises(UnusableInput, match=r"chat.jsonl row 7: the chat template failed.*no assistants here"):
+        render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tok, "chat.jsonl", 7)

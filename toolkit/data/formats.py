@@ -178,7 +178,35 @@ def check_chat_template(tokenizer) -> None:
                           "format")
 
 
+def check_template_syntax(template: str, path: str) -> None:
+    """--chat-template FILE must compile: a Jinja syntax error is refused at once, naming the file, the
+    line and jinja's message. (A template that raises on some conversation is named with the row that
+    made it raise, in render_chat.) Rendered as transformers renders it, on a one-turn conversation."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        render_jinja_template([[{"role": "user", "content": "hello"}]], chat_template=template)
+    except TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template {path}: line {exc.lineno}: {exc.message} (a Jinja syntax error); "
+                          "fix the template") from None
+    except Exception:  # noqa: BLE001 - it compiled; refusing this probe conversation is the template's right
+        pass
+
+
 def render_chat(messages: list, tok, source: str = "", row: int = 0) -> tuple[list, list]:
+    """render_chat_tokens, with a template's own error named by the row that raised it."""
+    from jinja2 import TemplateError
+
+    try:
+        return render_chat_tokens(messages, tok, source, row)
+    except TemplateError as exc:
+        line = f" (template line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise UnusableInput(f"{source} row {row}: the chat template failed{line}: {exc.message or exc}; fix the "
+                            "row or the template (--chat-template FILE)") from None
+
+
+def render_chat_tokens(messages: list, tok, source: str = "", row: int = 0) -> tuple[list, list]:
     """(input_ids, is_assistant per token) of a conversation rendered with the chat template.
 
     An assistant turn's characters run from the end of render(messages[:i], add_generation_prompt)

@@ -8,6 +8,7 @@ it needs no download and saves/loads like any HF tokenizer.
 
 from pathlib import Path
 
+from toolkit.data.formats import check_template_syntax
 from toolkit.errors import ConfigError
 
 EOT = "<|endoftext|>"
@@ -55,6 +56,7 @@ def read_chat_template(path: str) -> str:
                           "file") from None
     if not text.strip():
         raise ConfigError(f"--chat-template {path} is empty; pass a Jinja template file")
+    check_template_syntax(text, path)
     return text
 
 
