@@ -1,6 +1,7 @@
 """The demo (toolkit/train/demo.py) on machines with 0, 1 and 2+ GPUs: its two pipeline stages need two
 devices, so with one GPU they run as CPU processes and it says why (NCCL refuses two ranks on one GPU)."""
 
+import click
 import pytest
 
 from toolkit.train.demo import demo_config, on_cpu_because
@@ -19,3 +20,25 @@ def test_the_demo_config_is_a_two_stage_pipeline_without_jit_built_ops(tmp_path)
 
     cfg = json.loads(demo_config(tmp_path, 1e-3).read_text())
     assert cfg["pipeline"]["stages"] == 2 and cfg["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_the_demo_refuses_an_out_folder_with_the_users_files_unless_overwrite(tmp_path):
+    """The demo deletes --out: a folder with files that no demo made needs --overwrite, and nothing in it
+    is touched when refused; a previous demo's folder is replaced without asking."""
+    from click.testing import CliRunner
+
+    from toolkit.train import demo
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    result = CliRunner().invoke(demo.main, ["--out", str(mine), "--steps", "1"])
+    assert result.exit_code == 1 and "already holds files (notes.txt)" in result.output
+    assert "--overwrite" in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+    demo.check_out(mine, overwrite=True)  # allowed
+    (mine / demo.MARK).write_text("")
+    demo.check_out(mine, overwrite=False)  # a previous demo's folder
+    (tmp_path / "file").write_text("")
+    with pytest.raises(click.ClickException, match="is a file"):
+        demo.check_out(tmp_path / "file", overwrite=True)

@@ -2,6 +2,7 @@
 
     python -m toolkit.train.demo                 # or: make demo
     python -m toolkit.train.demo --steps 60 --out runs/demo
+    python -m toolkit.train.demo --out mine --overwrite   # a folder with other files: deleted first
 
 What it does, each step a real dstk piece: generate a DeepSpeed config for pp = 2 over 2
 processes (CPU processes on gloo without CUDA, GPUs with it), launch `toolkit.train` on both
@@ -84,16 +85,34 @@ def sample(hf_dir: Path, prompt: str = "Once a ") -> str:
     return tok.decode(out[0], skip_special_tokens=True)
 
 
+MARK = ".dstk-demo"  # left in --out by a finished demo: the next demo may replace that folder without --overwrite
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """The demo deletes what --out holds: only a previous demo's run, or anything with --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise click.ClickException(f"--out {out} is a file; --out names the demo's run folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and MARK not in held and not overwrite:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise click.ClickException(f"--out {out} already holds files ({shown}) that the demo would delete; pass "
+                                   "--overwrite to delete them, or another --out")
+
+
 @click.command()
 @click.option("--steps", default=300, show_default=True, help="Optimizer steps (16 rows x 128 tokens each).")
 @click.option("--lr", default=2e-3, show_default=True)
 @click.option("--model", default="tiny-gpt2", show_default=True, help="A built-in name or a HF directory.")
-@click.option("--out", default="runs/demo", show_default=True, type=click.Path(path_type=Path))
-def main(steps, lr, model, out):
+@click.option("--out", default="runs/demo", show_default=True, type=click.Path(path_type=Path),
+              help="The run folder. A previous demo's is replaced; any other folder with files needs --overwrite.")
+@click.option("--overwrite", is_flag=True, help="Delete what --out holds, whatever it is, and run the demo there.")
+def main(steps, lr, model, out, overwrite):
     """Train a small causal LM with pp = 2 on the shipped corpus; export and sample it."""
+    check_out(out, overwrite)
     rc = train(out, steps, lr, model)
     if rc:
         sys.exit(rc)
+    (out / MARK).write_text("a finished `python -m toolkit.train.demo` run: the next demo may replace this folder\n")
     report(out)
 
 
