@@ -56,6 +56,7 @@ def test_reshard_writes_the_checkpoints_state_by_hf_name_and_the_run_continues_t
 @pytest.mark.parametrize("flags, words", [
     (["--pp", "2", "--zero", "2"], "--zero 2 with --pp 2: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only"),
     (["--dp", "0"], "--dp must be a positive integer, got 0"),
+    (["--pp", "9"], "--pp 9 is more stages than the model's 7 pipeline layers; use --pp <= 7"),  # from a pp 1 run
 ])
 def test_moves_that_cannot_be_honoured_are_refused(ds_world1, tmp_path, capsys, flags, words):
     from toolkit.train.runner import run

@@ -32,7 +32,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
                           "which only `dstk export` merges today; export it and start a new run from the HF directory")
     source = {k: manifest.get(k, 1 if k == "tp" else None) for k in LAYOUT_KEYS}
     target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("zero_stage", zero)) if v is not None}}
-    _check_target(manifest, target)
+    _check_target(manifest, target, _pipeline_layers(ckpt_dir, manifest))
     check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
     parent = out.absolute().parent
@@ -58,8 +58,9 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
                       f"dp {target['dp']}, ZeRO {target['zero_stage']})"}
 
 
-def _check_target(manifest: dict, target: dict) -> None:
-    """The target layout the config rules would accept for this model."""
+def _check_target(manifest: dict, target: dict, layers) -> None:
+    """The target layout the config rules would accept for this model (`layers`: its pipeline layers,
+    None when unknown)."""
     pp, dp, zero = target["pp"], target["dp"], target["zero_stage"]
     for key, value in (("--pp", pp), ("--dp", dp)):
         if not isinstance(value, int) or value < 1:
@@ -69,12 +70,19 @@ def _check_target(manifest: dict, target: dict) -> None:
     if pp > 1 and zero > 1:
         raise ConfigError(f"--zero {zero} with --pp {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only; "
                           "use --zero 1, or --pp 1")
-    layers = _pipeline_layers(manifest)
     if layers is not None and pp > layers:
         raise ConfigError(f"--pp {pp} is more stages than the model's {layers} pipeline layers; use --pp <= {layers}")
 
 
-def _pipeline_layers(manifest: dict):
-    """How many pipeline layers the model has (embedding, blocks, norm, head), when the manifest says."""
+def _pipeline_layers(ckpt_dir: Path, manifest: dict):
+    """How many pipeline layers the model has (embedding, blocks, norm, head): a pipeline run's manifest
+    says; else the saved config.json, as the planner counts them (None for a model it cannot read)."""
+    from toolkit.plan.arch import load_arch
+
     names = manifest.get("hf_names")
-    return len(names) if manifest.get("pp", 1) > 1 and names else None
+    if manifest.get("pp", 1) > 1 and names:
+        return len(names)
+    try:
+        return load_arch(str(ckpt_dir / META)).num_pipeline_layers
+    except ConfigError:  # the resume's own build refuses a split it cannot make
+        return None

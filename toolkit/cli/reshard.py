@@ -11,7 +11,7 @@ from toolkit.cli import echo_json
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--pp", type=int, metavar="N", help="Pipeline stages of the layout to resume on (default: unchanged).")
 @click.option("--dp", type=int, metavar="M", help="Data-parallel replicas of that layout (default: unchanged).")
-@click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-2 (default: unchanged).")
+@click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-3 (0-1 with pp > 1; default: unchanged).")
 @click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 def reshard(checkpoint_dir, out_dir, pp, dp, zero, tag, as_json):
