@@ -125,3 +125,27 @@ def test_a_run_written_before_the_manifest_had_its_name_exports_resumes_and_move
     assert not (ckpt / "global_step2" / "dstk-manifest.json").exists()
     export(ckpt, tmp_path / "hf_new", tag="global_step2")  # through its own old-named copy
     export(ckpt, tmp_path / "hf_latest")
+
+
+def test_resuming_from_a_checkpoint_with_a_file_deleted_names_the_file_the_step_and_the_whole_ones(ds_world1, tmp_path):
+    """A tag records its files once every rank saved (dstk-files.json); --resume from a tag that lost one
+    (or has one cut short) is refused before anything is built, naming it and the tags that are whole."""
+    from tests.unit.test_train_refusals import train_cli
+    from toolkit.train.runner import run
+
+    args = _args(tmp_path, 0, steps=4, save_every=2, export=False, eval_fraction=0)
+    run(args)
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "global_step4"
+    lost = next(p for p in sorted((ckpt / "global_step4").iterdir()) if p.name.endswith("model_states.pt"))
+    lost.unlink()
+    result = train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (f"checkpoint global_step4 (step 4) in {ckpt} is not whole: {lost.name} is missing; whole checkpoints: "
+            f"global_step2; to resume from global_step2, write global_step2 into {ckpt / 'latest'}") in result.stderr
+    (ckpt / "latest").write_text("global_step2")
+    assert train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config).returncode == 0
+    truncated = ckpt / "global_step2" / lost.name
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    result = train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config)
+    assert f"{lost.name} has 100 bytes, not the" in result.stderr and "no other checkpoint here is whole" in result.stderr

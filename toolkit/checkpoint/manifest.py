@@ -27,6 +27,7 @@ META = "dstk"
 MANIFEST = "manifest.json"  # in META: the run's record
 TAG_MANIFEST = "dstk-manifest.json"  # a tag's own copy of the manifest (the run may have moved since)
 OLD_MANIFEST, OLD_TAG_MANIFEST = "layout.json", "dstk-layout.json"  # their names in runs of older dstk: read only
+TAG_FILES = "dstk-files.json"  # a tag's files and their sizes once every rank saved: what makes it whole
 
 
 def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=None, manifest=None) -> str:
@@ -52,9 +53,51 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
     if dist.get_rank() == 0:
         if manifest is not None:
             (Path(ckpt_dir) / tag / TAG_MANIFEST).write_text(json.dumps(manifest, indent=1))
+        write_file_list(Path(ckpt_dir) / tag)
         write_latest(ckpt_dir, tag)
     dist.barrier()
     return tag
+
+
+def write_file_list(tag_dir: Path) -> None:
+    """Record the tag's files (relative path -> bytes), written by every rank, before `latest` names it."""
+    files = {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*"))
+             if f.is_file() and f.name != TAG_FILES}
+    tmp = tag_dir / f".{TAG_FILES}.{os.getpid()}"
+    tmp.write_text(json.dumps(files, indent=0))
+    os.replace(tmp, tag_dir / TAG_FILES)
+
+
+def missing_files(tag_dir: Path) -> list[str]:
+    """What the tag lacks of the files it was saved with: deleted, or cut short (a tag from an older
+    dstk, without the record, is taken as whole)."""
+    try:
+        files = json.loads((tag_dir / TAG_FILES).read_text())
+    except (OSError, ValueError):
+        return []
+    problems = []
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} has {path.stat().st_size} bytes, not the {size} it was saved with")
+    return problems
+
+
+def check_whole(ckpt_dir: Path, tag: str) -> None:
+    """Refuse to resume from a tag whose files are not all there, naming them and the whole tags."""
+    problems = missing_files(Path(ckpt_dir) / tag)
+    if not problems:
+        return
+    tags = sorted((d.name for d in Path(ckpt_dir).iterdir() if d.is_dir() and re.fullmatch(r"global_step\d+", d.name)),
+                  key=step_of)
+    whole = [t for t in tags if t != tag and not missing_files(Path(ckpt_dir) / t)]
+    shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    fix = (f"whole checkpoints: {', '.join(whole)}; to resume from {whole[-1]}, write {whole[-1]} into "
+           f"{Path(ckpt_dir) / 'latest'}" if whole else "no other checkpoint here is whole; start the run again")
+    raise UnusableInput(f"--resume: checkpoint {tag} (step {step_of(tag)}) in {ckpt_dir} is not whole: {shown}; "
+                        f"{fix}")
 
 
 RNG_STATE = "rng_state_{}.pt"  # per global rank

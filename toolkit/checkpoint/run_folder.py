@@ -11,6 +11,7 @@ deletes OUT's contents first (rank 0, once every rank has agreed to start).
 import shutil
 from pathlib import Path
 
+from toolkit.checkpoint.manifest import check_whole, read_latest
 from toolkit.errors import ConfigError
 
 
@@ -26,6 +27,7 @@ def check_out(out, resume: bool, overwrite: bool) -> None:
         if not (out / "checkpoints" / "latest").is_file():
             raise ConfigError(f"--resume: {out} holds no checkpoint to resume (no {out / 'checkpoints' / 'latest'}); "
                               "drop --resume to start a fresh run there, or point --out at the run to continue")
+        check_whole(out / "checkpoints", read_latest(out / "checkpoints"))
         return
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
