@@ -88,3 +88,19 @@ def test_a_truncated_checkpoint_is_one_line_and_leaves_nothing(tmp_path, run_dir
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert f"error: {pt} cannot be read" in result.stderr and "truncated" in result.stderr and "--tag" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no hf/, no temp folder
+
+
+@pytest.mark.parametrize("where, words", [
+    ("under-a-file", "is a file, so nothing can be made under it"),
+    ("/sys/dstk-hf", "cannot write in /sys (Permission denied)"),  # read-only for root too
+])
+def test_an_out_dir_that_cannot_be_written_is_refused_before_the_checkpoint_is_read(capsys, tmp_path, run_dir,
+                                                                                  monkeypatch, where, words):
+    from toolkit.export import directory
+
+    run, _ = run_dir
+    (tmp_path / "file").write_text("")
+    out_dir = tmp_path / "file" / "hf" if where == "under-a-file" else where
+    monkeypatch.setattr(directory, "read_manifest", lambda *_: pytest.fail("read the checkpoint first"))
+    code, out, err = export(capsys, run, out_dir)
+    assert code == 1 and words in err and "Traceback" not in err, err

@@ -227,3 +227,18 @@ def test_a_chat_template_that_raises_on_a_row_is_named_with_the_row(tmp_path):
                         "{{ raise_exception('no assistants here') }}{% endif %}{% endfor %}"
     with pytest.raises(UnusableInput, match=r"chat.jsonl row 7: the chat template failed.*no assistants here"):
         render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tok, "chat.jsonl", 7)
+
+
+@pytest.mark.parametrize("where, words", [
+    ("under-a-file", "is a file, so nothing can be made under it; choose another --out"),
+    ("/sys/dstk-run", "cannot write in /sys (Permission denied)"),  # read-only for root too
+])
+def test_an_out_that_cannot_be_written_is_refused_by_check_and_before_any_model_is_built(tmp_path, monkeypatch,
+                                                                                       where, words):
+    from toolkit.train import hf
+
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run" if where == "under-a-file" else where
+    for extra in (["--check"], []):  # the run itself refuses before its first model or tokenizer build
+        monkeypatch.setattr(hf, "load_tokenizer", lambda *_, **__: pytest.fail("built before refusing"))
+        refused(train_cli(tmp_path, "--out", str(out), *extra), 1, f"--out {out}", words)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from toolkit.checkpoint.manifest import check_whole, read_latest
 from toolkit.errors import ConfigError
+from toolkit.files import check_writable
 
 
 def check_out(out, resume: bool, overwrite: bool) -> None:
@@ -23,6 +24,7 @@ def check_out(out, resume: bool, overwrite: bool) -> None:
                           "--overwrite deletes it; pass one")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; --out names the run's folder (checkpoints/, metrics.jsonl, hf/)")
+    check_writable(out, "--out")
     if resume:
         if not (out / "checkpoints" / "latest").is_file():
             raise ConfigError(f"--resume: {out} holds no checkpoint to resume (no {out / 'checkpoints' / 'latest'}); "

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.files import as_umask
+from toolkit.files import as_umask, check_writable
 from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
@@ -249,6 +249,7 @@ def _check_out(out_dir: Path, overwrite: bool) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{out_dir} already holds files; pass --force to replace it, or give another OUT_DIR")
     parent = out_dir.absolute().parent
+    check_writable(out_dir, "OUT_DIR", beside=True)  # a file above it, or a place this process cannot write
     if not parent.is_dir():
         raise ConfigError(f"cannot write {out_dir}: directory {parent} does not exist; create it first "
                           f"(mkdir -p {parent})")
