@@ -242,3 +242,14 @@ def test_an_out_that_cannot_be_written_is_refused_by_check_and_before_any_model_
     for extra in (["--check"], []):  # the run itself refuses before its first model or tokenizer build
         monkeypatch.setattr(hf, "load_tokenizer", lambda *_, **__: pytest.fail("built before refusing"))
         refused(train_cli(tmp_path, "--out", str(out), *extra), 1, f"--out {out}", words)
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary data (a NUL byte at offset"),
+    (b"id,text\n1,hello\n", "line 1 is not JSON"),
+    (b'\n\n["a", "b"]\n', "line 3 is a JSON list, not an object"),
+])
+def test_check_refuses_a_jsonl_file_that_is_no_json_lines(tmp_path, content, words):
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(content)
+    refused(train_cli(tmp_path, "--check", data=data), 2, f"--data {data}", words)

@@ -43,9 +43,41 @@ def check_path(path, flag: str = "--data", encoding: str = "utf-8") -> Path:
                             f"{', '.join(BUILDERS)} files or a save_to_disk directory: rename or convert the file")
     if path.stat().st_size == 0:
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
-    if path.suffix.lower() in TEXT_SUFFIXES:
+    suffix = path.suffix.lower()
+    if suffix in TEXT_SUFFIXES or suffix in JSON_SUFFIXES or suffix == ".csv":
         check_text(path, encoding, limit=1 << 20)  # the first MiB now; the whole file when it is loaded
+    if suffix == ".jsonl":
+        check_first_row(path, flag, encoding)
+    if suffix == ".parquet":
+        check_magic(path, flag, b"PAR1", "Parquet")
     return path
+
+
+def check_first_row(path: Path, flag: str, encoding: str) -> None:
+    """A .jsonl file's first non-blank line is one JSON object (a row), else nothing after it is."""
+    utf8 = encoding.lower().replace("-", "") == "utf8"
+    with open(path, encoding="utf-8-sig" if utf8 else encoding, errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                break
+        else:
+            raise UnusableInput(f"{flag} {path} holds only blank lines; it needs one JSON object per line")
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise UnusableInput(f"{flag} {path} line {number} is not JSON ({exc.msg} at column {exc.colno}); a .jsonl "
+                            "file holds one JSON object per line") from None
+    if not isinstance(row, dict):
+        raise UnusableInput(f"{flag} {path} line {number} is a JSON {type(row).__name__}, not an object; each line "
+                            'of a .jsonl file is one row, e.g. {"text": "..."}')
+
+
+def check_magic(path: Path, flag: str, magic: bytes, kind: str) -> None:
+    with open(path, "rb") as fh:
+        head = fh.read(len(magic))
+    if head != magic:
+        raise UnusableInput(f"{flag} {path} is not a {kind} file (it does not start with {magic!r}); convert it, or "
+                            "rename it to what it holds")
 
 
 def _saved_dataset(path: Path) -> bool:
