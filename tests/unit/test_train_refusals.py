@@ -253,3 +253,20 @@ def test_check_refuses_a_jsonl_file_that_is_no_json_lines(tmp_path, content, wor
     data = tmp_path / "train.jsonl"
     data.write_bytes(content)
     refused(train_cli(tmp_path, "--check", data=data), 2, f"--data {data}", words)
+
+
+def test_check_refuses_pipeline_parts_recorded_for_another_model(tmp_path):
+    """`dstk partition tiny-gpt2 --pp 2 --config ds.json` records tiny-gpt2's 7-layer split; training gpt2
+    (15 pipeline layers) with that file is refused by --check, naming the command that records its own."""
+    from tests.invoke import invoke_dstk
+
+    config = train_config(tmp_path, {**GOOD_CONFIG, "pipeline": {"stages": 2}})
+    recorded = invoke_dstk(["partition", "tiny-gpt2", "--pp", "2", "--config", str(config)])
+    assert recorded.returncode == 0, recorded.stderr
+    refused(train_entry(["--model", "gpt2", "--data", str(CORPUS), "--config", str(config), "--out",
+                         str(tmp_path / "run"), "--check"]), 1,
+            "does not fit --model gpt2, which has 15 pipeline layers", "recorded for another model",
+            f"dstk partition gpt2 --pp 2 --config {config}")
+    ok = train_entry(["--model", "tiny-gpt2", "--data", str(CORPUS), "--config", str(config), "--out",
+                      str(tmp_path / "run"), "--seq-len", "32", "--check"])
+    assert ok.returncode == 0, ok.stderr

@@ -187,6 +187,28 @@ def choose_parts(spec, pp: int, cfg: dict, seq_len: int = 128) -> tuple[list, st
     return partition.partition_layers(costs, pp, method=method), None
 
 
+def check_recorded_parts(cfg: dict, config_path, model: str, task: str) -> None:
+    """pipeline.parts recorded for another model is refused before launch: its last boundary must be
+    this model's pipeline layer count (embedding, blocks, norm, head), counted from config.json alone."""
+    from models.pipeline import check_parts
+    from toolkit.plan.arch import load_arch
+
+    section = cfg.get("pipeline") or {}
+    parts, pp = section.get("parts"), section.get("stages")
+    if not parts or not isinstance(pp, int) or pp < 2 or task != "causal-lm":
+        return
+    try:
+        layers = load_arch(model).num_pipeline_layers
+    except ConfigError:  # a structure the planner does not read: the build checks the parts itself
+        return
+    try:
+        check_parts(parts, pp, layers)
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: pipeline.parts {list(parts)} does not fit --model {model}, which has "
+                          f"{layers} pipeline layers ({exc}): it was recorded for another model; record this "
+                          f"model's split with `dstk partition {model} --pp {pp} --config {config_path}`") from None
+
+
 PROFILE_NEEDS_PARTS = ('pipeline.partition_method "profile" is not measured at train time: every rank must build the '
                        'same stages, and timing each layer would build the whole model on one rank. Time the layers '
                        'once with `dstk partition MODEL --pp N --method profile --config FILE`, which records '

@@ -100,12 +100,14 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     seconds, not a rendezvous; launch.sh runs them once before it starts any rank (`--check`)."""
     from toolkit import data
     from toolkit.checkpoint import run_folder
+    from toolkit.distributed.pipeline import check_recorded_parts
     from toolkit.train import hf, lora
 
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     hf.check_model(args.model)
+    check_recorded_parts(cfg, args.config, args.model, args.task)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
         if args.qlora:
