@@ -163,7 +163,7 @@ def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path)
     base + adapters, what PeftModel.from_pretrained(base, OUT/adapter) computes."""
     from toolkit.train.runner import TrainArgs, run
 
-    base_dir, cfg = _base_and_config(tmp_path, bf16={"enabled": True})
+    base_dir, cfg = _base_and_config(tmp_path, bf16=True)
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
                   progress=False, eval_batches=1, lora=True, lora_r=4))
