@@ -88,7 +88,7 @@ def load_config(model: str, tokenizer, task: str, attention: str = "sdpa"):
     return config
 
 
-def check_model(model: str) -> None:
+def check_model_name(model: str) -> None:
     """--model is a local directory with a config.json, or a built-in name; else a clear refusal."""
     from toolkit.plan.arch import builtin_names, is_builtin
 
@@ -123,7 +123,7 @@ def builtin_config(name: str, tokenizer):
 
     from toolkit.plan.arch import load_arch, to_hf_config
 
-    check_model(name)
+    check_model_name(name)
     config = no_dropout(to_hf_config(replace(load_arch(name), vocab=len(tokenizer))))
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id

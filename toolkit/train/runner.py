@@ -105,7 +105,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
-    hf.check_model(args.model)
+    hf.check_model_name(args.model)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
         if args.qlora:
