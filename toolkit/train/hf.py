@@ -11,8 +11,6 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 
 EOT = "<|endoftext|>"
-# `dstk train --task` -> the models/ task whose head (and Auto class) it trains.
-MODEL_TASKS = {"causal-lm": "causal-lm", "classification": "sequence-classification"}
 
 
 def byte_tokenizer():
@@ -168,7 +166,7 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
 
     import models
 
-    cls = models.auto_class(MODEL_TASKS[task])
+    cls = models.auto_class(task)
     torch.manual_seed(seed)  # heads that a pretrained directory lacks get the same init everywhere
     attn = {"attn_implementation": config._attn_implementation}
     zero3 = ((ds_config or {}).get("zero_optimization") or {}).get("stage") == 3

@@ -50,7 +50,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
         hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
                                                                    or section.get("partition_config")))
     prepared = data.prepare_once_per_node(data_options(args, hf.max_positions(config)), tokenizer)
-    if args.task == "classification":
+    if args.task == "sequence-classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)

@@ -12,6 +12,7 @@ train_batch(). Every rank checks the config against the real world size before b
 from dataclasses import dataclass
 from pathlib import Path
 
+from models import task_named
 from toolkit.distributed import process_group
 from toolkit.errors import ConfigError
 from toolkit.distributed.topology import Topology, tp_of
@@ -24,7 +25,7 @@ class TrainArgs:
     config: str  # DeepSpeed JSON
     out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
     tokenizer: str | None = None
-    task: str = "causal-lm"  # or "classification"
+    task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
     pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
     seq_len: int = 128
     steps: int | None = None  # optimizer steps; default: one epoch
@@ -57,6 +58,9 @@ class TrainArgs:
     log_every: int = 0  # steps between plain progress lines (0: about 20 per run)
     verbose: bool = False  # DeepSpeed INFO logs and every rank's output
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
+
+    def __post_init__(self):
+        self.task = task_named(self.task)  # one word per task from here on (and in the checkpoint's record)
 
 
 def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tuple[dict, int]:
