@@ -2,7 +2,6 @@
 
 import json
 import os
-from pathlib import Path
 
 import click
 
@@ -93,9 +92,10 @@ def train(local_rank, check_only, world_size, **options):
         return
     summary = run(TrainArgs(**options), teardown=True)
     if summary.get("rank0"):
+        from toolkit.checkpoint.run_folder import RunFolder
         from toolkit.train.report import read_metrics, table
 
-        click.echo(table(*read_metrics(Path(options["out"]) / "metrics.jsonl")))
+        click.echo(table(*read_metrics(RunFolder(options["out"]).metrics)))
         click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else ""))
         click.echo("summary: " + json.dumps({k: v for k, v in summary.items() if k != "rank0"}))
     shutdown()

@@ -19,6 +19,7 @@ from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import config_batch
 from toolkit import data
 from toolkit.checkpoint import manifest
+from toolkit.checkpoint.run_folder import RunFolder
 from toolkit.train import hf, wrappers
 from toolkit.train.report import ProgressLog, per_rank
 
@@ -48,7 +49,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     tokenizer, config, prepared = read_inputs(args, cfg, topo)
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
-    ckpt_dir = Path(args.out) / "checkpoints"
+    ckpt_dir = RunFolder(args.out).checkpoints
     start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
         manifest.check_same_model(ckpt_dir, config)
@@ -314,7 +315,7 @@ def eval_loss(job: Job) -> float | None:
 def run_steps(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
     it = job.train.micro_batches(job.start_step)
-    log = ProgressLog(Path(args.out) / "metrics.jsonl", job, args) if is_logger else None
+    log = ProgressLog(RunFolder(args.out).metrics, job, args) if is_logger else None
     losses, rates, start = [], [], time.perf_counter()
     for step in range(job.start_step + 1, job.steps + 1):
         t0 = time.perf_counter()

@@ -162,7 +162,8 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         lora.check_qlora_here(args.model)
     topo = Topology(dist.get_world_size(), pp, tp_of(cfg))
     stage, dp_rank = topo.coords(dist.get_rank())
-    ckpt_dir = Path(args.out) / "checkpoints"
+    folder = run_folder.RunFolder(args.out)
+    ckpt_dir = folder.checkpoints
     try:
         check_shared_out(args.out)
     except ConfigError:
@@ -192,14 +193,14 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     if teardown:
         process_group.shutdown()
     if summary["rank0"]:
-        summary["loss_png"] = str(_loss_png(Path(args.out)))
+        summary["loss_png"] = str(_loss_png(folder))
         if args.export:
-            adapters = Path(args.out) / "adapter" if lora.settings_of(args) else None
-            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf", adapter_dir=adapters))
+            adapters = folder.adapter if lora.settings_of(args) else None
+            summary["export"] = str(export(ckpt_dir, folder.hf, adapter_dir=adapters))
     return summary
 
 
-def _loss_png(out: Path) -> Path:
+def _loss_png(folder) -> Path:
     from toolkit.train.report import loss_png, read_metrics
 
-    return loss_png(*read_metrics(out / "metrics.jsonl"), out / "loss.png")
+    return loss_png(*read_metrics(folder.metrics), folder.loss_png)
