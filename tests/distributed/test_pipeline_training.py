@@ -237,8 +237,9 @@ def checkpoint_case(interval: int, reentrant: bool, frozen: bool) -> dict:
     import deepspeed
     import torch
 
+    from toolkit.distributed.pipeline import pipeline_module
     from toolkit.distributed.topology import Topology
-    from toolkit.train import hf, pipe
+    from toolkit.train import hf
 
     cfg = ds_config(CKPT_MBS, CKPT_GAS, 2, activation_checkpoint_interval=interval, use_reentrant=reentrant)
     config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
@@ -247,7 +248,7 @@ def checkpoint_case(interval: int, reentrant: bool, frozen: bool) -> dict:
     if frozen:
         for p in embedding:
             p.requires_grad_(False)
-    module, _ = pipe.pipeline_module(model, "causal-lm", Topology(2, 2), cfg, seq_len=CKPT_SEQ)
+    module, _ = pipeline_module(model, "causal-lm", Topology(2, 2), cfg, seq_len=CKPT_SEQ)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
                                       config=cfg)
     wpe = [p for n, p in module.named_parameters() if n.endswith("parts.1.weight")]  # wpe, on stage 0
