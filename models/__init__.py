@@ -8,8 +8,8 @@
 `pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None) -> PipelineSpec`
     model: a HF PreTrainedModel (modules shared, not copied), a local HF directory (safetensors,
     single or sharded: each LayerSpec, built on its owning stage only, reads its own tensors with
-    safe_open) or a PretrainedConfig (random weights). task: "causal-lm" (default for decoders),
-    "masked-lm" (default for bert) or "sequence-classification".
+    safe_open) or a PretrainedConfig (random weights). task: a word of TASKS (below), "causal-lm"
+    (default for decoders), "masked-lm" (default for bert) or "sequence-classification".
 `PipelineSpec`: .layers (nn.Module / LayerSpec / TiedLayerSpec), .loss_fn(outputs, labels),
     .num_layers, .kinds (per layer "embed" | "block" | "norm" | "head"), .tied ({"embed": [0, n-1]}
     when input and output embeddings are tied), .param_counts (per layer, no layer built),
@@ -41,9 +41,46 @@ rebuilds its mask with HF's mask functions (causal, sliding window, padding) and
 cos/sin, so results match HF under eager, sdpa or flex attention.
 """
 
-from models.api import AUTO_CLASSES, TASKS, auto_class, default_task, pipeline_layers
-from models.pipeline import build_pipeline_module, check_parts, mark_grad_norm_owners
-from models.spec import KINDS, PipelineSpec
+from toolkit.errors import ConfigError
+
+# The one table of tasks: each task's word and the transformers Auto class of its head. Every room reads
+# it (the wrappers, training, data, export, parity, the commands' --task choices); it lives here, where
+# nothing imports torch, so a command's --help can list the words.
+TASKS = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+         "sequence-classification": "AutoModelForSequenceClassification"}
+# Other spellings read on input: `dstk train --task classification`, and the "task" that runs started with
+# it recorded in their checkpoints.
+SHORT_NAMES = {"classification": "sequence-classification"}
 
 __all__ = ["pipeline_layers", "build_pipeline_module", "check_parts", "mark_grad_norm_owners", "PipelineSpec", "KINDS", "TASKS",
-           "AUTO_CLASSES", "auto_class", "default_task"]
+           "SHORT_NAMES", "task_named", "spellings", "auto_class", "default_task"]
+
+
+def task_named(word: str) -> str:
+    """The task's word in TASKS for `word` (a word of TASKS or of SHORT_NAMES); refused clearly when unknown."""
+    task = SHORT_NAMES.get(word, word)
+    if task not in TASKS:
+        raise ConfigError(f"task {word!r} unknown: use one of {', '.join(TASKS)}")
+    return task
+
+
+def spellings(tasks) -> list:
+    """The words a --task option accepts for `tasks` (words of TASKS): each, and its short names."""
+    return [*tasks, *(short for short, task in SHORT_NAMES.items() if task in tasks)]
+
+
+def __getattr__(name):
+    """The rest on first use (PEP 562): they import torch, and `import models` alone (for TASKS) must not."""
+    if name in ("pipeline_layers", "auto_class", "default_task"):
+        from models import api
+
+        return getattr(api, name)
+    if name in ("build_pipeline_module", "check_parts", "mark_grad_norm_owners"):
+        from models import pipeline
+
+        return getattr(pipeline, name)
+    if name in ("PipelineSpec", "KINDS"):
+        from models import spec
+
+        return getattr(spec, name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

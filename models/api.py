@@ -4,12 +4,8 @@ import os
 
 from models.source import DirSource, LiveSource
 from models.spec import PipelineSpec
+from models import TASKS, task_named
 from toolkit.errors import ConfigError, UnusableInput
-
-# The one task -> transformers Auto class map (training, export, parity and the wrappers read it).
-AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
-                "sequence-classification": "AutoModelForSequenceClassification"}
-TASKS = tuple(AUTO_CLASSES)
 
 
 def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attention=None, adapt=None,
@@ -19,7 +15,7 @@ def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attenti
     model_or_path_or_config: a HF PreTrainedModel (its modules are shared, not copied), a local
     HF directory (each LayerSpec loads only its own tensors when built), or a PretrainedConfig
     (a model with random weights is built from it).
-    task: "causal-lm", "masked-lm" or "sequence-classification"; inferred when None.
+    task: "causal-lm", "masked-lm" or "sequence-classification" (models.TASKS); inferred when None.
     seq_len: checked against the config's max_position_embeddings when given.
     attention: the attention implementation ("sdpa", "eager", ...) for a directory or a config
     (a live model keeps its own); None: transformers' default.
@@ -28,6 +24,7 @@ def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attenti
     dtype: for a directory, the dtype of the parameters its stages load (None: fp32; a run passes the
     one DeepSpeed's bf16/fp16 mode casts them to, so none is held in fp32 first); buffers stay as built.
     """
+    task = task_named(task) if task is not None else None
     source, config, task = _resolve(model_or_path_or_config, task, attention, adapt, dtype)
     if seq_len is not None and seq_len > getattr(config, "max_position_embeddings", seq_len):
         raise ConfigError(f"seq_len {seq_len} > max_position_embeddings {config.max_position_embeddings} "
@@ -89,19 +86,19 @@ def _resolve_dir(path, task, attention=None, adapt=None, dtype=None):
 
 
 def auto_class(task, config=None):
-    """The transformers Auto class for `task` (AutoModelForCausalLM, ...); with a config, the concrete
-    model class for it (LlamaForCausalLM, ...), refused clearly when transformers has none."""
+    """The transformers Auto class for `task` (a word of models.TASKS, short names included:
+    AutoModelForCausalLM, ...); with a config, the concrete model class for it (LlamaForCausalLM, ...),
+    refused clearly when transformers has none."""
     import transformers
 
-    if task not in AUTO_CLASSES:
-        raise ConfigError(f"task {task!r} unknown: use one of {', '.join(TASKS)}")
-    auto = getattr(transformers, AUTO_CLASSES[task])
+    task = task_named(task)
+    auto = getattr(transformers, TASKS[task])
     if config is None:
         return auto
     try:
         return auto._model_mapping[type(config)]
     except KeyError:
-        raise ConfigError(f"model_type {config.model_type!r} has no {AUTO_CLASSES[task]} class in transformers "
+        raise ConfigError(f"model_type {config.model_type!r} has no {TASKS[task]} class in transformers "
                           f"{transformers.__version__}: it cannot be wrapped for task {task!r}") from None
 
 

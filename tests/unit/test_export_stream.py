@@ -28,10 +28,9 @@ def fabricate_pipeline_checkpoint(model, tokenizer, ckpt_dir: Path, pp: int, tag
 
     import models
     from toolkit.checkpoint.manifest import save_meta, write_latest
-    from toolkit.train.hf import MODEL_TASKS
     from toolkit.distributed.pipeline import choose_parts, hf_name_map
 
-    spec = models.pipeline_layers(model, task=MODEL_TASKS["causal-lm"])
+    spec = models.pipeline_layers(model, task="causal-lm")
     parts, _ = choose_parts(spec, pp, {}, 32)
     (ckpt_dir / tag).mkdir(parents=True)
     tied = {}

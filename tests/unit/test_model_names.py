@@ -32,4 +32,4 @@ def test_parity_means_the_registry_model_by_a_registry_name():
 def test_an_unknown_name_lists_the_registry():
     with pytest.raises(ConfigError, match=r"--model 'gpt3' is neither a local HF directory nor a built-in "
                                           r"architecture \(gpt2, gpt2-medium"):
-        hf.check_model("gpt3")
+        hf.check_model_name("gpt3")

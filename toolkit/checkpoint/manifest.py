@@ -281,6 +281,10 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
     and a move to another layout that cannot be honoured; returns the layout keys that change (pp, dp,
     zero_stage: the run continues there through toolkit.checkpoint.portable)."""
     saved = read_manifest(ckpt_dir, tag)
+    if "task" in saved:  # a run started with `--task classification` recorded the short name
+        from models import task_named
+
+        saved = {**saved, "task": task_named(saved["task"])}
     diffs = [_diff(k, saved[k], now.get(k)) for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
     if diffs:
         raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(diffs)}); resume with the same "

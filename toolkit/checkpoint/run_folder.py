@@ -16,6 +16,18 @@ from toolkit.errors import ConfigError
 from toolkit.files import check_writable
 
 
+class RunFolder:
+    """Where a run's files lie in its folder (--out): the one place their names are written."""
+
+    def __init__(self, out):
+        self.out = Path(out)
+        self.checkpoints = self.out / "checkpoints"  # DeepSpeed's tags + latest + dstk/
+        self.metrics = self.out / "metrics.jsonl"
+        self.loss_png = self.out / "loss.png"
+        self.hf = self.out / "hf"  # the export
+        self.adapter = self.out / "adapter"  # a LoRA run's adapters, PEFT's format
+
+
 def check_out(out, resume: bool, overwrite: bool) -> None:
     """Refuse, before anything is built or written, a run that would mix with or lose another."""
     out = Path(out)
@@ -26,10 +38,11 @@ def check_out(out, resume: bool, overwrite: bool) -> None:
         raise ConfigError(f"--out {out} is a file; --out names the run's folder (checkpoints/, metrics.jsonl, hf/)")
     check_writable(out, "--out")
     if resume:
-        if not (out / "checkpoints" / "latest").is_file():
-            raise ConfigError(f"--resume: {out} holds no checkpoint to resume (no {out / 'checkpoints' / 'latest'}); "
+        latest = RunFolder(out).checkpoints / "latest"
+        if not latest.is_file():
+            raise ConfigError(f"--resume: {out} holds no checkpoint to resume (no {latest}); "
                               "drop --resume to start a fresh run there, or point --out at the run to continue")
-        check_whole(out / "checkpoints", read_latest(out / "checkpoints"))
+        check_whole(latest.parent, read_latest(latest.parent))
         return
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:

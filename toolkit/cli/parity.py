@@ -3,14 +3,14 @@
 
 import click
 
+from models import TASKS
 from toolkit.cli import echo_json
-
 from toolkit.plan.arch import builtin_names
 
 
 @click.command("parity", epilog=f"Built-in models (the same in every command): {builtin_names()}.")
 @click.argument("model", metavar="MODEL")
-@click.option("--task", type=click.Choice(["causal-lm", "masked-lm", "sequence-classification"]),
+@click.option("--task", type=click.Choice(list(TASKS)),
               help="Head to wrap (default: causal-lm, masked-lm for bert).")
 @click.option("--seq-len", type=int, default=8, show_default=True, metavar="T",
               help="Tokens per sequence: >= 4 (>= 2 with --no-pad), at most the model's max_position_embeddings.")

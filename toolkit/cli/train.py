@@ -2,10 +2,10 @@
 
 import json
 import os
-from pathlib import Path
 
 import click
 
+from models import spellings
 from toolkit.plan.arch import builtin_names
 
 
@@ -34,7 +34,8 @@ from toolkit.plan.arch import builtin_names
 @click.option("--out", default="runs/dstk", show_default=True, metavar="DIR",
               help="Run folder: checkpoints/, hf/ (the export), metrics.jsonl.")
 @click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's; bytes for built-ins).")
-@click.option("--task", type=click.Choice(["causal-lm", "classification"]), default="causal-lm", show_default=True)
+@click.option("--task", type=click.Choice(spellings(("causal-lm", "sequence-classification"))), default="causal-lm",
+              show_default=True, help="The head to train (classification: sequence-classification).")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages (default: the config's pipeline.stages, else 1).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens per row.")
 @click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one epoch).")
@@ -91,9 +92,10 @@ def train(local_rank, check_only, world_size, **options):
         return
     summary = run(TrainArgs(**options), teardown=True)
     if summary.get("rank0"):
+        from toolkit.checkpoint.run_folder import RunFolder
         from toolkit.train.report import read_metrics, table
 
-        click.echo(table(*read_metrics(Path(options["out"]) / "metrics.jsonl")))
+        click.echo(table(*read_metrics(RunFolder(options["out"]).metrics)))
         click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else ""))
         click.echo("summary: " + json.dumps({k: v for k, v in summary.items() if k != "rank0"}))
     shutdown()

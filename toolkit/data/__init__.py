@@ -37,7 +37,7 @@ CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
 class DataOptions:
     path: str
     seq_len: int
-    task: str = "causal-lm"  # or "classification"
+    task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
     format: str = "auto"  # formats.FORMATS, or auto: from the columns
     text_field: str = "text"
     train_on: str = "assistant"  # or "all": loss on prompts and every turn too

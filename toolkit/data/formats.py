@@ -14,6 +14,7 @@ and refuses a malformed row with the file and its row number.
 
 import json
 
+from models import task_named
 from toolkit.errors import ConfigError, UnusableInput
 
 IGNORE_INDEX = -100  # label value the loss skips (HF and torch cross_entropy convention)
@@ -26,7 +27,7 @@ ROLES = ("system", "user", "assistant", "tool")
 def infer_format(columns, task: str, fmt: str, text_field: str = "text") -> tuple[str, str]:
     """(format, a line saying how it was chosen) from --format and the dataset's columns."""
     columns = set(columns)
-    if task == "classification":
+    if task_named(task) == "sequence-classification":
         _need(columns, (text_field, "label"), "classification")
         return "classification", f"format classification (--task classification): {text_field!r} and 'label'"
     if fmt != "auto":

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.hf import MODEL_TASKS, param_dtype
+from toolkit.train.hf import param_dtype
 from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, manifest_entry, peft_config, wrap
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
     adapters = _peft_config(config, task, lora) if lora is not None else None
     adapt = StageAdapters(adapters, task, seed) if adapters is not None and is_dir else None
-    spec = models.pipeline_layers(str(model) if is_dir else model, task=MODEL_TASKS[task], attention=attention,
+    spec = models.pipeline_layers(str(model) if is_dir else model, task=task, attention=attention,
                                   adapt=adapt, dtype=param_dtype(cfg))  # no fp32 copy of a bf16 run's weights
     if is_dir and config is not None:
         _check_labels(str(model), spec.config, config)
@@ -103,7 +103,7 @@ def _tp_plan(config, task: str, cfg: dict, tp: int):
     """AutoTP's layer specs for sharding the stages (toolkit.distributed.tensor_parallel.partition_plan)."""
     from toolkit.distributed.tensor_parallel import partition_plan
 
-    return partition_plan(config, _skeleton(config, MODEL_TASKS[task]), cfg.get("tensor_parallel") or {}, tp)
+    return partition_plan(config, _skeleton(config, task), cfg.get("tensor_parallel") or {}, tp)
 
 
 def _check_every_stage_trains(layout: dict, spec) -> None:
@@ -124,10 +124,10 @@ def _peft_config(config, task: str, lora):
     """peft's LoraConfig for the run's model, its targets found on a meta-device skeleton."""
     if config is None:
         raise ValueError("pipeline_module(lora=...) needs the run's HF config")
-    return peft_config(_skeleton(config, MODEL_TASKS[task]), lora, task)
+    return peft_config(_skeleton(config, task), lora, task)
 
 
-def _skeleton(config, model_task: str, adapters=None):
+def _skeleton(config, task: str, adapters=None):
     """The model of `config` on the meta device (its structure and names, no memory, no weights);
     wrapped by get_peft_model with `adapters` (peft's LoraConfig) when given."""
     import torch
@@ -135,7 +135,7 @@ def _skeleton(config, model_task: str, adapters=None):
     import models
 
     with torch.device("meta"):
-        skeleton = models.auto_class(model_task).from_config(config)
+        skeleton = models.auto_class(task).from_config(config)
         return wrap(skeleton, adapters) if adapters is not None else skeleton
 
 

@@ -23,7 +23,6 @@ from toolkit.files import as_umask, check_writable
 from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
-from toolkit.train.hf import MODEL_TASKS
 from toolkit.train.lora import PEFT_PREFIX, is_adapter
 
 __all__ = ["export", "find_checkpoint_dir", "first_line", "load_state_dict"]  # the last three: toolkit.checkpoint's
@@ -118,7 +117,7 @@ def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_di
     meta = ckpt_dir / META
     state, manifest = load_state_dict(ckpt_dir, tag)
     config = _read_config(meta)
-    cls = models.auto_class(MODEL_TASKS[manifest["task"]])
+    cls = models.auto_class(manifest["task"])
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a plain whole model, even in a process that trained under ZeRO-3

@@ -169,11 +169,10 @@ def _skeletons(config, manifest: dict):
     import models
     from toolkit.checkpoint.stream import NotStreamable
     from toolkit.export.stream import converts_weights
-    from toolkit.train.hf import MODEL_TASKS
     from toolkit.train.lora import LoraSettings, apply
 
     unset_hf_deepspeed_config()  # plain skeletons, even in a process that trained under ZeRO-3
-    cls = models.auto_class(MODEL_TASKS[manifest["task"]])
+    cls = models.auto_class(manifest["task"])
     s = manifest["lora"]
     with torch.device("meta"):
         skeleton, base = (cls.from_config(config, dtype=torch.float32) for _ in range(2))

@@ -167,12 +167,11 @@ def export_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, folder: P
     import models
     from toolkit.checkpoint.manifest import META
     from toolkit.checkpoint.stream import NotStreamable, open_reader
-    from toolkit.train.hf import MODEL_TASKS
 
     meta = ckpt_dir / META
     unset_hf_deepspeed_config()  # a plain skeleton, even in a process that trained under ZeRO-3
     with torch.device("meta"):
-        skeleton = models.auto_class(MODEL_TASKS[manifest["task"]]).from_config(config, dtype=torch.float32)
+        skeleton = models.auto_class(manifest["task"]).from_config(config, dtype=torch.float32)
     if converts_weights(skeleton):
         raise NotStreamable(f"{type(skeleton).__name__} renames or fuses weights when saved")
     _, alias = expected_tensors(skeleton)

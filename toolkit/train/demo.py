@@ -66,12 +66,14 @@ def on_cpu_because(gpus: int) -> str | None:
 
 def report(out: Path) -> None:
     """The loss table the run printed, and a sample from the exported model."""
+    from toolkit.checkpoint.run_folder import RunFolder
     from toolkit.train.report import read_metrics, table
 
-    click.echo("\n" + table(*read_metrics(out / "metrics.jsonl")))
-    click.echo(f"loss curve: {out / 'loss.png'}")
-    click.echo(f"exported HF model: {out / 'hf'}")
-    click.echo(f"sample: {sample(out / 'hf')!r}")
+    folder = RunFolder(out)
+    click.echo("\n" + table(*read_metrics(folder.metrics)))
+    click.echo(f"loss curve: {folder.loss_png}")
+    click.echo(f"exported HF model: {folder.hf}")
+    click.echo(f"sample: {sample(folder.hf)!r}")
 
 
 def sample(hf_dir: Path, prompt: str = "Once a ") -> str:

@@ -12,8 +12,6 @@ from toolkit.data.formats import check_template_syntax
 from toolkit.errors import ConfigError
 
 EOT = "<|endoftext|>"
-# `dstk train --task` -> the models/ task whose head (and Auto class) it trains.
-MODEL_TASKS = {"causal-lm": "causal-lm", "classification": "sequence-classification"}
 
 
 def byte_tokenizer():
@@ -90,7 +88,7 @@ def load_config(model: str, tokenizer, task: str, attention: str = "sdpa"):
     return config
 
 
-def check_model(model: str) -> None:
+def check_model_name(model: str) -> None:
     """--model is a local directory with a config.json, or a built-in name; else a clear refusal."""
     from toolkit.plan.arch import builtin_names, is_builtin
 
@@ -125,7 +123,7 @@ def builtin_config(name: str, tokenizer):
 
     from toolkit.plan.arch import load_arch, to_hf_config
 
-    check_model(name)
+    check_model_name(name)
     config = no_dropout(to_hf_config(replace(load_arch(name), vocab=len(tokenizer))))
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
@@ -170,7 +168,7 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
 
     import models
 
-    cls = models.auto_class(MODEL_TASKS[task])
+    cls = models.auto_class(task)
     torch.manual_seed(seed)  # heads that a pretrained directory lacks get the same init everywhere
     attn = {"attn_implementation": config._attn_implementation}
     zero3 = ((ds_config or {}).get("zero_optimization") or {}).get("stage") == 3
@@ -195,7 +193,7 @@ def build_model(model: str, config, task: str, seed: int, ds_config: dict | None
         if reference is not None:
             fp32_buffers(built, reference)
     else:  # random: built whole, as at ZeRO 0-2 (under zero.Init HF draws other weights: another first loss)
-        built = random_model(config, MODEL_TASKS[task], seed, dtype=torch.float32, **attn)
+        built = random_model(config, task, seed, dtype=torch.float32, **attn)
         zero3_config = HfDeepSpeedConfig(loading) if zero3 else None
         if zero3:
             partition(built, zero3_config.config)

@@ -19,12 +19,15 @@ from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import config_batch
 from toolkit import data
 from toolkit.checkpoint import manifest
+from toolkit.checkpoint.run_folder import RunFolder
 from toolkit.train import hf, wrappers
 from toolkit.train.report import ProgressLog, per_rank
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
+    """What the step loop needs of a prepared run (built by name, in `prepare`)."""
+
     engine: object
     pipeline: bool
     train: data.ShardedBatches
@@ -43,6 +46,31 @@ class Job:
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
     """Tokenizer, data, model and engine; resumes from checkpoint `resume_tag` when given."""
+    tokenizer, config, prepared = read_inputs(args, cfg, topo)
+    batch = config_batch(cfg, topo.dp)
+    sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
+    ckpt_dir = RunFolder(args.out).checkpoints
+    start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
+    if resume_tag:
+        manifest.check_same_model(ckpt_dir, config)
+    model, layout = model_of_rank(args, config, topo, cfg)
+    _quiet_packed_rows()
+    seed_streams(args.seed, dp_rank)
+    engine, param_names = start_engine(model, layout, cfg, topo, args.verbose)
+    layout, save_frozen = run_record(args, layout, topo, cfg)
+    if dist.get_rank() == 0 and not resume_tag:
+        manifest.save_meta(ckpt_dir, config, tokenizer, layout)
+    if resume_tag:
+        _resume(engine, ckpt_dir, resume_tag, layout, save_frozen, args.seed, dp_rank)
+    return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
+               steps=args.steps or sampler.steps_per_epoch, tokens_per_step=batch.gbs * args.seq_len,
+               dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
+               param_names=param_names, layout=layout)
+
+
+def read_inputs(args, cfg: dict, topo) -> tuple:
+    """(tokenizer, HF config, data.Prepared): the run's tokenizer, its model's config (checked for tp > 1;
+    a classifier's num_labels from the data) and its tokenized rows."""
     tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
     config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
     if topo.tp > 1:
@@ -50,42 +78,42 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
         hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
                                                                    or section.get("partition_config")))
     prepared = data.prepare_once_per_node(data_options(args, hf.max_positions(config)), tokenizer)
-    if args.task == "classification":
+    if args.task == "sequence-classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
-    batch = config_batch(cfg, topo.dp)
-    sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
-    ckpt_dir = Path(args.out) / "checkpoints"
-    start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
-    if resume_tag:
-        manifest.check_same_model(ckpt_dir, config)
+    return tokenizer, config, prepared
+
+
+def model_of_rank(args, config, topo, cfg: dict):
+    """make_model, with a refusal that names this rank: each stage reads its own tensors, so this rank
+    may be the only one failing."""
     try:
-        model, layout = make_model(args, config, topo, cfg)
-    except ConfigError as exc:  # each stage reads its own tensors: this rank may be the only one failing
+        return make_model(args, config, topo, cfg)
+    except ConfigError as exc:
         stage = topo.coords(dist.get_rank())[0]
         failed = type(exc)(f"rank {dist.get_rank()} (pipeline stage {stage}): {exc}")
         failed.every_rank = True  # printed by the rank that hit it, not only by rank 0
         raise failed from None
-    _quiet_packed_rows()
-    seed_streams(args.seed, dp_rank)
+
+
+def start_engine(model, layout: dict, cfg: dict, topo, verbose: bool = False) -> tuple:
+    """(DeepSpeed engine, this rank's optimizer parameters by name per group). The names are taken in the
+    optimizer's order before initialize replaces the parameters under bf16: how export finds pp = 1 fp32
+    masters, and how torch's optimizer state is named when the run moves to another layout."""
     groups = param_groups(model, cfg)
-    # the optimizer's order of parameters, by name (before initialize replaces them under bf16): how export
-    # finds pp = 1 fp32 masters, and how torch's optimizer state is named when the run moves to another layout
     names = {id(p): n for n, p in model.named_parameters()}
     param_names = [[names[id(p)] for p in g["params"]] for g in groups]
     if topo.pp == 1:
         layout["param_groups"] = param_names
-    engine = wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=args.verbose)
-    # LoRA from a local directory: checkpoints hold the adapters, not a copy of the frozen base each time
-    # (a 7B base is ~14 GB a save); the base is read back from --model on resume and export.
+    return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose), param_names
+
+
+def run_record(args, layout: dict, topo, cfg: dict) -> tuple:
+    """(what every checkpoint of the run records: the model's layout, run_identity, "portable"; whether
+    checkpoints hold the frozen base). LoRA from a local directory: checkpoints hold the adapters, not a
+    copy of the frozen base each time (a 7B base is ~14 GB a save); the base is read back from --model on
+    resume and export."""
     layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
-    layout = {**layout, **run_identity(args, topo, cfg), "portable": True}
-    if dist.get_rank() == 0 and not resume_tag:
-        manifest.save_meta(ckpt_dir, config, tokenizer, layout)
-    if resume_tag:
-        _resume(engine, ckpt_dir, resume_tag, layout, save_frozen, args.seed, dp_rank)
-    steps = args.steps or sampler.steps_per_epoch
-    return Job(engine, topo.pp > 1, sampler, prepared.eval, start, steps, batch.gbs * args.seq_len,
-               topo.dp, dp_rank, ckpt_dir, save_frozen, prepared.info, param_names, layout)
+    return {**layout, **run_identity(args, topo, cfg), "portable": True}, save_frozen
 
 
 def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
@@ -256,7 +284,7 @@ def _quiet_packed_rows() -> None:
     logging.getLogger("transformers.modeling_utils").addFilter(_NoPaddingMaskWarning)
 
 
-def eval_loss(job: Job, args=None) -> float | None:
+def eval_loss(job: Job) -> float | None:
     """The mean loss over every target of the whole eval split, each token (a classifier: each row)
     weighted alike: sum(mean loss of a micro-batch * its targets) / targets, over all dp ranks. None
     without an eval split (--eval-fraction 0)."""
@@ -287,7 +315,7 @@ def eval_loss(job: Job, args=None) -> float | None:
 def run_steps(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
     it = job.train.micro_batches(job.start_step)
-    log = ProgressLog(Path(args.out) / "metrics.jsonl", job, args) if is_logger else None
+    log = ProgressLog(RunFolder(args.out).metrics, job, args) if is_logger else None
     losses, rates, start = [], [], time.perf_counter()
     for step in range(job.start_step + 1, job.steps + 1):
         t0 = time.perf_counter()
@@ -295,7 +323,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
         rates.append(job.tokens_per_step / (time.perf_counter() - t0))  # tokens/s of this step
         record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], "tokens_per_s": rates[-1]}
         if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
-            record["eval_loss"] = eval_loss(job, args)
+            record["eval_loss"] = eval_loss(job)
             record["eval_ppl"] = _perplexity(record["eval_loss"])
         if step == job.steps or (args.save_every and step % args.save_every == 0):
             manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
@@ -305,7 +333,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
             log.write(record)
         if args.crash_at_step == step and dist.get_rank() == dist.get_world_size() - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies without cleaning up
-    final_eval = eval_loss(job, args)
+    final_eval = eval_loss(job)
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
                "eval_ppl": _perplexity(final_eval), "data": job.data_info,

@@ -21,6 +21,7 @@ import math
 import zlib
 from dataclasses import asdict, dataclass
 
+from models import task_named
 from toolkit.errors import ConfigError
 
 HEADS = ("lm_head", "score", "classifier", "cls", "embed_out")  # never adapted by default: outputs, not blocks
@@ -82,7 +83,7 @@ def peft_config(model, settings: LoraSettings, task: str):
     """peft's LoraConfig for `model` (a HF model, or a meta-device skeleton of it)."""
     from peft import LoraConfig, TaskType
 
-    kind = TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM
+    kind = TaskType.SEQ_CLS if task_named(task) == "sequence-classification" else TaskType.CAUSAL_LM
     return LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r, lora_dropout=settings.dropout,
                       target_modules=resolve_targets(model, settings), task_type=kind,
                       fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
@@ -140,14 +141,14 @@ class StageAdapters:
     classifier head in PEFT's ModulesToSaveWrapper; the same modules and names as `apply` gives."""
 
     def __init__(self, config, task: str, seed: int):
-        self.config, self.task, self.seed = config, task, seed
+        self.config, self.task, self.seed = config, task_named(task), seed
 
     def __call__(self, module, name: str):
         from peft import inject_adapter_in_model
         from peft.utils import ModulesToSaveWrapper
 
         module.requires_grad_(False)
-        if self.task == "classification" and name.rsplit(".", 1)[-1] in CLASSIFIER_HEADS:
+        if self.task == "sequence-classification" and name.rsplit(".", 1)[-1] in CLASSIFIER_HEADS:
             return ModulesToSaveWrapper(module, "default")  # a trainable copy beside the frozen original
         targets = set(self.config.target_modules)
         if any(sub.rsplit(".", 1)[-1] in targets for sub, _ in module.named_modules() if sub):
@@ -199,12 +200,11 @@ def quantized_model(path: str, config, task: str, compute_dtype: str, checkpoint
     from transformers import BitsAndBytesConfig
 
     import models
-    from toolkit.train.hf import MODEL_TASKS
 
     dtype = getattr(torch, compute_dtype)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype)
-    model = models.auto_class(MODEL_TASKS[task]).from_pretrained(
+    model = models.auto_class(task).from_pretrained(
         path, config=config, quantization_config=quant, dtype=torch.float32, device_map={"": torch.cuda.current_device()},
         attn_implementation=config._attn_implementation)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,

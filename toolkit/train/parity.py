@@ -6,6 +6,9 @@
 The layer list runs as a real single-stage deepspeed PipelineModule in a gloo world of one; the
 HF model shares its parameters with it, so gradients are compared parameter by parameter.
 Batches are (B, T) with right padding in one row (pad=True) so the padding mask is exercised.
+
+The one wrapper-against-HF check: `check_model` (one stage, in this process) and `hf_loss_logits`
+(the HF side, also read by the multi-stage checks in tests/distributed and bench/arch_sweep.py).
 """
 
 import contextlib

@@ -12,6 +12,7 @@ train_batch(). Every rank checks the config against the real world size before b
 from dataclasses import dataclass
 from pathlib import Path
 
+from models import task_named
 from toolkit.distributed import process_group
 from toolkit.errors import ConfigError
 from toolkit.distributed.topology import Topology, tp_of
@@ -24,7 +25,7 @@ class TrainArgs:
     config: str  # DeepSpeed JSON
     out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
     tokenizer: str | None = None
-    task: str = "causal-lm"  # or "classification"
+    task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
     pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
     seq_len: int = 128
     steps: int | None = None  # optimizer steps; default: one epoch
@@ -57,6 +58,9 @@ class TrainArgs:
     log_every: int = 0  # steps between plain progress lines (0: about 20 per run)
     verbose: bool = False  # DeepSpeed INFO logs and every rank's output
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
+
+    def __post_init__(self):
+        self.task = task_named(self.task)  # one word per task from here on (and in the checkpoint's record)
 
 
 def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tuple[dict, int]:
@@ -106,7 +110,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
-    hf.check_model(args.model)
+    hf.check_model_name(args.model)
     check_recorded_parts(cfg, args.config, args.model, args.task)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
@@ -160,7 +164,8 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         lora.check_qlora_here(args.model)
     topo = Topology(dist.get_world_size(), pp, tp_of(cfg))
     stage, dp_rank = topo.coords(dist.get_rank())
-    ckpt_dir = Path(args.out) / "checkpoints"
+    folder = run_folder.RunFolder(args.out)
+    ckpt_dir = folder.checkpoints
     try:
         check_shared_out(args.out)
     except ConfigError:
@@ -190,14 +195,14 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     if teardown:
         process_group.shutdown()
     if summary["rank0"]:
-        summary["loss_png"] = str(_loss_png(Path(args.out)))
+        summary["loss_png"] = str(_loss_png(folder))
         if args.export:
-            adapters = Path(args.out) / "adapter" if lora.settings_of(args) else None
-            summary["export"] = str(export(ckpt_dir, Path(args.out) / "hf", adapter_dir=adapters))
+            adapters = folder.adapter if lora.settings_of(args) else None
+            summary["export"] = str(export(ckpt_dir, folder.hf, adapter_dir=adapters))
     return summary
 
 
-def _loss_png(out: Path) -> Path:
+def _loss_png(folder) -> Path:
     from toolkit.train.report import loss_png, read_metrics
 
-    return loss_png(*read_metrics(out / "metrics.jsonl"), out / "loss.png")
+    return loss_png(*read_metrics(folder.metrics), folder.loss_png)
