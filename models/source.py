@@ -15,6 +15,7 @@ applied to each module once it is filled (LoRA: freeze it and inject adapters, l
 import copy
 import json
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -137,3 +138,52 @@ def _weight_map(path: str) -> dict:
 
     with safe_open(single, framework="pt") as f:
         return {key: "model.safetensors" for key in f.keys()}
+
+
+def check_directory(path) -> None:
+    """A local HF model directory dstk will read: config.json is JSON, and each safetensors file (the
+    index's, or model.safetensors) has a readable header and every byte its header promises. Read from
+    the headers alone (a few KiB a file), before any model is built; other weight formats are left to
+    transformers."""
+    path = Path(path)
+    config = path / "config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UnusableInput(f"{config} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); restore "
+                            "the model's config.json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UnusableInput(f"{config} cannot be read ({exc}); restore the model's config.json") from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnusableInput(f"{index} is not a safetensors index (no readable weight_map: {exc}); restore it "
+                                "with the model's files") from None
+    else:
+        files = ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+    for name in files:
+        check_safetensors(path / name, index)
+
+
+def check_safetensors(file: Path, index: Path) -> None:
+    """The file's 8-byte header length, its JSON header, and a size that holds every tensor it lists."""
+    if not file.is_file():
+        raise UnusableInput(f"{file} is missing ({index.name} names it); copy the model's files again")
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or length > min(size - 8, 1 << 28):
+            raise UnusableInput(f"{file} is not a safetensors file ({size} bytes, no valid header length); copy "
+                                "the model's weights again")
+        try:
+            header = json.loads(fh.read(length))
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            raise UnusableInput(f"{file} has a damaged safetensors header; copy the model's weights again") from None
+    need = 8 + length + max(ends, default=0)
+    if size < need:
+        raise UnusableInput(f"{file} is cut short: {size} bytes where its header lists {need}; copy the model's "
+                            "weights again") from None

@@ -270,3 +270,36 @@ def test_check_refuses_pipeline_parts_recorded_for_another_model(tmp_path):
     ok = train_entry(["--model", "tiny-gpt2", "--data", str(CORPUS), "--config", str(config), "--out",
                       str(tmp_path / "run"), "--seq-len", "32", "--check"])
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    from toolkit.train import hf
+
+    folder = tmp_path_factory.mktemp("llama")
+    hf.builtin_model("tiny-llama").save_pretrained(folder)
+    hf.byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("garbage", "model.safetensors is not a safetensors file"),
+    ("truncated", "model.safetensors is cut short"),
+    ("config", "config.json is not JSON (Expecting property name"),
+])
+def test_a_damaged_model_directory_is_refused_naming_the_file(tmp_path, saved_llama, damage, words):
+    """Read from the files' headers by --check and by every rank before it builds anything."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_llama, folder)
+    weights = folder / "model.safetensors"
+    if damage == "garbage":
+        weights.write_bytes(bytes(range(256)) * 20)
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    else:
+        (folder / "config.json").write_text("{not json")
+    for extra in (["--check"], []):
+        refused(train_entry(["--model", str(folder), "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
+                             "--out", str(tmp_path / "run"), "--seq-len", "32", *extra]), 2, words)

@@ -75,6 +75,7 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
     from transformers import AutoConfig
 
     from models import auto_class, default_task
+    from models.source import check_directory
 
     if not os.path.isdir(path):
         raise UnusableInput(f"{path}: no such directory")
@@ -87,6 +88,7 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
         raise UnusableInput(f"{path}/config.json cannot be read as a HF config: {first_line(exc)}") from None
     if seq_len is not None:
         check_seq_len(config, seq_len, path)
+    check_directory(path)  # damaged or cut-short weights: named by file before transformers reads them
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cls = auto_class(task or default_task(config), config)
     try:
