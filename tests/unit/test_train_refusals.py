@@ -303,3 +303,24 @@ def test_a_damaged_model_directory_is_refused_naming_the_file(tmp_path, saved_ll
     for extra in (["--check"], []):
         refused(train_entry(["--model", str(folder), "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
                              "--out", str(tmp_path / "run"), "--seq-len", "32", *extra]), 2, words)
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_at_once_saying_where_dstk_looked(tmp_path, saved_llama):
+    import shutil
+    import time
+
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(saved_llama / name, folder / name)
+    start = time.monotonic()
+    refused(train_entry(["--model", str(folder), "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
+                         "--out", str(tmp_path / "run"), "--check"]), 1,
+            f"no tokenizer found: --model {folder} holds none of tokenizer.json", "pass --tokenizer DIR")
+    assert time.monotonic() - start < 30  # no hub retries
+    refused(train_entry(["--model", str(folder), "--tokenizer", "org/tok", "--data", str(CORPUS), "--config",
+                         str(train_config(tmp_path)), "--out", str(tmp_path / "run"), "--check"]), 1,
+            "--tokenizer org/tok: no such local directory")
+    ok = train_entry(["--model", str(folder), "--tokenizer", str(saved_llama), "--data", str(CORPUS), "--config",
+                      str(train_config(tmp_path)), "--out", str(tmp_path / "run"), "--seq-len", "32", "--check"])
+    assert ok.returncode == 0, ok.stderr

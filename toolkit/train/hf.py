@@ -58,14 +58,32 @@ def read_chat_template(path: str) -> str:
     return text
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")  # what transformers loads a tokenizer from (any one may be enough)
+
+
+def check_tokenizer(model: str, tokenizer: str | None) -> None:
+    """The tokenizer comes from a local folder that has one: --tokenizer DIR, else --model's directory.
+    Said at once, with where dstk looked (transformers would go on to the hub, retrying for a minute)."""
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ConfigError(f"--tokenizer {tokenizer}: no such local directory; pass a folder with the tokenizer's "
+                          "files (the hub is not contacted)")
+    source = tokenizer or (model if Path(model).is_dir() else None)
+    if source is not None and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        flag = "--tokenizer" if tokenizer else "--model"
+        raise ConfigError(f"no tokenizer found: {flag} {source} holds none of {', '.join(TOKENIZER_FILES)}; pass "
+                          "--tokenizer DIR, a folder with the model's tokenizer (as save_pretrained writes it)")
+
+
 def _tokenizer(model: str, tokenizer: str | None):
     from transformers import AutoTokenizer
 
+    check_tokenizer(model, tokenizer)
     source = tokenizer or (model if Path(model).is_dir() else None)
     if source is None:
         return byte_tokenizer()
     try:
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a tokenizer from {source!r} ({exc}); pass --tokenizer DIR") from None
     if tok.pad_token is None and tok.eos_token is not None:

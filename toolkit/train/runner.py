@@ -111,6 +111,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     hf.check_model_name(args.model)
+    hf.check_tokenizer(args.model, args.tokenizer)
     check_recorded_parts(cfg, args.config, args.model, args.task)
     if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
         hf.check_attention(args.attention)
