@@ -149,3 +149,29 @@ def test_resuming_from_a_checkpoint_with_a_file_deleted_names_the_file_the_step_
     truncated.write_bytes(truncated.read_bytes()[:100])
     result = train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config)
     assert f"{lost.name} has 100 bytes, not the" in result.stderr and "no other checkpoint here is whole" in result.stderr
+
+
+def test_resuming_on_another_token_stream_is_refused_naming_it_unless_resume_with_new_data(ds_world1, tmp_path):
+    """A chat template, --train-on, --seq-len or tokenizer file that changed would resume on other tokens:
+    --check (and the run) name what changed; --resume-with-new-data continues on the new stream."""
+    from tests.unit.test_train_refusals import refused, train_cli
+    from toolkit.train.runner import run
+
+    first, second = tmp_path / "a.jinja", tmp_path / "b.jinja"
+    first.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    second.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}")
+    args = _args(tmp_path, 0, steps=2, export=False, eval_fraction=0, chat_template=str(first))
+    run(args)
+
+    def resume(*flags):
+        return train_cli(tmp_path, "--resume", "--steps", "4", "--eval-fraction", "0", "--check", *flags,
+                         config=args.config)
+
+    assert resume("--chat-template", str(first)).returncode == 0
+    refused(resume("--chat-template", str(second)), 1, "data.chat_template: checkpoint '", "--resume-with-new-data")
+    refused(resume("--chat-template", str(first), "--train-on", "all"), 1,
+            "data.train_on: checkpoint 'assistant', now 'all'")
+    refused(resume("--chat-template", str(first), "--seq-len", "16"), 1, "seq_len: checkpoint 32, now 16")
+    assert resume("--chat-template", str(second), "--seq-len", "16", "--resume-with-new-data").returncode == 0
+    refused(train_cli(tmp_path, "--resume-with-new-data", "--overwrite", "--check", config=args.config), 1,
+            "--resume-with-new-data continues a run: pass it with --resume")

@@ -276,20 +276,32 @@ RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora", "data")  # what a r
 LAYOUT_KEYS = ("pp", "dp", "tp", "zero_stage")  # the layout: what may change on resume (toolkit.checkpoint.portable)
 
 
-def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
-    """Refuse to resume a checkpoint written with another model, tokenizer, task, seq-len or LoRA setting,
-    and a move to another layout that cannot be honoured; returns the layout keys that change (pp, dp,
-    zero_stage: the run continues there through toolkit.checkpoint.portable)."""
+TOKEN_KEYS = ("tokenizer", "seq_len", "data")  # what --resume-with-new-data lets change: the token stream
+
+
+def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data: bool = False,
+                    layout: bool = True) -> list:
+    """Refuse to resume a checkpoint written with another model, task or LoRA setting, or on another token
+    stream (tokenizer and its files, seq-len, data: file, format, chat template, --train-on, packing, split,
+    seed) unless new_data (--resume-with-new-data), and a move to another layout that cannot be honoured
+    (layout=False: not checked, e.g. by --check before the world is known); returns the layout keys that
+    change (pp, dp, zero_stage: the run continues there through toolkit.checkpoint.portable)."""
     saved = read_manifest(ckpt_dir, tag)
     if "task" in saved:  # a run started with `--task classification` recorded the short name
         from models import task_named
 
         saved = {**saved, "task": task_named(saved["task"])}
-    diffs = [_diff(k, saved[k], now.get(k)) for k in RUN_KEYS if k in saved and saved[k] != now.get(k)]
-    if diffs:
-        raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(diffs)}); resume with the same "
-                          "--model, --tokenizer, --task, --seq-len, LoRA options and data (--data, --format, --packing, "
-                          "--eval-fraction, --eval-data, --seed), or start a fresh --out")
+    diffs = {k: _diff(k, saved[k], now.get(k)) for k in RUN_KEYS if k in saved}
+    strict = [d for k, d in diffs.items() if d and not (new_data and k in TOKEN_KEYS)]
+    if strict:
+        tokens = all(k in TOKEN_KEYS for k, d in diffs.items() if d)
+        fix = ("pass --resume-with-new-data to continue this run's weights and optimizer on the new token stream, "
+               "or resume with what the checkpoint recorded" if tokens else
+               "resume with the same --model, --task and LoRA options")
+        raise ConfigError(f"--resume: {ckpt_dir} was written by another run ({'; '.join(strict)}); {fix}, or start "
+                          "a fresh --out")
+    if not layout:
+        return []
     moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
     was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
     why = None
@@ -306,11 +318,12 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None) -> list:
 
 
 def _diff(key: str, saved, now) -> str:
-    """`key: checkpoint A, now B`; for a group of settings (data), only the ones that differ."""
+    """`key: checkpoint A, now B`, or "" when they agree. A group of settings (data) is compared on the keys
+    the checkpoint recorded (an older dstk recorded fewer), naming only the ones that differ."""
     if isinstance(saved, dict) and isinstance(now, dict):
-        return "; ".join(f"{key}.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-                         for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
-    return f"{key}: checkpoint {saved!r}, now {now!r}"
+        return "; ".join(f"{key}.{k}: checkpoint {saved[k]!r}, now {now.get(k)!r}"
+                         for k in sorted(saved) if saved[k] != now.get(k))
+    return f"{key}: checkpoint {saved!r}, now {now!r}" if saved != now else ""
 
 
 def _shape_keys(config) -> dict:

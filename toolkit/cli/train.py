@@ -46,6 +46,10 @@ from toolkit.plan.arch import builtin_names
 @click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="Steps between checkpoints (0: at the end).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoints/latest with the same data order.")
+@click.option("--resume-with-new-data", is_flag=True,
+              help="With --resume: continue although the token stream changed (data, format, chat template, "
+                   "--train-on, --seq-len, packing or tokenizer files): the weights, optimizer and step carry on, "
+                   "on the new rows from the same step.")
 @click.option("--overwrite", is_flag=True, help="Delete what OUT holds, then start a fresh run there.")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Model init and data order.")
 @click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,

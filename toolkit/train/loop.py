@@ -190,21 +190,41 @@ def param_groups(model, cfg: dict) -> list:
     return [g for g in groups if g["params"]]
 
 
-def run_identity(args, topo, cfg: dict) -> dict:
-    """What a resumed run must share with the checkpoint it continues (manifest.RUN_KEYS)."""
+def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
+    """What a resumed run must share with the checkpoint it continues (manifest.RUN_KEYS), and its layout
+    (with `topo` and `cfg`). "data" holds every input of the token stream: another file, format, template,
+    --train-on, tokenizer file or seed would resume mid-epoch on other tokens."""
     def where(path):
         return str(Path(path).resolve()) if path and Path(path).exists() else path
 
+    from toolkit.train.hf import TOKENIZER_FILES
     from toolkit.train.lora import settings_of
 
-    zero = cfg.get("zero_optimization") or {}
     settings = settings_of(args)
-    return {"model": where(args.model), "tokenizer": where(args.tokenizer), "task": args.task,
-            "seq_len": args.seq_len, "pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "zero_stage": zero.get("stage", 0),
-            "lora": settings.to_dict() if settings else None,
-            # the rows and their order: another file, format or seed would resume mid-epoch in other data
-            "data": {"path": where(args.data), "format": args.format, "packing": args.packing,
-                     "eval_fraction": args.eval_fraction, "eval_data": where(args.eval_data), "seed": args.seed}}
+    tokenizer_dir = args.tokenizer or (args.model if Path(args.model).is_dir() else None)
+    identity = {"model": where(args.model), "tokenizer": where(args.tokenizer), "task": args.task,
+                "seq_len": args.seq_len, "lora": settings.to_dict() if settings else None,
+                "data": {"path": where(args.data), "format": args.format, "packing": args.packing,
+                         "eval_fraction": args.eval_fraction, "eval_data": where(args.eval_data), "seed": args.seed,
+                         "train_on": args.train_on, "text_field": args.text_field, "encoding": args.encoding,
+                         "chat_template": _digest([args.chat_template]) if args.chat_template else None,
+                         "tokenizer_files": _digest([Path(tokenizer_dir) / name for name in TOKENIZER_FILES])
+                         if tokenizer_dir else None}}
+    if topo is not None:
+        zero = (cfg or {}).get("zero_optimization") or {}
+        identity.update(pp=topo.pp, dp=topo.dp, tp=topo.tp, zero_stage=zero.get("stage", 0))
+    return identity
+
+
+def _digest(paths) -> str:
+    """sha256 (first 16 hex digits) over the files that exist among `paths`, named and in order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in map(Path, paths):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def make_model(args, config, topo, cfg: dict):

@@ -33,6 +33,7 @@ class TrainArgs:
     eval_batches: int | None = None  # deprecated, ignored: evaluation covers the whole eval split
     save_every: int = 0  # 0: only at the end
     resume: bool = False
+    resume_with_new_data: bool = False  # --resume although the token stream changed (data, template, tokenizer...)
     overwrite: bool = False  # clear a used --out first
     seed: int = 1234
     eval_fraction: float = 0.05
@@ -125,6 +126,15 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
     run_folder.check_out(args.out, args.resume, args.overwrite)
+    if args.resume_with_new_data and not args.resume:
+        raise ConfigError("--resume-with-new-data continues a run: pass it with --resume")
+    if args.resume:  # the run's own token stream and model, before any rank starts (the layout: once it has)
+        from toolkit.checkpoint import manifest
+        from toolkit.train.loop import run_identity
+
+        folder = run_folder.RunFolder(args.out)
+        manifest.check_resumable(folder.checkpoints, run_identity(args), manifest.read_latest(folder.checkpoints),
+                                 new_data=args.resume_with_new_data, layout=False)
 
 
 def _log_levels(verbose: bool) -> None:
@@ -175,7 +185,8 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         raise
     resume_tag = manifest.agreed_latest(ckpt_dir) if args.resume else None
     if resume_tag:
-        manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag)
+        manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag,
+                                 new_data=args.resume_with_new_data)
     if args.overwrite and dist.get_rank() == 0:
         run_folder.clear(args.out)
     dist.barrier(group=process_group.patient_group())  # nobody writes into --out before it is cleared (however long)
