@@ -75,9 +75,13 @@ from toolkit.plan.arch import builtin_names
               help="Progress on rank 0: a bar on a terminal, else a line every --log-every steps.")
 @click.option("--log-every", type=click.IntRange(min=0), default=0, metavar="N",
               help="Steps between progress lines when not on a terminal (0: about 20 per run).")
-@click.option("--verbose", is_flag=True, help="Keep DeepSpeed's and every rank's INFO logs.")
-@click.option("--check", "check_only", is_flag=True, help="Only check the config (for --world-size), the data "
-              "file and --out, then exit 0 or refuse; starts no process group (launch.sh runs this first).")
+@click.option("--verbose", is_flag=True, help="DeepSpeed's INFO logs on every rank, transformers' progress bars, "
+              "and (through launch.sh) the launcher's INFO lines.")
+@click.option("--check", "check_only", is_flag=True, help="Only check, then exit 0 or refuse; starts no process "
+              "group (launch.sh runs this first): the config (for --world-size) and any recorded pipeline.parts "
+              "against --model; the model folder (config.json, safetensors headers, tokenizer files); the data file; "
+              "--chat-template; --out (writable; used or not); with --resume, that the latest checkpoint is whole "
+              "and was written by this run on this token stream.")
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")
 @click.option("--crash-at-step", type=int, hidden=True)
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
