@@ -53,10 +53,10 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     parts, fallback = choose_parts(spec, topo.pp, cfg, seq_len)
     if fallback and _is_rank0():
         log.warning("dstk: %s", fallback)
-    layout = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
+    record = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
     if lora is not None:
-        layout["lora"] = manifest_entry(lora, adapters)
-        _check_every_stage_trains(layout, spec)
+        record["lora"] = manifest_entry(lora, adapters)
+        _check_every_stage_trains(record, spec)
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
     # ("may lead to silently incorrect behavior"). The gradients were right either way (a broadcast
@@ -66,18 +66,18 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     with torch.no_grad(), quiet:
         module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts, on_host=True,
                                               activation_checkpoint_interval=checkpoint_interval(cfg))
-        _finish_on_host(module, spec, layout, cfg, plan, topo.tp)
+        _finish_on_host(module, spec, record, cfg, plan, topo.tp)
         place(module)  # the stage as it trains (cast, sharded) to its device: nothing bigger goes there first
     if plan is not None:
         models.mark_grad_norm_owners(module)
-        layout["tp"] = topo.tp
+        record["tp"] = topo.tp
     if lora is not None:
         for name, p in module.named_parameters():  # PEFT's rule: adapters (and a classifier's copy) train
             p.requires_grad_(is_adapter(name))
-    return module, layout
+    return module, record
 
 
-def _finish_on_host(module, spec, layout: dict, cfg: dict, plan, tp: int) -> None:
+def _finish_on_host(module, spec, record: dict, cfg: dict, plan, tp: int) -> None:
     """Make a stage built on the host what it trains as: parameters in the dtype DeepSpeed's engine casts
     them to (a built-in model and LoRA's adapters arrive in fp32), then its blocks sharded over the tp group
     (AutoTP copies each shard to the accelerator and frees the whole tensor)."""
@@ -87,7 +87,7 @@ def _finish_on_host(module, spec, layout: dict, cfg: dict, plan, tp: int) -> Non
     if plan is not None:
         from toolkit.distributed.tensor_parallel import shard_stage
 
-        module.dstk_tp_info = shard_stage(module, spec, layout["hf_names"], spec.config, plan, tp)
+        module.dstk_tp_info = shard_stage(module, spec, record["hf_names"], spec.config, plan, tp)
 
 
 def _topology(topo):
@@ -106,13 +106,13 @@ def _tp_plan(config, task: str, cfg: dict, tp: int):
     return partition_plan(config, _skeleton(config, task), cfg.get("tensor_parallel") or {}, tp)
 
 
-def _check_every_stage_trains(layout: dict, spec) -> None:
+def _check_every_stage_trains(record: dict, spec) -> None:
     """With LoRA a stage of only frozen layers (the embedding alone, or the norm and head) has nothing
     to train, and DeepSpeed cannot build an optimizer over no parameters: refused, on every rank alike."""
-    parts = layout["parts"]
+    parts = record["parts"]
     for stage in range(len(parts) - 1):
         layers = range(parts[stage], parts[stage + 1])
-        if not any(is_adapter(name) for i in layers for name in layout["hf_names"][i].values()):
+        if not any(is_adapter(name) for i in layers for name in record["hf_names"][i].values()):
             kinds = ", ".join(spec.kinds[i] for i in layers)
             raise ConfigError(f"--lora with parts {parts}: pipeline stage {stage} holds layers {layers.start}-"
                               f"{layers.stop - 1} ({kinds}) and no adapters, so it has nothing to train; give every "

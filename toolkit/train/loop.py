@@ -41,7 +41,7 @@ class Job:
     save_frozen: bool = True  # False: a LoRA run from a directory saves adapters (and optimizer) only
     data_info: dict | None = None  # data.Prepared.info: format, documents, rows, truncations
     param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
-    layout: dict | None = None  # the run's manifest (dstk/manifest.json), also saved with every tag (a run can change layout)
+    record: dict | None = None  # the run's manifest (dstk/manifest.json), also saved with every tag (a run can change layout)
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
@@ -53,19 +53,19 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
         manifest.check_same_model(ckpt_dir, config)
-    model, layout = model_of_rank(args, config, topo, cfg)
+    model, record = model_of_rank(args, config, topo, cfg)
     _quiet_packed_rows()
     seed_streams(args.seed, dp_rank)
-    engine, param_names = start_engine(model, layout, cfg, topo, args.verbose)
-    layout, save_frozen = run_record(args, layout, topo, cfg)
+    engine, param_names = start_engine(model, record, cfg, topo, args.verbose)
+    record, save_frozen = run_record(args, record, topo, cfg)
     if dist.get_rank() == 0 and not resume_tag:
-        manifest.save_meta(ckpt_dir, config, tokenizer, layout)
+        manifest.save_meta(ckpt_dir, config, tokenizer, record)
     if resume_tag:
-        _resume(engine, ckpt_dir, resume_tag, layout, save_frozen, args.seed, dp_rank)
+        _resume(engine, ckpt_dir, resume_tag, record, save_frozen, args.seed, dp_rank)
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
                steps=args.steps or sampler.steps_per_epoch, tokens_per_step=batch.gbs * args.seq_len,
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
-               param_names=param_names, layout=layout)
+               param_names=param_names, record=record)
 
 
 def read_inputs(args, cfg: dict, topo) -> tuple:
@@ -95,7 +95,7 @@ def model_of_rank(args, config, topo, cfg: dict):
         raise failed from None
 
 
-def start_engine(model, layout: dict, cfg: dict, topo, verbose: bool = False) -> tuple:
+def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) -> tuple:
     """(DeepSpeed engine, this rank's optimizer parameters by name per group). The names are taken in the
     optimizer's order before initialize replaces the parameters under bf16: how export finds pp = 1 fp32
     masters, and how torch's optimizer state is named when the run moves to another layout."""
@@ -103,17 +103,17 @@ def start_engine(model, layout: dict, cfg: dict, topo, verbose: bool = False) ->
     names = {id(p): n for n, p in model.named_parameters()}
     param_names = [[names[id(p)] for p in g["params"]] for g in groups]
     if topo.pp == 1:
-        layout["param_groups"] = param_names
+        record["param_groups"] = param_names
     return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose), param_names
 
 
-def run_record(args, layout: dict, topo, cfg: dict) -> tuple:
-    """(what every checkpoint of the run records: the model's layout, run_identity, "portable"; whether
+def run_record(args, record: dict, topo, cfg: dict) -> tuple:
+    """(what every checkpoint of the run records: the model's stages and names, run_identity, "portable"; whether
     checkpoints hold the frozen base). LoRA from a local directory: checkpoints hold the adapters, not a
     copy of the frozen base each time (a 7B base is ~14 GB a save); the base is read back from --model on
     resume and export."""
-    layout["base_saved"] = save_frozen = "lora" not in layout or not Path(args.model).is_dir()
-    return {**layout, **run_identity(args, topo, cfg), "portable": True}, save_frozen
+    record["base_saved"] = save_frozen = "lora" not in record or not Path(args.model).is_dir()
+    return {**record, **run_identity(args, topo, cfg), "portable": True}, save_frozen
 
 
 def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
@@ -124,7 +124,7 @@ def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
     torch.manual_seed(seed + 1 + dp_rank + (step << 32))
 
 
-def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool, seed: int, dp_rank: int) -> None:
+def _resume(engine, ckpt_dir: Path, tag: str, record: dict, save_frozen: bool, seed: int, dp_rank: int) -> None:
     """Load checkpoint `tag` into the engine: DeepSpeed's own load on the layout it was written with,
     with each rank's random-number generators; on another layout (or from `dstk reshard`'s portable
     folder) by HF name (toolkit.checkpoint.portable), after which the run's manifest describes the new layout (each
@@ -132,13 +132,13 @@ def _resume(engine, ckpt_dir: Path, tag: str, layout: dict, save_frozen: bool, s
     from toolkit.checkpoint import portable
 
     saved = manifest.read_manifest(ckpt_dir, tag)
-    if portable.moved(saved, layout) or portable.is_portable(ckpt_dir / tag):
+    if portable.moved(saved, record) or portable.is_portable(ckpt_dir / tag):
         made = portable.stage(ckpt_dir, tag)
-        names = portable.hf_names_of(engine.module, layout)
+        names = portable.hf_names_of(engine.module, record)
         portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
         dist.barrier()
         if dist.get_rank() == 0:
-            manifest.move_manifest(ckpt_dir, layout)
+            manifest.move_manifest(ckpt_dir, record)
             if made:  # the tag is as it was written
                 shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
         dist.barrier()
@@ -228,7 +228,7 @@ def _digest(paths) -> str:
 
 
 def make_model(args, config, topo, cfg: dict):
-    """(model for deepspeed.initialize, layout). pp > 1 with a local directory: no rank builds the
+    """(model for deepspeed.initialize, its part of the manifest). pp > 1 with a local directory: no rank builds the
     whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline)."""
     from toolkit.train import lora
 
@@ -347,7 +347,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
             record["eval_ppl"] = _perplexity(record["eval_loss"])
         if step == job.steps or (args.save_every and step % args.save_every == 0):
             manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
-                            manifest=job.layout)
+                            manifest=job.record)
         losses.append(loss)
         if log:
             log.write(record)
