@@ -61,6 +61,27 @@ def test_a_run_prints_progress_and_the_loss_table_and_nothing_else(layouts):
     assert (layouts / "pp2dp1" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_rank0_opens_with_what_the_run_is_and_the_whole_summary_goes_to_summary_json(layouts):
+    """One short block before the first step: model and dtype, layout and batch, what trains, fresh or
+    resumed. The parameter count is the HF model's, each tensor once (pp 2: the tied head is the
+    embedding's weight); the full summary is OUT/summary.json, stdout names it."""
+    from toolkit.train import hf
+
+    log = (layouts / "pp2dp1.log").read_text()
+    head = log[:log.index("step 1/10")]
+    params = sum(p.numel() for p in hf.builtin_model("tiny-gpt2").parameters())
+    count = f"{params / 1e3:.2f}K"
+    assert f"model: tiny-gpt2, random weights (seed 1234), fp32; {count} parameters" in head, head
+    assert "layout: dp 1 x pp 2 x tp 1 = 2 ranks, ZeRO 0; batch: micro-batch 2 x gas 4 x dp 1 = 8 rows of 32 " \
+           "tokens per step" in head, head
+    assert f"training: all {count} (100.00%) trainable parameters" in head and "fresh run: steps 1..10" in head
+    assert head.index("model: ") < head.index("data: ")  # the data line follows the block
+    whole = json.loads((layouts / "pp2dp1" / "summary.json").read_text())
+    assert whole["run"]["params"] == whole["run"]["trainable"] == params and whole["steps"] == 10
+    assert len(whole["params_per_rank"]) == 2 and f"summary: {layouts / 'pp2dp1' / 'summary.json'}" in log
+    assert "\r" not in log  # no progress bar in a log file (datasets' included)
+
+
 def test_the_last_line_gives_tokens_per_s_and_no_mfu_on_cpu(train_runs):
     """Every run ends with its tokens/s; MFU only on CUDA: here the summary says why there is none, with the
     FLOPs per token it would have used (the planner's cost model of the run's saved config)."""

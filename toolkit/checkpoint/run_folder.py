@@ -24,6 +24,7 @@ class RunFolder:
         self.checkpoints = self.out / "checkpoints"  # DeepSpeed's tags + latest + dstk/
         self.metrics = self.out / "metrics.jsonl"
         self.loss_png = self.out / "loss.png"
+        self.summary = self.out / "summary.json"  # the run's whole summary (the table on stdout is the short one)
         self.hf = self.out / "hf"  # the export
         self.adapter = self.out / "adapter"  # a LoRA run's adapters, PEFT's format
 

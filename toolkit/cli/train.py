@@ -1,6 +1,5 @@
 """`dstk train`: run on every rank by the launcher (see launch.sh); parse, call toolkit.train.runner.run, print."""
 
-import json
 import os
 
 import click
@@ -104,6 +103,6 @@ def train(local_rank, check_only, world_size, **options):
         from toolkit.train.report import read_metrics, table
 
         click.echo(table(*read_metrics(RunFolder(options["out"]).metrics)))
-        click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else ""))
-        click.echo("summary: " + json.dumps({k: v for k, v in summary.items() if k != "rank0"}))
+        click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else "")
+                   + f"; summary: {summary['summary_json']}")
     shutdown()

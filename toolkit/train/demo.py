@@ -65,15 +65,10 @@ def on_cpu_because(gpus: int) -> str | None:
 
 
 def report(out: Path) -> None:
-    """The loss table the run printed, and a sample from the exported model."""
+    """A sample from the exported model (the run itself printed its loss table, curve and export)."""
     from toolkit.checkpoint.run_folder import RunFolder
-    from toolkit.train.report import read_metrics, table
 
-    folder = RunFolder(out)
-    click.echo("\n" + table(*read_metrics(folder.metrics)))
-    click.echo(f"loss curve: {folder.loss_png}")
-    click.echo(f"exported HF model: {folder.hf}")
-    click.echo(f"sample: {sample(folder.hf)!r}")
+    click.echo(f"sample: {sample(RunFolder(out).hf)!r}")
 
 
 def sample(hf_dir: Path, prompt: str = "Once a ") -> str:

@@ -49,3 +49,26 @@ def tensors_in(obj, depth: int = 0):
     elif hasattr(obj, "__dict__") and depth > 0:  # bucket objects inside the optimizer's dicts
         for x in vars(obj).values():
             yield from tensors_in(x, depth + 1)
+
+
+def parameter_counts(engine, topo, record: dict) -> tuple[int, int]:
+    """(parameters, trainable) of the model the run trains, each HF tensor counted once: by its HF name
+    (a pipeline stage's names through the manifest `record`: a tied copy, or an unused copy of a tied
+    layer's other tensors, names a tensor another stage holds), on data-parallel rank 0, a tp shard at
+    tp x its size, a ZeRO-3 partition at its full size (ds_numel). A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    from toolkit.checkpoint.manifest import hf_name_of
+
+    _, dp_rank = topo.coords(dist.get_rank())
+    mine = {}
+    if dp_rank == 0:
+        for name, p in engine.module.named_parameters():
+            hf = hf_name_of(name, record) if topo.pp > 1 else name
+            n = (getattr(p, "ds_numel", None) or p.numel()) * (topo.tp if getattr(p, "tensor_model_parallel", False)
+                                                                else 1)
+            mine[hf or f"{dist.get_rank()}:{name}"] = (n, p.requires_grad)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    union = {name: entry for rank_names in every for name, entry in rank_names.items()}
+    return sum(n for n, _ in union.values()), sum(n for n, trains in union.values() if trains)

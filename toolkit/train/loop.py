@@ -42,6 +42,7 @@ class Job:
     data_info: dict | None = None  # data.Prepared.info: format, documents, rows, truncations
     param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
     record: dict | None = None  # the run's manifest (dstk/manifest.json), also saved with every tag (a run can change layout)
+    about: dict | None = None  # what rank 0's opening block says (report.start_lines), also in the summary
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
@@ -60,12 +61,32 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     record, save_frozen = run_record(args, record, topo, cfg)
     if dist.get_rank() == 0 and not resume_tag:
         manifest.save_meta(ckpt_dir, config, tokenizer, record)
+    saved = manifest.read_manifest(ckpt_dir, resume_tag) if resume_tag else None  # before a move rewrites it
     if resume_tag:
         _resume(engine, ckpt_dir, resume_tag, record, save_frozen, args.seed, dp_rank)
+    steps = args.steps or sampler.steps_per_epoch
+    about = describe(args, cfg, topo, batch, engine, record, start, steps,
+                     {"tag": resume_tag, "saved": saved} if resume_tag else None)
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
-               steps=args.steps or sampler.steps_per_epoch, tokens_per_step=batch.gbs * args.seq_len,
+               steps=steps, tokens_per_step=batch.gbs * args.seq_len,
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
-               param_names=param_names, record=record)
+               param_names=param_names, record=record, about=about)
+
+
+def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, steps: int, resume) -> dict:
+    """What the run is, for rank 0's opening block and the summary: model, dtype, layout, batch,
+    parameters (counted over the world: a collective, every rank calls it), LoRA, resume."""
+    from toolkit.train.footprint import parameter_counts
+
+    params, trainable = parameter_counts(engine, topo, record)
+    dtype = "bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp16" if (cfg.get("fp16") or {}).get("enabled") \
+        else "fp32"
+    return {"model": args.model, "model_name": Path(args.model).name or args.model, "from_dir": Path(args.model).is_dir(),
+            "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
+            "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp,
+                       "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
+            "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len, "lora": record.get("lora"),
+            "start_step": start, "steps": steps, "resume": resume}
 
 
 def read_inputs(args, cfg: dict, topo) -> tuple:
@@ -358,7 +379,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
                "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
                "eval_ppl": _perplexity(final_eval), "data": job.data_info,
                "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
-               **per_rank(job.engine)}
+               "run": job.about, **per_rank(job.engine)}
     if log:
         log.close(summary)
     return summary

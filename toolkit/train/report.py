@@ -114,6 +114,39 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
     return Path(path)
 
 
+def start_lines(about: dict) -> list:
+    """Rank 0's opening block: what runs, on what layout and batch, from where (prepare's `about`)."""
+    lay, lines = about["layout"], []
+    weights = f"weights from {about['model']}" if about["from_dir"] else f"random weights (seed {about['seed']})"
+    lines.append(f"model: {about['model_name']}, {weights}, {about['dtype']}; {_count(about['params'])} parameters")
+    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} = {lay['dp'] * lay['pp'] * lay['tp']} ranks, "
+                 f"ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp {lay['dp']} = "
+                 f"{about['gbs']} rows of {about['seq_len']} tokens per step")
+    lora = about.get("lora")
+    trains = f"{_count(about['trainable'])} ({100 * about['trainable'] / max(about['params'], 1):.2f}%)"
+    if lora:
+        lines.append(f"LoRA: r {lora['r']}, alpha {lora.get('alpha') or 2 * lora['r']}, on "
+                     f"{', '.join(lora.get('targets') or ['the default targets'])}; {trains} parameters train")
+    else:
+        lines.append(f"training: all {trains} trainable parameters")
+    resume = about.get("resume")
+    steps = f"steps {about['start_step'] + 1}..{about['steps']}"
+    if resume:
+        saved = resume["saved"]
+        lines.append(f"resume: from {resume['tag']} (step {about['start_step']}), written on dp {saved.get('dp')} x pp "
+                     f"{saved.get('pp')} x tp {saved.get('tp', 1)}, ZeRO {saved.get('zero_stage')}; {steps}")
+    else:
+        lines.append(f"fresh run: {steps}")
+    return lines
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
 def per_rank(engine) -> dict:
     """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
     own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
@@ -157,6 +190,8 @@ class ProgressLog:
         tty = args.progress and sys.stderr.isatty()
         self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
         self.plain = args.progress and not tty
+        for line in start_lines(job.about) if job.about else []:
+            self.bar.write(line)
         if job.data_info:  # what was read and inferred, truncated and dropped: never silently
             self.bar.write(data.Prepared(None, None, job.data_info).message())
 

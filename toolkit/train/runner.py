@@ -9,6 +9,7 @@ layer list (models/) as a PipelineModule over PipeDataParallelTopology(pp, dp), 
 train_batch(). Every rank checks the config against the real world size before building anything.
 """
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,7 +139,8 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
 
 def _log_levels(verbose: bool) -> None:
-    """DeepSpeed at INFO only with --verbose; no transformers progress bars (export) without it. torch's
+    """DeepSpeed at INFO only with --verbose; no transformers progress bars (export) without it, and no
+    progress bar at all (datasets' included) when stderr is not a terminal. torch's
     FutureWarning that all_gather_into_tensor is deprecated comes from DeepSpeed's own calls (the pipeline
     engine gathers tp-partitioned activations at every micro-batch): nothing a user can act on."""
     import logging
@@ -151,6 +153,11 @@ def _log_levels(verbose: bool) -> None:
 
     logger.setLevel(logging.INFO if verbose else logging.WARNING)
     if not verbose:
+        hf_logging.disable_progress_bar()
+    if not sys.stderr.isatty():  # a log file: no progress bar (its carriage returns pile up as one long line)
+        import datasets
+
+        datasets.disable_progress_bars()
         hf_logging.disable_progress_bar()
 
 
@@ -208,10 +215,22 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         process_group.shutdown()
     if summary["rank0"]:
         summary["loss_png"] = str(_loss_png(folder))
+        summary["summary_json"] = str(folder.summary)
         if args.export:
             adapters = folder.adapter if lora.settings_of(args) else None
             summary["export"] = str(export(ckpt_dir, folder.hf, adapter_dir=adapters))
+        write_summary(folder.summary, {k: v for k, v in summary.items() if k != "rank0"})
     return summary
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    """OUT/summary.json, whole (per-rank lists included), replaced atomically."""
+    import json
+    import os
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _loss_png(folder) -> Path:
