@@ -205,8 +205,9 @@ if [[ -z "$launcher" || "$launcher" == pdsh ]] && [[ -n "$nccl_vars" && -n "$hos
   export DS_ENV_FILE=$env_file
 fi
 [[ -n "$launcher_args" ]] && cmd+=(--launcher_args "$launcher_args")
-# The launcher's INFO lines (and the no-hostfile warning) only with dstk train --verbose.
-log_level=error
+# The launcher's INFO lines (and the no-hostfile warning) only with dstk train --verbose; its [ERROR]
+# line for a rank's non-zero exit neither (a refusal is said by rank 0; any other failure by the end below).
+log_level=critical
 for arg in "${train_args[@]}"; do [[ "$arg" == --verbose ]] && log_level=info; done
 cmd+=(--log_level "$log_level" --module toolkit.train --config "$config" "${train_args[@]}")
 
@@ -262,4 +263,13 @@ trap 'stop SIGTERM 143' TERM
 rc=0
 wait "$child" || rc=$?
 [[ -z "${env_file:-}" ]] || rm -f "$env_file"
+# 1 and 2 are dstk's refusals (rank 0 said why); a rank killed by a signal exits 256 - signal through
+# DeepSpeed's launcher (SIGKILL: 247, often the out-of-memory killer).
+if (( rc >= 192 )); then
+  echo "launch.sh: a rank was killed by signal $((256 - rc))$( ((256 - rc == 9)) && echo " (SIGKILL: out of memory?)")" >&2
+  last_checkpoint
+elif (( rc > 2 )); then
+  echo "launch.sh: a rank failed with exit code $rc (its error is above)" >&2
+  last_checkpoint
+fi
 exit "$rc"

@@ -23,7 +23,7 @@ def test_dry_run_prints_the_deepspeed_command(tmp_path):
     run = launch_sh("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
     assert run.returncode == 0, run.stderr
     assert "-m deepspeed.launcher.runner --master_port " in run.stdout and " --num_gpus 2 " in run.stdout  # a free port
-    assert (f"--log_level error --module toolkit.train --config {cfg} "
+    assert (f"--log_level critical --module toolkit.train --config {cfg} "
             "--model tiny-gpt2 --steps 5") in run.stdout
 
 
@@ -67,7 +67,7 @@ def test_launcher_logs_only_with_verbose(tmp_path):
     base = ["--num-gpus", "2", "--config", train_config(tmp_path), "--dry-run", "--"]
     quiet = launch_sh(*base, "--model", "m")
     loud = launch_sh(*base, "--model", "m", "--verbose")
-    assert "--log_level error --module toolkit.train" in quiet.stdout
+    assert "--log_level critical --module toolkit.train" in quiet.stdout
     assert "--log_level info --module toolkit.train" in loud.stdout
 
 

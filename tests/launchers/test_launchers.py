@@ -264,3 +264,28 @@ def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpo
     whole = latest.read_text().strip()
     assert f"the last whole checkpoint is {out / 'checkpoints' / whole}" in stderr, stderr
     assert (out / "checkpoints" / whole).is_dir()
+
+
+@pytest.mark.heavy
+def test_a_refusal_on_the_ranks_reads_as_one_message_and_a_killed_rank_is_named(tmp_path):
+    """A refusal only the ranks can make (a later row of the data, read while tokenizing): rank 0's one
+    message, and no [ERROR] line of DeepSpeed's launcher with the rank's command. A rank killed by a signal:
+    launch.sh names the signal and the last whole checkpoint."""
+    import json as jsonlib
+
+    config = write_config(tmp_path / "ds.json", run_config(2, 1, 1, clip=CLIP))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join([jsonlib.dumps({"text": "a fine row " * 20})] * 3 + ['{"text": 7}']) + "\n")
+    args = ["--num-gpus", 2, "--config", config, "--", *COMMON[:2], "--data", data, "--seq-len", "32", "--out",
+            tmp_path / "refused", "--no-export"]
+    done = launch_sh(*args, env=env())
+    rc, out = done.returncode, done.stdout + done.stderr
+    assert rc in (1, 2) and "Traceback" not in out and "[ERROR]" not in out and "exits with return code" not in out, out
+    assert sum(line.startswith("error:") for line in out.splitlines()) == 1, out
+
+    killed = ["--num-gpus", 2, "--config", config, "--", *COMMON, "--out", tmp_path / "killed", "--steps", 6,
+              "--save-every", 2, "--no-export", "--crash-at-step", 5]
+    done = launch_sh(*killed, env=env())
+    rc, out = done.returncode, done.stdout + done.stderr
+    assert rc == 247 and "launch.sh: a rank was killed by signal 9 (SIGKILL: out of memory?)" in out, out
+    assert f"the last whole checkpoint is {tmp_path / 'killed' / 'checkpoints' / 'global_step4'}" in out, out
