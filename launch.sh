@@ -27,6 +27,9 @@ count() {  # count FLAG VALUE MIN [MAX]
 }
 
 PYTHON=${PYTHON:-python}
+# Rank 0's "ready after" line counts from here (it splits the wait: launcher, imports, data, model, engine).
+DSTK_LAUNCHED_AT=${DSTK_LAUNCHED_AT:-$(date +%s.%N)}
+export DSTK_LAUNCHED_AT
 num_gpus="" num_nodes="" hostfile="" launcher="" node_rank="" master_addr="" master_port="" config="" dry_run=0
 launcher_args=""
 while [[ $# -gt 0 ]]; do
@@ -256,6 +259,7 @@ stop() {  # stop SIGNAL EXIT_CODE
   [[ -z "${env_file:-}" ]] || rm -f "$env_file"
   exit "$2"
 }
+echo "launch.sh: starting the ranks; rank 0 says what the run is once they are ready" >&2
 setsid "${cmd[@]}" &
 child=$!
 trap 'stop SIGINT 130' INT

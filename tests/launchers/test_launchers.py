@@ -60,6 +60,10 @@ def test_launch_sh_trains_like_forked_ranks_and_prints_only_dstk_lines(train_run
     for noise in ("[INFO]", "[WARNING]", "Warning", "[transformers]", "SEED_LAYERS", "Using topology", "c10d"):
         assert noise not in log, (noise, log[-3000:])
     assert log.count("step 10/10 loss") == 1 and log.count("summary: ") == 1, log[-3000:]
+    assert log.count("launch.sh: starting the ranks") == 1, log[-3000:]  # a line while it waits
+    ready = next(line for line in log.splitlines() if line.startswith("ready after "))  # where the wait went
+    for phase in ("launcher", "imports", "checks", "process group", "data", "model", "engine"):
+        assert f" {phase} " in ready, ready
     assert close(losses(tmp_path / "run"), losses(ref), range(1, 11), rel=1e-6)
 
 

@@ -45,9 +45,12 @@ class Job:
     about: dict | None = None  # what rank 0's opening block says (report.start_lines), also in the summary
 
 
-def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) -> Job:
-    """Tokenizer, data, model and engine; resumes from checkpoint `resume_tag` when given."""
+def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, clock=None) -> Job:
+    """Tokenizer, data, model and engine; resumes from checkpoint `resume_tag` when given. clock: a
+    report.StartClock, marked at each phase's end."""
+    mark = clock.mark if clock is not None else (lambda phase: None)
     tokenizer, config, prepared = read_inputs(args, cfg, topo)
+    mark("data")
     batch = config_batch(cfg, topo.dp)
     sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = RunFolder(args.out).checkpoints
@@ -55,18 +58,22 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None) 
     if resume_tag:
         manifest.check_same_model(ckpt_dir, config)
     model, record = model_of_rank(args, config, topo, cfg)
+    mark("model")
     _quiet_packed_rows()
     seed_streams(args.seed, dp_rank)
     engine, param_names = start_engine(model, record, cfg, topo, args.verbose)
+    mark("engine")
     record, save_frozen = run_record(args, record, topo, cfg)
     if dist.get_rank() == 0 and not resume_tag:
         manifest.save_meta(ckpt_dir, config, tokenizer, record)
     saved = manifest.read_manifest(ckpt_dir, resume_tag) if resume_tag else None  # before a move rewrites it
     if resume_tag:
         _resume(engine, ckpt_dir, resume_tag, record, save_frozen, args.seed, dp_rank)
+        mark("resume")
     steps = args.steps or sampler.steps_per_epoch
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
                      {"tag": resume_tag, "saved": saved} if resume_tag else None)
+    about["startup"] = clock.phases() if clock is not None else None
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
                steps=steps, tokens_per_step=batch.gbs * args.seq_len,
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,

@@ -114,6 +114,42 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
     return Path(path)
 
 
+class StartClock:
+    """Wall-clock marks from the launch to the first step (rank 0's "ready after" line): launch.sh's start
+    (DSTK_LAUNCHED_AT), this process's start (/proc), then each phase's end as the run marks it."""
+
+    def __init__(self):
+        import os
+        import time
+
+        launched = os.environ.get("DSTK_LAUNCHED_AT")
+        self.marks = [("launch", float(launched) if launched else None), ("launcher", _process_start()),
+                      ("imports", time.time())]
+
+    def mark(self, phase: str) -> None:
+        import time
+
+        self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict:
+        """{phase: seconds it took}, and "total" from the first known mark."""
+        known = [(name, at) for name, at in self.marks if at is not None]
+        out = {name: round(at - before, 2) for (_, before), (name, at) in zip(known, known[1:])}
+        return {**out, "total": round(known[-1][1] - known[0][1], 2)}
+
+
+def _process_start():
+    """This process's start, wall clock (Linux: /proc/self/stat's starttime after /proc/stat's btime)."""
+    import os
+
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def start_lines(about: dict) -> list:
     """Rank 0's opening block: what runs, on what layout and batch, from where (prepare's `about`)."""
     lay, lines = about["layout"], []
@@ -137,6 +173,10 @@ def start_lines(about: dict) -> list:
                      f"{saved.get('pp')} x tp {saved.get('tp', 1)}, ZeRO {saved.get('zero_stage')}; {steps}")
     else:
         lines.append(f"fresh run: {steps}")
+    took = dict(about.get("startup") or {})
+    total = took.pop("total", None)
+    if total is not None:
+        lines.append(f"ready after {total:.1f} s: " + ", ".join(f"{name} {sec:.1f}" for name, sec in took.items()))
     return lines
 
 

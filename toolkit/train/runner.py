@@ -172,11 +172,15 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     from toolkit.train import lora
     from toolkit.train import loop as train_loop
     from toolkit.export.directory import export
+    from toolkit.train.report import StartClock
 
+    clock = StartClock()
     world = process_group.env_world_size()
     check(args, world)
+    clock.mark("checks")
     _log_levels(args.verbose)
     dist = process_group.init()
+    clock.mark("process group")
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
     if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
         lora.check_qlora_here(args.model)
@@ -198,7 +202,7 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         run_folder.clear(args.out)
     dist.barrier(group=process_group.patient_group())  # nobody writes into --out before it is cleared (however long)
     try:
-        job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag)
+        job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag, clock)
     except ConfigError as exc:
         if teardown and not getattr(exc, "every_rank", False):  # every rank refuses: none is left to die at exit
             process_group.shutdown()  # in gloo's threads (exit -6); it meets the others in a barrier
