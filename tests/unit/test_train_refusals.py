@@ -145,7 +145,7 @@ def test_runs_never_mix_in_one_out(ds_world1, tmp_path):
     run(_args(tmp_path))
     before = _snapshot(tmp_path / "run")
     assert "checkpoints/latest" in before and "loss.png" in before
-    with pytest.raises(ConfigError, match=r"--out .*run already holds files \(checkpoints, loss.png, metrics.jsonl\); "
+    with pytest.raises(ConfigError, match=r"--out .*run already holds files \(checkpoints, loss.png, metrics.jsonl, summary.json\); "
                                           "pass --resume to continue that run, --overwrite"):
         run(_args(tmp_path, steps=3))
     assert _snapshot(tmp_path / "run") == before  # byte for byte

@@ -104,7 +104,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group and no model: the config (for `world_size` processes
     when known), the data file, the run folder. Every rank runs them first, so a mistake costs
     seconds, not a rendezvous; launch.sh runs them once before it starts any rank (`--check`)."""
-    from toolkit import data
+    from toolkit.data.source import check_path
     from toolkit.checkpoint import run_folder
     from toolkit.distributed.pipeline import check_recorded_parts
     from toolkit.train import hf, lora
@@ -121,9 +121,9 @@ def check(args: TrainArgs, world_size: int | None) -> None:
             from toolkit.train.lora import check_qlora_here
 
             check_qlora_here(args.model)
-    data.check_path(args.data, encoding=args.encoding)
+    check_path(args.data, encoding=args.encoding)
     if args.eval_data:
-        data.check_path(args.eval_data, "--eval-data", args.encoding)
+        check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
     run_folder.check_out(args.out, args.resume, args.overwrite)

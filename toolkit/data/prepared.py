@@ -1,0 +1,220 @@
+"""--data -> memory-mapped rows of seq_len tokens, split by document, sharded per data-parallel rank.
+
+    load (source.py) -> tokenize (formats.py, datasets .map num_proc, cached by fingerprint)
+    -> split by document (--eval-fraction, or --eval-data) -> pack or pad (pack.py, cached)
+
+Every step is a HF `datasets` map whose Arrow output is cached under --data-cache (default
+HF_DATASETS_CACHE) with a fingerprint of the file, the tokenizer and the options: a second run with
+the same inputs reads the cache. Local rank 0 of each node builds it; the others wait, then
+memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
+
+Batches and their order: toolkit.data.batches (re-exported here, and by the package: `from toolkit import data`).
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ConfigError, UnusableInput
+from toolkit.data import pack
+from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
+                                        eval_micro_batches, loss_weight)
+from toolkit.data.formats import IGNORE_INDEX, Encoder, check_chat_template, infer_format
+from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_text, load
+
+__all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
+           "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
+           "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
+VERSION = 1  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
+
+
+@dataclass
+class DataOptions:
+    path: str
+    seq_len: int
+    task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
+    format: str = "auto"  # formats.FORMATS, or auto: from the columns
+    text_field: str = "text"
+    train_on: str = "assistant"  # or "all": loss on prompts and every turn too
+    packing: bool | None = None  # None: on for text, off for supervised formats; never for classification
+    drop_long: bool = False  # drop documents longer than seq_len instead of truncating them
+    eval_fraction: float = 0.05
+    eval_data: str | None = None  # a file for evaluation instead of a share of --data
+    seed: int = 1234
+    encoding: str = "utf-8"
+    cache_dir: str | None = None  # None: HF_DATASETS_CACHE
+    workers: int | None = None  # tokenizing processes; None: 1 for small data, else up to 8
+    max_positions: int | None = None  # the model's, checked against seq_len
+
+
+@dataclass
+class Prepared:
+    train: "Rows"
+    eval: "Rows"
+    info: dict  # what was read, inferred, truncated and dropped (logged by the loop)
+
+    def message(self) -> str:
+        i = self.info
+        return (f"data: {i['how']}; {i['documents']} documents -> {i['train_documents']} train / "
+                f"{i['eval_documents']} eval ({i['split']}); {i['train_rows']} train / {i['eval_rows']} eval rows of "
+                f"{i['seq_len']} tokens ({'packed' if i['packing'] else 'padded'}); {i['long']} longer than --seq-len "
+                f"{i['long_policy']}; {i['untrained']} without a token to train on, dropped")
+
+
+def prepare(opts: DataOptions, tokenizer) -> Prepared:
+    """Load, tokenize, split and pack (or pad) --data; cached by fingerprint."""
+    if opts.max_positions is not None and opts.seq_len > opts.max_positions:
+        raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's {opts.max_positions} positions "
+                          f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
+    if not 0 <= opts.eval_fraction < 1:
+        raise ConfigError(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}")
+    ds = load(opts.path, opts.encoding, opts.cache_dir)
+    fmt, how = infer_format(ds.column_names, opts.task, opts.format, opts.text_field)
+    if fmt in CHAT_FORMATS:
+        check_chat_template(tokenizer)
+    packing = _packing(opts, fmt)
+    tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path)
+    if opts.eval_data:
+        held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
+        infer_format(held.column_names, opts.task, fmt, opts.text_field)  # the same format's columns
+        train_docs, eval_docs, split = tokens, _tokenize(held, fmt, opts, tokenizer, opts.eval_data), "--eval-data"
+    else:
+        train_docs, eval_docs = split_documents(tokens, opts.eval_fraction, opts.seed)
+        split = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}"
+    train, eval_ = (_pack(d, opts, tokenizer, packing, fmt, name) for d, name in ((train_docs, "train"),
+                                                                                     (eval_docs, "eval")))
+    if len(train) == 0:
+        raise ConfigError(f"{opts.path}: no row to train on after tokenizing ({len(tokens)} documents; none has "
+                          "a token with a loss within --seq-len); check --format, --train-on and --seq-len")
+    info = {"how": how, "format": fmt, "packing": packing, "seq_len": opts.seq_len, "documents": len(tokens),
+            "train_documents": len(train_docs), "eval_documents": len(eval_docs), "split": split,
+            "train_rows": len(train), "eval_rows": len(eval_), **_stats([train_docs, eval_docs], opts, packing, fmt)}
+    if fmt == "classification":  # the head's size: the largest class index seen, + 1
+        info["num_labels"] = max(int(d.with_format("numpy", columns=["label"])[:]["label"].max()) for d in (train, eval_)
+                                 if len(d)) + 1
+    return Prepared(Rows(train), Rows(eval_), info)
+
+
+def _packing(opts: DataOptions, fmt: str) -> bool:
+    if fmt == "classification":
+        if opts.packing:
+            raise ConfigError("--packing does not apply to --task classification (one label per row); drop it")
+        return False
+    return fmt == "text" if opts.packing is None else opts.packing
+
+
+def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source):
+    """One row of (input_ids, labels | label, length, trained) per document, cached."""
+    encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
+                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES)
+    key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None, opts.text_field,
+                       tokenizer_fingerprint(tokenizer))
+    workers = opts.workers or (1 if len(ds) < 20_000 else min(8, os.cpu_count() or 1))
+    return ds.map(encoder, batched=True, with_indices=True, remove_columns=ds.column_names,
+                  num_proc=workers if workers > 1 else None, new_fingerprint=key,
+                  cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}")
+
+
+def split_documents(tokens, eval_fraction: float, seed: int):
+    """(train, eval) documents: a seeded shuffle, the first ceil(N * eval_fraction) go to eval; each
+    side keeps file order (training shuffles its rows every epoch)."""
+    n = len(tokens)
+    n_eval = min(n - 1, -int(-n * eval_fraction // 1)) if eval_fraction > 0 else 0
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    eval_idx, train_idx = perm[:n_eval].sort().values, perm[n_eval:].sort().values
+    return tokens.select(train_idx.numpy()), tokens.select(eval_idx.numpy())
+
+
+def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str):
+    classification = fmt == "classification"
+    packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
+                              split_long=packing and fmt == "text")
+    key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
+    keep = ["input_ids", "label" if classification else "labels"]
+    return docs.select_columns(keep).map(
+        packer, batched=True, batch_size=pack.BATCH, remove_columns=keep, new_fingerprint=key,
+        features=pack.features(opts.seq_len, classification), cache_file_name=_cache_file(opts, f"rows-{key}"),
+        desc=f"{'Packing' if packing else 'Padding'} {name} rows")
+
+
+def _stats(splits: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
+    long = untrained = 0
+    for docs in splits:
+        if len(docs):
+            cols = docs.with_format("numpy", columns=["length", "trained"])[:]
+            long += int((cols["length"] > opts.seq_len).sum())
+            untrained += int((cols["trained"] == 0).sum())
+    policy = ("dropped (--drop-long)" if opts.drop_long else "cut into pieces of --seq-len" if packing and fmt == "text"
+              else "truncated (--drop-long drops them)")
+    return {"long": long, "long_policy": policy, "untrained": untrained}
+
+
+def pad_id(tokenizer) -> int:
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.sep_token_id):
+        if token is not None:
+            return token
+    return 0
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What makes a tokenizer's ids: its vocabulary and rules, special tokens and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.chat_template], default=str)
+    return hashlib.sha256((body + extra).encode()).hexdigest()
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps([VERSION, *parts], default=str).encode()).hexdigest()[:32]
+
+
+def _cache_file(opts: DataOptions, name: str) -> str:
+    import datasets
+
+    root = Path(opts.cache_dir or datasets.config.HF_DATASETS_CACHE) / "dstk"
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root / f"{name}.arrow")
+
+
+def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
+    """prepare() on one rank first (it builds the caches, with progress bars), then on the others (cache hits,
+    quiet): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
+    the same cache files at once would race), else each node's local rank 0. A refusal there is raised on
+    every rank, same message."""
+    import datasets
+    import torch.distributed as dist
+
+    from toolkit.distributed.process_group import local_rank, patient_group, shared_with_rank0
+
+    if not dist.is_initialized():
+        return prepare(opts, tokenizer)
+    result, failure = None, None
+    shared = all(seen for _, seen in shared_with_rank0(opts.cache_dir or datasets.config.HF_DATASETS_CACHE))
+    if (dist.get_rank() if shared else local_rank()) == 0:
+        try:
+            result = prepare(opts, tokenizer)
+        except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below
+            failure = exc
+    failures = [None] * dist.get_world_size()
+    # the others wait for local rank 0's tokenizing, however long: not within the process group's timeout
+    dist.all_gather_object(failures, None if failure is None else (type(failure).__name__, str(failure)),
+                           group=patient_group())
+    if failure is not None:
+        raise failure
+    kind, message = next((f for f in failures if f), (None, None))
+    if kind in ("UnusableInput", "ConfigError"):
+        raise (UnusableInput if kind == "UnusableInput" else ConfigError)(message)
+    if kind is not None:
+        raise RuntimeError(f"preparing --data failed on another rank: {kind}: {message}")
+    if result is None:
+        datasets.disable_progress_bars()
+        try:
+            result = prepare(opts, tokenizer)
+        finally:
+            datasets.enable_progress_bars()
+    return result
