@@ -7,7 +7,6 @@ so listing commands never imports a command module (and so never torch or deepsp
 import contextlib
 import importlib
 import io
-import json
 import os
 import sys
 
@@ -98,6 +97,8 @@ def _stdout_for_json(active: bool):
 
 def echo_json(data, indent: int = 2) -> None:
     """Print a command's --json result: the one thing on stdout."""
+    import json  # here: `dstk --help` imports no more than it needs
+
     ctx = click.get_current_context()
     click.echo(json.dumps(data, indent=indent), file=(ctx.obj or {}).get("stdout", sys.stdout))
 
