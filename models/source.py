@@ -148,12 +148,19 @@ def check_directory(path) -> None:
     path = Path(path)
     config = path / "config.json"
     try:
-        json.loads(config.read_text(encoding="utf-8"))
+        content = json.loads(config.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise UnusableInput(f"{config} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); restore "
                             "the model's config.json") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UnusableInput(f"{config} cannot be read ({exc}); restore the model's config.json") from None
+    if not isinstance(content, dict) or not isinstance(content.get("model_type"), str):
+        raise UnusableInput(f"{config} is not a HF model config (a JSON object with a \"model_type\"); restore the "
+                            "model's config.json")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any((path / name).is_file() for name in weights):
+        raise UnusableInput(f"{path} holds no weights (none of {', '.join(weights)}); copy the model's weight files "
+                            "there, or pass a built-in name to train from random weights")
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -33,6 +33,9 @@ def check_writable(path, flag: str, beside: bool = False) -> None:
     it and renamed into place). Tried with a real file: permissions, ACLs, read-only mounts and root all
     answer as the real write would."""
     path = Path(path).absolute()
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{flag} {path} is a link to {os.readlink(path)}, which does not exist; remove the link, "
+                          f"or choose another {flag}")
     probe = path.parent if beside else path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

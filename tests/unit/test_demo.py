@@ -42,3 +42,28 @@ def test_the_demo_refuses_an_out_folder_with_the_users_files_unless_overwrite(tm
     (tmp_path / "file").write_text("")
     with pytest.raises(click.ClickException, match="is a file"):
         demo.check_out(tmp_path / "file", overwrite=True)
+
+
+def test_the_demo_refuses_an_out_it_cannot_write_and_keeps_its_config_out_of_out(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from toolkit.train import demo
+
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("")
+    for out, words in ((link, "is a link to"), (tmp_path / "file" / "sub", "is a file, so nothing can be made")):
+        result = CliRunner().invoke(demo.main, ["--out", str(out), "--steps", "1"])
+        assert result.exit_code == 1 and words in result.output, result.output
+    seen = {}
+    def launch(config, out, steps, model):  # what launch.sh would get; the run folder as a run leaves it
+        seen.update(config=config, out=out)
+        out.mkdir(parents=True)
+        return 0
+
+    monkeypatch.setattr(demo, "launch_run", launch)
+    monkeypatch.setattr(demo, "report", lambda out: None)
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(demo.main, ["--out", "rel", "--steps", "1"]).exit_code == 0
+    assert seen["out"] == tmp_path / "rel"  # absolute: launch.sh runs in the repository
+    assert tmp_path / "rel" not in seen["config"].parents  # the config never lies in the folder --overwrite clears

@@ -104,3 +104,19 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_the_checkpoint_is_r
     monkeypatch.setattr(directory, "read_manifest", lambda *_: pytest.fail("read the checkpoint first"))
     code, out, err = export(capsys, run, out_dir)
     assert code == 1 and words in err and "Traceback" not in err, err
+
+
+def test_an_export_into_its_own_run_or_a_link_to_nowhere_is_refused(capsys, tmp_path, run_dir):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir[0], run)
+    before = sorted(p.name for p in run.rglob("*"))
+    for out_dir in (run, run / "checkpoints"):
+        code, _, err = export(capsys, run, out_dir, "--force")
+        assert code == 1 and "would replace the checkpoint it is exported from" in err, err
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere")
+    code, _, err = export(capsys, run, link)
+    assert code == 1 and "is a link to" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in run.rglob("*")) == before

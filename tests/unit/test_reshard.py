@@ -140,15 +140,15 @@ def test_resuming_from_a_checkpoint_with_a_file_deleted_names_the_file_the_step_
     assert (ckpt / "latest").read_text().strip() == "global_step4"
     lost = next(p for p in sorted((ckpt / "global_step4").iterdir()) if p.name.endswith("model_states.pt"))
     lost.unlink()
-    result = train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config)
+    result = train_cli(tmp_path, "--resume", "--steps", "6", "--eval-fraction", "0", "--check", config=args.config)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert (f"checkpoint global_step4 (step 4) in {ckpt} is not whole: {lost.name} is missing; whole checkpoints: "
             f"global_step2; to resume from global_step2, write global_step2 into {ckpt / 'latest'}") in result.stderr
     (ckpt / "latest").write_text("global_step2")
-    assert train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config).returncode == 0
+    assert train_cli(tmp_path, "--resume", "--steps", "6", "--eval-fraction", "0", "--check", config=args.config).returncode == 0
     truncated = ckpt / "global_step2" / lost.name
     truncated.write_bytes(truncated.read_bytes()[:100])
-    result = train_cli(tmp_path, "--resume", "--steps", "6", "--check", config=args.config)
+    result = train_cli(tmp_path, "--resume", "--steps", "6", "--eval-fraction", "0", "--check", config=args.config)
     assert f"{lost.name} has 100 bytes, not the" in result.stderr and "no other checkpoint here is whole" in result.stderr
 
 

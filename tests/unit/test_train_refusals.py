@@ -324,3 +324,56 @@ def test_a_model_directory_without_a_tokenizer_is_refused_at_once_saying_where_d
     ok = train_entry(["--model", str(folder), "--tokenizer", str(saved_llama), "--data", str(CORPUS), "--config",
                       str(train_config(tmp_path)), "--out", str(tmp_path / "run"), "--seq-len", "32", "--check"])
     assert ok.returncode == 0, ok.stderr
+
+
+def test_overwrite_never_deletes_what_the_run_reads_nor_a_folder_above_it(tmp_path, saved_llama):
+    """--overwrite deletes what --out holds: refused (nothing touched) when --model or --data is inside it,
+    or --out is the current folder (train_entry runs in the repository) or the root."""
+    import shutil
+
+    out = tmp_path / "runs"
+    shutil.copytree(saved_llama, out / "model")
+    data = out / "data.txt"
+    data.write_text((CORPUS.read_text()))
+    refused(train_entry(["--model", str(out / "model"), "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
+                         "--out", str(out), "--overwrite", "--check"]), 1,
+            f"--out {out} --overwrite would delete --model {out / 'model'}, which is inside it")
+    refused(train_entry(["--model", "tiny-gpt2", "--data", str(data), "--config", str(train_config(tmp_path)),
+                         "--out", str(out), "--overwrite", "--check"]), 1, f"would delete --data {data}")
+    for where in (".", "/"):
+        refused(train_entry(["--model", "tiny-gpt2", "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
+                             "--out", where, "--overwrite", "--check"]), 1, "--overwrite would delete everything in")
+    assert (out / "model" / "config.json").is_file() and data.is_file()
+
+
+def test_resume_refuses_an_empty_latest_or_one_naming_no_tag(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / "global_step2").mkdir(parents=True)
+    (ckpt / "latest").write_text("")
+    refused(train_cli(tmp_path, "--resume", "--check"), 1, f"--resume: {ckpt / 'latest'} is empty; write one of "
+            "global_step2 into it")
+    (ckpt / "latest").write_text("global_step99")
+    refused(train_cli(tmp_path, "--resume", "--check"), 1, "names 'global_step99', which is not a folder there")
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("list", "config.json is not a HF model config"),
+    ("no-weights", "holds no weights (none of model.safetensors"),
+])
+def test_a_model_directory_without_a_config_object_or_weights_is_refused(tmp_path, saved_llama, damage, words):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_llama, folder)
+    if damage == "list":
+        (folder / "config.json").write_text("[1, 2]")
+    else:
+        (folder / "model.safetensors").unlink()
+    refused(train_entry(["--model", str(folder), "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
+                         "--out", str(tmp_path / "run"), "--check"]), 2, words)
+
+
+def test_an_out_that_is_a_link_to_nowhere_is_refused(tmp_path):
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere")
+    refused(train_cli(tmp_path, "--out", str(link), "--check"), 1, f"--out {link} is a link to")

@@ -73,8 +73,12 @@ def missing_files(tag_dir: Path) -> list[str]:
     dstk, without the record, is taken as whole)."""
     try:
         files = json.loads((tag_dir / TAG_FILES).read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return []
+    except (OSError, ValueError) as exc:
+        return [f"{TAG_FILES} cannot be read ({exc})"]
+    if not isinstance(files, dict) or not all(isinstance(n, int) for n in files.values()):
+        return [f"{TAG_FILES} is not the list of files dstk writes (damaged)"]
     problems = []
     for name, size in files.items():
         path = tag_dir / name

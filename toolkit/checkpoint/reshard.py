@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.files import as_umask
+from toolkit.files import as_umask, check_writable
 from toolkit.checkpoint import portable
 from toolkit.checkpoint.manifest import LAYOUT_KEYS, META, check_resumable, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
@@ -24,6 +24,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
     ckpt_dir = find_checkpoint_dir(ckpt)
     tag = resolve_tag(ckpt_dir, tag)
     out = Path(out)
+    check_writable(out, "OUT_DIR", beside=True)  # a file above it, a link to nowhere, a place this process cannot write
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} already holds files; give a new OUT folder (reshard never overwrites a run)")
     manifest = read_manifest(ckpt_dir)

@@ -29,8 +29,9 @@ class RunFolder:
         self.adapter = self.out / "adapter"  # a LoRA run's adapters, PEFT's format
 
 
-def check_out(out, resume: bool, overwrite: bool) -> None:
-    """Refuse, before anything is built or written, a run that would mix with or lose another."""
+def check_out(out, resume: bool, overwrite: bool, inputs: dict | None = None) -> None:
+    """Refuse, before anything is built or written, a run that would mix with or lose another, or
+    whose --overwrite would delete more than a run (`inputs`: flag -> path of what the run reads)."""
     out = Path(out)
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
@@ -39,17 +40,44 @@ def check_out(out, resume: bool, overwrite: bool) -> None:
         raise ConfigError(f"--out {out} is a file; --out names the run's folder (checkpoints/, metrics.jsonl, hf/)")
     check_writable(out, "--out")
     if resume:
-        latest = RunFolder(out).checkpoints / "latest"
-        if not latest.is_file():
-            raise ConfigError(f"--resume: {out} holds no checkpoint to resume (no {latest}); "
-                              "drop --resume to start a fresh run there, or point --out at the run to continue")
-        check_whole(latest.parent, read_latest(latest.parent))
+        check_resume_tag(RunFolder(out).checkpoints)
         return
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         raise ConfigError(f"--out {out} already holds files ({shown}); pass --resume to continue that run, "
                           "--overwrite to delete it and start again, or another --out")
+    if held and overwrite:
+        check_deletable(out, inputs or {})
+
+
+def check_deletable(out: Path, inputs: dict) -> None:
+    """--overwrite deletes what OUT holds: never the file system's root, a home, the current folder or one
+    above it, nor a folder holding what the run reads (--model, --data, --config, ...)."""
+    where = out.resolve()
+    here = Path.cwd().resolve()
+    if where == Path(where.anchor) or where == Path.home().resolve() or where in (here, *here.parents):
+        raise ConfigError(f"--out {out} --overwrite would delete everything in {where}; give --out a folder of its "
+                          "own (e.g. runs/NAME)")
+    for flag, path in inputs.items():
+        if path and Path(path).exists() and where in (Path(path).resolve(), *Path(path).resolve().parents):
+            raise ConfigError(f"--out {out} --overwrite would delete {flag} {path}, which is inside it; move it out "
+                              "of --out, or give --out a folder of its own")
+
+
+def check_resume_tag(ckpt_dir: Path) -> None:
+    """--resume continues from the tag `latest` names: it must name one, and that tag must be whole."""
+    latest = ckpt_dir / "latest"
+    if not latest.is_file():
+        raise ConfigError(f"--resume: {ckpt_dir.parent} holds no checkpoint to resume (no {latest}); "
+                          "drop --resume to start a fresh run there, or point --out at the run to continue")
+    tag = read_latest(ckpt_dir)
+    if not tag or not (ckpt_dir / tag).is_dir():
+        tags = sorted((d.name for d in ckpt_dir.glob("global_step*") if d.is_dir()), key=len)
+        said = f"names {tag!r}, which is not a folder there" if tag else "is empty"
+        fix = f"write one of {', '.join(tags)} into it" if tags else "start a fresh run (drop --resume)"
+        raise ConfigError(f"--resume: {latest} {said}; {fix}")
+    check_whole(ckpt_dir, tag)
 
 
 def clear(out) -> None:

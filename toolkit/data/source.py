@@ -45,7 +45,7 @@ def check_path(path, flag: str = "--data", encoding: str = "utf-8") -> Path:
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES or suffix in JSON_SUFFIXES or suffix == ".csv":
-        check_text(path, encoding, limit=1 << 20)  # the first MiB now; the whole file when it is loaded
+        check_text(path, encoding, limit=1 << 20, flag=flag)  # the first MiB now; the whole file when it is loaded
     if suffix == ".jsonl":
         check_first_row(path, flag, encoding)
     if suffix == ".parquet":
@@ -84,7 +84,7 @@ def _saved_dataset(path: Path) -> bool:
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
-def check_text(path: Path, encoding: str = "utf-8", limit: int | None = None) -> None:
+def check_text(path: Path, encoding: str = "utf-8", limit: int | None = None, flag: str = "--data") -> None:
     """Read a text file in chunks, strictly: NUL bytes mean binary data, a byte that is not `encoding`
     is refused with its offset and line (training on replacement characters teaches garbage).
     limit: read only that many bytes (a quick look before any process starts)."""
@@ -99,7 +99,7 @@ def check_text(path: Path, encoding: str = "utf-8", limit: int | None = None) ->
         while (limit is None or offset < limit) and (chunk := fh.read(CHUNK if limit is None else limit)):
             nul = chunk.find(b"\x00")
             if nul >= 0 and not utf16:
-                raise UnusableInput(f"--data {path}: binary data (a NUL byte at offset {offset + nul}), not text; "
+                raise UnusableInput(f"{flag} {path}: binary data (a NUL byte at offset {offset + nul}), not text; "
                                     "pass a text file")
             try:
                 seen_text |= bool(decoder.decode(chunk).strip())

@@ -54,6 +54,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
         raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     max_bytes = parse_size(max_shard_size)
     _check_out(out_dir, overwrite)
+    _check_apart(out_dir, ckpt_dir)
     manifest = read_manifest(ckpt_dir)
     check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(manifest.get("lora")))
     if adapter_dir is not None:
@@ -252,6 +253,14 @@ def _check_out(out_dir: Path, overwrite: bool) -> None:
     if not parent.is_dir():
         raise ConfigError(f"cannot write {out_dir}: directory {parent} does not exist; create it first "
                           f"(mkdir -p {parent})")
+
+
+def _check_apart(out_dir: Path, ckpt_dir: Path) -> None:
+    """OUT_DIR replaces what it holds: never the checkpoint being read, nor a folder holding it."""
+    out, ckpt = out_dir.resolve(), ckpt_dir.resolve()
+    if out == ckpt or out in ckpt.parents or ckpt in out.parents:
+        raise ConfigError(f"OUT_DIR {out_dir} would replace the checkpoint it is exported from ({ckpt_dir}); give "
+                          "OUT_DIR a folder of its own, e.g. RUN/hf_again")
 
 
 def write_dir_atomically(out_dir: Path, write) -> None:

@@ -233,9 +233,13 @@ def _read_json(config_file: Path) -> dict:
     if not config_file.is_file():
         raise UnusableInput(f"{config_file}: no such file (a HF model directory holds config.json)")
     try:
-        return json.loads(config_file.read_text())
+        content = json.loads(config_file.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise UnusableInput(f"{config_file}: not valid JSON ({exc})") from exc
+    if not isinstance(content, dict):
+        raise UnusableInput(f"{config_file} is a JSON {type(content).__name__}, not a HF model config (an object "
+                            'with "model_type"); restore the model\'s config.json')
+    return content
 
 
 def arch_from_config(cfg: dict, name: str) -> Arch:

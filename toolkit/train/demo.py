@@ -18,6 +18,9 @@ from pathlib import Path
 
 import click
 
+from toolkit.errors import ConfigError
+from toolkit.files import check_writable
+
 from toolkit.corpus import PATH as CORPUS
 
 REPO = Path(__file__).resolve().parents[2]  # launch.sh lives at the repository root
@@ -37,7 +40,14 @@ def demo_config(out: Path, lr: float) -> Path:
 
 
 def train(out: Path, steps: int, lr: float, model: str) -> int:
-    config = demo_config(out, lr)
+    """launch.sh on 2 ranks; the config lives in a temporary folder (never inside the --out it clears)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dstk-demo-") as folder:
+        return launch_run(demo_config(Path(folder), lr), out, steps, model)
+
+
+def launch_run(config: Path, out: Path, steps: int, model: str) -> int:
     cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "2", "--config", str(config), "--",
            "--model", model, "--data", str(CORPUS), "--seq-len", "128", "--steps", str(steps),
            "--eval-every", str(max(steps // 4, 1)), "--save-every", str(max(steps // 2, 1)), "--out", str(out),
@@ -89,6 +99,10 @@ def check_out(out: Path, overwrite: bool) -> None:
     """The demo deletes what --out holds: only a previous demo's run, or anything with --overwrite."""
     if out.exists() and not out.is_dir():
         raise click.ClickException(f"--out {out} is a file; --out names the demo's run folder")
+    try:
+        check_writable(out, "--out")
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and MARK not in held and not overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
@@ -105,6 +119,7 @@ def check_out(out: Path, overwrite: bool) -> None:
 @click.option("--overwrite", is_flag=True, help="Delete what --out holds, whatever it is, and run the demo there.")
 def main(steps, lr, model, out, overwrite):
     """Train a small causal LM with pp = 2 on the shipped corpus; export and sample it."""
+    out = out.absolute()  # launch.sh runs in the repository, not where the demo was started
     check_out(out, overwrite)
     rc = train(out, steps, lr, model)
     if rc:

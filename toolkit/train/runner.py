@@ -126,7 +126,9 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
-    run_folder.check_out(args.out, args.resume, args.overwrite)
+    run_folder.check_out(args.out, args.resume, args.overwrite,
+                         {"--model": args.model, "--data": args.data, "--eval-data": args.eval_data, "--config":
+                          args.config, "--tokenizer": args.tokenizer, "--chat-template": args.chat_template})
     if args.resume_with_new_data and not args.resume:
         raise ConfigError("--resume-with-new-data continues a run: pass it with --resume")
     if args.resume:  # the run's own token stream and model, before any rank starts (the layout: once it has)
