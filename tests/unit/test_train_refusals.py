@@ -377,3 +377,26 @@ def test_an_out_that_is_a_link_to_nowhere_is_refused(tmp_path):
     link = tmp_path / "dangling"
     link.symlink_to(tmp_path / "nowhere")
     refused(train_cli(tmp_path, "--out", str(link), "--check"), 1, f"--out {link} is a link to")
+
+
+def test_a_damaged_tokenizer_file_is_refused_by_check(tmp_path, saved_llama):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_llama, folder)
+    json_files = [p.name for p in folder.glob("tokenizer*.json")]
+    assert json_files
+    (folder / json_files[0]).write_text("{garbage")
+    refused(train_entry(["--model", str(folder), "--data", str(CORPUS), "--config", str(train_config(tmp_path)),
+                         "--out", str(tmp_path / "run"), "--check"]), 1, f"--model {folder}: {json_files[0]} is not JSON")
+
+
+def test_a_chat_template_raising_a_python_error_on_a_row_is_named_with_the_row():
+    from toolkit.data.formats import render_chat
+    from toolkit.errors import UnusableInput
+    from toolkit.train import hf
+
+    tok = hf.byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ 1 / 0 }}{% endfor %}"
+    with pytest.raises(UnusableInput, match=r"chat.jsonl row 3: the chat template failed: ZeroDivisionError"):
+        render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tok, "chat.jsonl", 3)

@@ -194,7 +194,7 @@ def torch_load(path: Path, mmap: bool = False):
         raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         raise UnusableInput(f"{path} cannot be read ({first_line(exc)}): the file is truncated or damaged "
                             "(a save cut short?); export another tag with --tag") from None
 

@@ -201,9 +201,14 @@ def render_chat(messages: list, tok, source: str = "", row: int = 0) -> tuple[li
 
     try:
         return render_chat_tokens(messages, tok, source, row)
+    except ConfigError:  # dstk's own refusal (UnusableInput included), already naming the row
+        raise
     except TemplateError as exc:
         line = f" (template line {exc.lineno})" if getattr(exc, "lineno", None) else ""
         raise UnusableInput(f"{source} row {row}: the chat template failed{line}: {exc.message or exc}; fix the "
+                            "row or the template (--chat-template FILE)") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as exc:  # Python inside Jinja
+        raise UnusableInput(f"{source} row {row}: the chat template failed: {type(exc).__name__}: {exc}; fix the "
                             "row or the template (--chat-template FILE)") from None
 
 

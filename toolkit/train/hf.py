@@ -6,6 +6,7 @@ the same model. Their tokenizer is a 256-byte tokenizer (+ one end-of-text token
 it needs no download and saves/loads like any HF tokenizer.
 """
 
+import json
 from pathlib import Path
 
 from toolkit.data.formats import check_template_syntax
@@ -69,10 +70,22 @@ def check_tokenizer(model: str, tokenizer: str | None) -> None:
         raise ConfigError(f"--tokenizer {tokenizer}: no such local directory; pass a folder with the tokenizer's "
                           "files (the hub is not contacted)")
     source = tokenizer or (model if Path(model).is_dir() else None)
-    if source is not None and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
-        flag = "--tokenizer" if tokenizer else "--model"
+    if source is None:
+        return
+    flag = "--tokenizer" if tokenizer else "--model"
+    if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"no tokenizer found: {flag} {source} holds none of {', '.join(TOKENIZER_FILES)}; pass "
                           "--tokenizer DIR, a folder with the model's tokenizer (as save_pretrained writes it)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the JSON ones, read as transformers would
+        path = Path(source) / name
+        try:
+            content = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"{flag} {source}: {name} is not JSON ({exc}); restore the tokenizer's files, or pass "
+                              "--tokenizer DIR") from None
+        if not isinstance(content, dict):
+            raise ConfigError(f"{flag} {source}: {name} is a JSON {type(content).__name__}, not a tokenizer's "
+                              "(an object); restore the tokenizer's files, or pass --tokenizer DIR")
 
 
 def _tokenizer(model: str, tokenizer: str | None):
