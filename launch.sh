@@ -144,8 +144,12 @@ all_local() {
   awk -v a="$here" -v b="$short" '$1 !~ /^#/ && NF && $1 != "localhost" && $1 != "127.0.0.1" && $1 != a && $1 != b \
     { remote = 1 } END { exit remote }' "$hostfile"
 }
-# (DS_ACCELERATOR=cpu already set: no torch import to ask, ~1.5 s a launch; DS_ACCELERATOR=cuda: kept)
-if all_local && [[ "${DS_ACCELERATOR:-}" != cuda ]] && { [[ "${DS_ACCELERATOR:-}" == cpu ]] ||
+# No GPU driver on this machine (NVIDIA's or ROCm's) means no CUDA, without asking torch (~1.5 s a launch);
+# with one, torch says. (DS_ACCELERATOR=cpu already set: not asked either; DS_ACCELERATOR=cuda: kept.)
+no_gpu_driver() {
+  [[ ! -e /proc/driver/nvidia/version && ! -e /dev/nvidiactl && ! -e /dev/kfd ]] && ! command -v nvidia-smi >/dev/null
+}
+if all_local && [[ "${DS_ACCELERATOR:-}" != cuda ]] && { [[ "${DS_ACCELERATOR:-}" == cpu ]] || no_gpu_driver ||
     ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }; then
   export DS_ACCELERATOR=cpu
   procs=${num_gpus:-1}

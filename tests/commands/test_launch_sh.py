@@ -149,3 +149,26 @@ def test_openmpi_tcp_goes_over_the_master_addresss_subnet(tmp_path, extra, expec
     assert run.returncode == 0 and expect in run.stdout, run.stdout + run.stderr
     assert run.stdout.count("btl_tcp_if_include") == (0 if note else 1)
     assert ("mpirun's TCP traffic uses eth0" in run.stderr) == note
+
+
+@pytest.mark.skipif(any(Path(p).exists() for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")),
+                    reason="a GPU driver is here: torch is asked, as it should be")
+@pytest.mark.parametrize("driver", [False, True])
+def test_a_machine_without_a_gpu_driver_runs_on_cpu_without_asking_torch(tmp_path, driver):
+    """No NVIDIA or ROCm driver: DS_ACCELERATOR=cpu without importing torch (about 1.5 s of every launch).
+    A driver (here a stand-in nvidia-smi): torch is asked, and its answer (no CUDA here) is taken."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python-recording"
+    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{tmp_path}/python.calls"\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    if driver:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env.update(PYTHON=str(python), PATH=f"{bin_dir}:{env['PATH']}")
+    run = launch_sh("--num-gpus", 2, "--config", train_config(tmp_path), "--dry-run", "--", "--model", "tiny-gpt2",
+                    env=env)
+    assert run.returncode == 0 and run.stdout.startswith("DS_ACCELERATOR=cpu "), run.stdout + run.stderr
+    asked = "import torch" in (tmp_path / "python.calls").read_text()
+    assert asked == driver
