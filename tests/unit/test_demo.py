@@ -67,3 +67,13 @@ def test_the_demo_refuses_an_out_it_cannot_write_and_keeps_its_config_out_of_out
     assert CliRunner().invoke(demo.main, ["--out", "rel", "--steps", "1"]).exit_code == 0
     assert seen["out"] == tmp_path / "rel"  # absolute: launch.sh runs in the repository
     assert tmp_path / "rel" not in seen["config"].parents  # the config never lies in the folder --overwrite clears
+
+
+def test_the_demo_prints_the_loss_table_once(tmp_path, monkeypatch, capsys):
+    """The run (rank 0, through launch.sh) prints the table; the demo then adds only its sample."""
+    from toolkit.train import demo
+
+    monkeypatch.setattr(demo, "sample", lambda hf_dir: "Once a story")
+    demo.report(tmp_path)
+    out = capsys.readouterr().out
+    assert out == "sample: 'Once a story'\n"
