@@ -46,7 +46,7 @@ $(MPI_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m toolkit.train.demo
 
-# Everything but the `heavy` tier (the real launchers, 3D layouts, whole sweeps): ~14 min on 2 cores.
+# Everything but the `heavy` tier (the real launchers, 3D layouts, whole sweeps): ~12 min on 2 cores.
 test: $(STAMP) $(MPI_STAMP)
 	$(BIN)/python -m pytest -q -m "not heavy" tests $(PYTEST_ARGS)
 
