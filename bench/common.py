@@ -62,6 +62,15 @@ def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = N
     return rc, time.perf_counter() - start
 
 
+def extract(rev: str, dest: Path, paths=("toolkit", "models", "setup.cfg", "launch.sh")) -> Path:
+    """`paths` of commit `rev` under dest (git archive: the checkout is untouched)."""
+    dest.mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, *paths], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
 def alternate(cases: dict, reps: int) -> dict:
     """Run each case's callable once per round, round after round; name -> list of seconds."""
     samples = {name: [] for name in cases}

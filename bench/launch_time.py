@@ -17,7 +17,6 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,14 +29,6 @@ import common  # noqa: E402
 OLD_COMMIT = "56d1fb2"  # before the package map and issue 26: --check imported torch, no "ready after" line
 ARGS = ["--num-gpus", "2", "--config", "ds_configs/cpu_pp2.json", "--", "--model", "tiny-gpt2", "--data",
         "toolkit/corpus/corpus.txt", "--seq-len", "32", "--steps", "2", "--no-export"]
-
-
-def extract(rev: str, dest: Path) -> Path:
-    dest.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "toolkit", "models", "ds_configs", "launch.sh"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
 
 
 def run_once(tree: Path, out: Path, log: Path) -> tuple[float, str]:
@@ -68,7 +59,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dstk-launch-") as tmp:
-        trees = {"old": extract(opts.old, Path(tmp) / "old"), "new": REPO}
+        trees = {"old": common.extract(opts.old, Path(tmp) / "old", ("toolkit", "models", "ds_configs", "launch.sh")),
+                 "new": REPO}
         walls, splits = {"old": [], "new": []}, []
         for name in ("old", "new"):  # warm the data cache and the page cache once, unmeasured
             run_once(trees[name], Path(tmp) / f"out-{name}", Path(tmp) / f"{name}.log")

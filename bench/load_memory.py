@@ -27,7 +27,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -68,15 +67,6 @@ def save_model(path: Path) -> tuple[int, int]:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return sum(p.numel() for p in model.parameters()), sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
-def extract(rev: str, dest: Path) -> Path:
-    """toolkit/, models/, setup.cfg and launch.sh of commit `rev` under dest (git archive)."""
-    dest.mkdir()
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "toolkit", "models", "setup.cfg", "launch.sh"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
 
 
 def ds_config() -> dict:
@@ -205,9 +195,9 @@ def main(argv=None) -> int:
                 print(" ".join(train_command(case, trees[variant], ctx["config"], ctx["model"],
                                              work / f"{variant}-{case}-{n}")))
             return 0
-        extract(args.old, trees["old"])
+        common.extract(args.old, trees["old"])
         if args.new:
-            extract(args.new, trees["new"])
+            common.extract(args.new, trees["new"])
         return measure_all(args, ctx, order)
 
 
