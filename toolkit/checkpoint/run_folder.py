@@ -11,7 +11,7 @@ deletes OUT's contents first (rank 0, once every rank has agreed to start).
 import shutil
 from pathlib import Path
 
-from toolkit.checkpoint.manifest import check_whole, read_latest
+from toolkit.checkpoint.manifest import check_whole, read_latest, step_of
 from toolkit.errors import ConfigError
 from toolkit.files import check_writable
 
@@ -73,7 +73,7 @@ def check_resume_tag(ckpt_dir: Path) -> None:
                           "drop --resume to start a fresh run there, or point --out at the run to continue")
     tag = read_latest(ckpt_dir)
     if not tag or not (ckpt_dir / tag).is_dir():
-        tags = sorted((d.name for d in ckpt_dir.glob("global_step*") if d.is_dir()), key=len)
+        tags = sorted((d.name for d in ckpt_dir.glob("global_step*") if d.is_dir() and d.name[11:].isdigit()), key=step_of)
         said = f"names {tag!r}, which is not a folder there" if tag else "is empty"
         fix = f"write one of {', '.join(tags)} into it" if tags else "start a fresh run (drop --resume)"
         raise ConfigError(f"--resume: {latest} {said}; {fix}")
