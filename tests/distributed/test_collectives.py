@@ -2,7 +2,8 @@
 current GPU; gloo, which these CPU runs use, takes CPU tensors too and hides the mistake). The runs
 watch torch.distributed's collectives (scripts/watch_collectives.py) through training, mid-run and final
 evaluation, checkpoints and the summary: every tensor is on the engine's device, and each collective dstk
-calls itself goes through the one helper that makes its tensors there (toolkit.distributed.process_group.all_reduce_sum).
+calls itself goes through the helpers that make its tensors there (toolkit.distributed.process_group.all_reduce_sum,
+all_gather_rows).
 Object collectives (all_gather_object, ...) place their tensors on the current device themselves."""
 
 import json
@@ -34,8 +35,9 @@ def test_every_collective_tensor_is_on_the_engines_device(tmp_path, pp):
     assert ours, "no collective of dstk's own was seen: the run evaluated nothing?"
     bypassing = [c for c in ours if not c["caller"].startswith(HELPER)]
     assert not bypassing, f"collectives called around {HELPER}'s all_reduce_sum: {bypassing[:5]}"
-    # on each rank the helper served the eval sums (at step 1 and the final eval) and, at pp 1, each step's loss mean
-    per_rank = 2 + (2 if pp == 1 else 0)
+    # on each rank the helpers served the eval sums (at step 1 and the final eval), each step's gathered measures
+    # (report.step_stats) and, at pp 1, each step's loss mean; at pp 2 (fp32, no clipping) each step's gradient norm
+    per_rank = 2 + 2 + 2
     assert sum(c["caller"].startswith(HELPER) for c in ours) == 2 * per_rank, [c["caller"] for c in ours]
     assert any(c["caller"].startswith("deepspeed/") for c in calls)  # the engine's own were watched too
 

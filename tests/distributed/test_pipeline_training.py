@@ -13,6 +13,7 @@ Two kinds of launch, CPU processes on gloo:
   embedding, measuring the peak CPU tensor memory of a train_batch (torch profiler's allocation events).
 """
 
+import functools
 import json
 import os
 import sys
@@ -45,6 +46,7 @@ def train(tmp: Path, name: str, procs: int, cfg: dict) -> dict:
     return {r["step"]: r["loss"] for r in lines if "step" in r}
 
 
+@functools.cache  # test_trackers compares its step-1 norm too
 def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
     """What `dstk train` at pp = 1, dp = 1 does, in plain PyTorch: (step -> loss, step -> the gradient
     norm before clipping, as torch.nn.utils.clip_grad_norm_ returns it)."""
@@ -107,6 +109,18 @@ def test_clipping_gives_the_same_losses_at_every_layout(layouts):
     assert not far(layouts["pp1"], ref_losses, 1e-5), ("pp1 vs plain PyTorch", far(layouts["pp1"], ref_losses, 1e-5))
     for name in ("pp2", "pp2dp2"):
         assert not far(layouts[name], layouts["pp1"], 1e-4), (name, far(layouts[name], layouts["pp1"], 1e-4), norms)
+
+
+@pytest.mark.distributed
+def test_the_logged_gradient_norm_is_plain_pytorchs_before_clipping_at_every_layout(train_runs):
+    """metrics.jsonl's grad_norm (what --report-to logs as train/grad_norm) at fp32 ZeRO 0, where DeepSpeed
+    keeps no norm of its own: the norm before clipping, each gradient counted once across the stages (the
+    tied embedding too) and the dp replicas, as torch.nn.utils.clip_grad_norm_ gives it."""
+    _, norms = plain_pytorch()
+    for run in ("pp1dp1", "pp2dp1", "pp2dp2"):
+        lines = [json.loads(line) for line in (train_runs.get(run) / "metrics.jsonl").read_text().splitlines()]
+        logged = {r["step"]: r["grad_norm"] for r in lines if "step" in r}
+        assert not far(logged, norms, 1e-4), (run, far(logged, norms, 1e-4))
 
 
 @pytest.mark.distributed

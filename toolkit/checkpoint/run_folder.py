@@ -27,6 +27,8 @@ class RunFolder:
         self.summary = self.out / "summary.json"  # the run's whole summary (the table on stdout is the short one)
         self.hf = self.out / "hf"  # the export
         self.adapter = self.out / "adapter"  # a LoRA run's adapters, PEFT's format
+        self.tensorboard = self.out / "tensorboard"  # --report-to tensorboard's event files
+        self.trackers = self.out / "trackers.json"  # the wandb and mlflow run ids a resumed run continues
 
 
 def check_out(out, resume: bool, overwrite: bool, inputs: dict | None = None) -> None:

@@ -74,6 +74,11 @@ from toolkit.plan.arch import builtin_names
               help="Progress on rank 0: a bar on a terminal, else a line every --log-every steps.")
 @click.option("--log-every", type=click.IntRange(min=0), default=0, metavar="N",
               help="Steps between progress lines when not on a terminal (0: about 20 per run).")
+@click.option("--report-to", multiple=True, metavar="NAME", help="Experiment trackers, as in HF Trainer: tensorboard "
+              "(OUT/tensorboard), wandb, mlflow, all (every one installed) or none (the default); repeat the flag or "
+              "separate with commas. Rank 0 logs loss, eval loss, lr, grad norm, tokens/s, samples/s, peak memory, MFU "
+              "(CUDA) and each pipeline stage's forward/backward seconds, with the run's arguments, DeepSpeed config "
+              "and layout as hyperparameters. metrics.jsonl holds the same either way.")
 @click.option("--verbose", is_flag=True, help="DeepSpeed's INFO logs on every rank, transformers' progress bars, "
               "and (through launch.sh) the launcher's INFO lines.")
 @click.option("--check", "check_only", is_flag=True, help="Only check, then exit 0 or refuse; starts no process "

@@ -282,16 +282,29 @@ def _print_devices(tdist) -> None:
         print(device_line(devices), flush=True)
 
 
-def all_reduce_sum(values, device) -> list:
-    """The sums of `values` (numbers, or a tensor) over every rank, as floats. Every tensor dstk hands a
-    collective is made here, on `device` (the engine's): NCCL takes only tensors on the current GPU (a
-    CPU tensor fails there, while gloo accepts it), and fp64 keeps counts and sums of bf16 losses exact."""
+def all_reduce_sum(values, device, group=None) -> list:
+    """The sums of `values` (numbers, or a tensor) over every rank of `group` (None: the world), as floats.
+    Every tensor dstk hands a collective is made here or in all_gather_rows, on `device` (the engine's):
+    NCCL takes only tensors on the current GPU (a CPU tensor fails there, while gloo accepts it), and fp64
+    keeps counts and sums of bf16 losses exact."""
     import torch
     import torch.distributed as tdist
 
     summed = torch.as_tensor(values, dtype=torch.float64).to(device).reshape(-1)
-    tdist.all_reduce(summed)
+    tdist.all_reduce(summed, group=group)
     return summed.tolist()
+
+
+def all_gather_rows(values: list, device) -> list:
+    """Every rank's `values` (numbers, the same count on each), as a list of rows in global rank order:
+    one all_gather of fp64 tensors on `device` (see all_reduce_sum)."""
+    import torch
+    import torch.distributed as tdist
+
+    mine = torch.as_tensor(values, dtype=torch.float64).to(device).reshape(-1)
+    rows = [torch.empty_like(mine) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(rows, mine)
+    return torch.stack(rows).tolist()
 
 
 _PATIENT = {}

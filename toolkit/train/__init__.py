@@ -6,7 +6,8 @@
     lora.py       LoRA / QLoRA through peft, at pp = 1 and per pipeline stage
     wrappers.py   DeepSpeed's bf16/fp16 optimizer wrappers, and what dstk does around them
     parity.py     a wrapped model against its HF model (`dstk parity`)
-    report.py     rank 0's progress and metrics.jsonl, per-rank memory, the loss table and loss.png
+    report/       rank 0's progress, metrics.jsonl and --report-to trackers; each step's gathered measures
+                  (grad norm, peak memory, stage times); the summary, the loss table and loss.png
     footprint.py  model-state bytes an engine holds (the run summary)
     demo.py       the embedded default run (`make demo`)
     __main__.py   `python -m toolkit.train` = `dstk train`

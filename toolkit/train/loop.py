@@ -22,6 +22,7 @@ from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
 from toolkit.train import hf, wrappers
 from toolkit.train.report import ProgressLog, per_rank
+from toolkit.train.report.step_stats import StepStats
 
 
 @dataclass(kw_only=True)
@@ -43,6 +44,8 @@ class Job:
     param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
     record: dict | None = None  # the run's manifest (dstk/manifest.json), also saved with every tag (a run can change layout)
     about: dict | None = None  # what rank 0's opening block says (report.start_lines), also in the summary
+    config: dict | None = None  # the DeepSpeed config (the trackers' hyperparameters)
+    rows_per_step: int = 0  # gbs
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, clock=None) -> Job:
@@ -77,7 +80,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
                steps=steps, tokens_per_step=batch.gbs * args.seq_len,
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
-               param_names=param_names, record=record, about=about)
+               param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs)
 
 
 def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, steps: int, resume) -> dict:
@@ -362,14 +365,20 @@ def eval_loss(job: Job) -> float | None:
 
 def run_steps(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
+    from toolkit.train.report.trackers import check_report_to
+
     it = job.train.micro_batches(job.start_step)
-    log = ProgressLog(RunFolder(args.out).metrics, job, args) if is_logger else None
+    stats = StepStats(job.engine, job.pipeline)  # on every rank: each step's measures are gathered
+    log = ProgressLog(RunFolder(args.out), job, args, check_report_to(args.report_to)) if is_logger else None
     losses, rates, start = [], [], time.perf_counter()
     for step in range(job.start_step + 1, job.steps + 1):
+        stats.start()
         t0 = time.perf_counter()
         loss = train_step(job, it)
-        rates.append(job.tokens_per_step / (time.perf_counter() - t0))  # tokens/s of this step
-        record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], "tokens_per_s": rates[-1]}
+        seconds = time.perf_counter() - t0
+        rates.append(job.tokens_per_step / seconds)  # tokens/s of this step
+        record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], **stats.gather(),
+                  "tokens_per_s": rates[-1], "samples_per_s": job.rows_per_step / seconds}
         if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
             record["eval_loss"] = eval_loss(job)
             record["eval_ppl"] = _perplexity(record["eval_loss"])

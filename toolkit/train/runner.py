@@ -59,6 +59,7 @@ class TrainArgs:
     progress: bool = True
     log_every: int = 0  # steps between plain progress lines (0: about 20 per run)
     verbose: bool = False  # DeepSpeed INFO logs and every rank's output
+    report_to: tuple = ()  # experiment trackers: tensorboard, wandb, mlflow, all, none (report.trackers)
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
 
     def __post_init__(self):
@@ -109,7 +110,11 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     from toolkit.distributed.pipeline import check_recorded_parts
     from toolkit.train import hf, lora
 
+    from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to
+
     cfg, pp = read_checked_config(args.config, world_size, args.pp)
+    check_report_to(args.report_to)
+    check_deepspeed_monitors(cfg, args.config)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     hf.check_model_name(args.model)

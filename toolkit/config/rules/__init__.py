@@ -44,7 +44,7 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None)
         problems.append(Problem("$.tensor_parallel.autotp_size", str(exc)))
         tp = 1
     ctx = Context(world_size, pp or file_pp or 1, tp)
-    for rule in (_topology, _batch, _zero_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
+    for rule in (_topology, _batch, _zero_with_pipeline, _timers_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
                  _null_types, _jit_built_optimizer, tensor_parallel_problems, accumulation_problems):
         problems += rule(cfg, ctx)
     return problems
@@ -142,6 +142,17 @@ def _batch_without_world(gbs, mbs, gas, pp) -> list[Problem]:
     worlds = [d * pp for d in divisors(known)][:12]
     return [Problem("$", f"batch numbers fit world sizes {', '.join(map(str, worlds))} (dp dividing {known}, "
                     f"times pp {pp}); pass --world-size to check one", NOTE)]
+
+
+def _timers_with_pipeline(cfg: dict, ctx: Context) -> list[Problem]:
+    """With wall_clock_breakdown, DeepSpeed 0.19's PipelineEngine fails an assertion in its bwd_microstep
+    timer at the first backward (dstk logs each stage's forward and backward seconds itself)."""
+    if ctx.pp > 1 and cfg.get("wall_clock_breakdown") is True:
+        return [Problem("$.wall_clock_breakdown", f'"wall_clock_breakdown": true with {ctx.pp} pipeline stages: '
+                        "DeepSpeed's PipelineEngine fails an assertion in its bwd_microstep timer at the first "
+                        'backward; remove it (dstk train logs each stage\'s forward and backward seconds in '
+                        "metrics.jsonl and --report-to)")]
+    return []
 
 
 def _zero_with_pipeline(cfg: dict, ctx: Context) -> list[Problem]:

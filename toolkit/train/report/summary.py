@@ -1,7 +1,6 @@
-"""What a person reads during and after a run: rank 0's progress (ProgressLog: metrics.jsonl, a bar or
-plain lines), the per-rank numbers of the summary (per_rank), its throughput (tokens/s, and MFU on CUDA:
-mfu_fields), and at the end a short table of the loss curve and OUT/loss.png, made from OUT/metrics.jsonl
-(one JSON line per step, the summary last), so they can be redrawn for any finished or interrupted run.
+"""The run's summary and what is made from OUT/metrics.jsonl (one JSON line per step, the summary last),
+so it can be redrawn for any finished or interrupted run: the per-rank numbers (per_rank), throughput
+(tokens/s, and MFU on CUDA: mfu_fields), the short loss table and OUT/loss.png.
 """
 
 import json
@@ -70,7 +69,7 @@ def mfu_fields(tokens_per_s: float, model_config: dict, run, precision: str, gpu
             "mfu_note": f"{gpus} {gpu_word} x {preset}, {tflops:g} {precision} TFLOPs"}
 
 
-def _run_throughput(summary: dict, job, args) -> dict:
+def run_throughput(summary: dict, job, args) -> dict:
     """mfu_fields for this rank's engine: the run's HF config as saved in the checkpoint folder, its
     precision, its CUDA device (None on CPU), the world size."""
     import torch.distributed as dist
@@ -114,79 +113,6 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
     return Path(path)
 
 
-class StartClock:
-    """Wall-clock marks from the launch to the first step (rank 0's "ready after" line): launch.sh's start
-    (DSTK_LAUNCHED_AT), this process's start (/proc), then each phase's end as the run marks it."""
-
-    def __init__(self):
-        import os
-        import time
-
-        launched = os.environ.get("DSTK_LAUNCHED_AT")
-        self.marks = [("launch", float(launched) if launched else None), ("launcher", _process_start()),
-                      ("imports", time.time())]
-
-    def mark(self, phase: str) -> None:
-        import time
-
-        self.marks.append((phase, time.time()))
-
-    def phases(self) -> dict:
-        """{phase: seconds it took}, and "total" from the first known mark."""
-        known = [(name, at) for name, at in self.marks if at is not None]
-        out = {name: round(at - before, 2) for (_, before), (name, at) in zip(known, known[1:])}
-        return {**out, "total": round(known[-1][1] - known[0][1], 2)}
-
-
-def _process_start():
-    """This process's start, wall clock (Linux: /proc/self/stat's starttime after /proc/stat's btime)."""
-    import os
-
-    try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def start_lines(about: dict) -> list:
-    """Rank 0's opening block: what runs, on what layout and batch, from where (prepare's `about`)."""
-    lay, lines = about["layout"], []
-    weights = f"weights from {about['model']}" if about["from_dir"] else f"random weights (seed {about['seed']})"
-    lines.append(f"model: {about['model_name']}, {weights}, {about['dtype']}; {_count(about['params'])} parameters")
-    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} = {lay['dp'] * lay['pp'] * lay['tp']} ranks, "
-                 f"ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp {lay['dp']} = "
-                 f"{about['gbs']} rows of {about['seq_len']} tokens per step")
-    lora = about.get("lora")
-    trains = f"{_count(about['trainable'])} ({100 * about['trainable'] / max(about['params'], 1):.2f}%)"
-    if lora:
-        lines.append(f"LoRA: r {lora['r']}, alpha {lora.get('alpha') or 2 * lora['r']}, on "
-                     f"{', '.join(lora.get('targets') or ['the default targets'])}; {trains} parameters train")
-    else:
-        lines.append(f"training: all {trains} trainable parameters")
-    resume = about.get("resume")
-    steps = f"steps {about['start_step'] + 1}..{about['steps']}"
-    if resume:
-        saved = resume["saved"]
-        lines.append(f"resume: from {resume['tag']} (step {about['start_step']}), written on dp {saved.get('dp')} x pp "
-                     f"{saved.get('pp')} x tp {saved.get('tp', 1)}, ZeRO {saved.get('zero_stage')}; {steps}")
-    else:
-        lines.append(f"fresh run: {steps}")
-    took = dict(about.get("startup") or {})
-    total = took.pop("total", None)
-    if total is not None:
-        lines.append(f"ready after {total:.1f} s: " + ", ".join(f"{name} {sec:.1f}" for name, sec in took.items()))
-    return lines
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
-
-
 def per_rank(engine) -> dict:
     """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
     own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
@@ -209,44 +135,3 @@ def per_rank(engine) -> dict:
     keys = ("params_per_rank", "trainable_params_per_rank", "model_state_mib_per_rank", "peak_rss_mib_per_rank",
             "peak_gpu_mib_per_rank")
     return {key: [r[i] for r in out] for i, key in enumerate(keys)}
-
-
-class ProgressLog:
-    """Rank 0's output: one JSON line per step in metrics.jsonl, and progress for a person: a tqdm bar
-    (loss, lr, tokens/s) on a terminal, else (a log file, a batch job) a plain line every N steps."""
-
-    def __init__(self, path: Path, job, args):
-        import sys
-
-        from tqdm import tqdm
-
-        from toolkit import data
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a")
-        self.job, self.args = job, args
-        self.every = args.log_every or max(1, (job.steps - job.start_step) // 20)
-        self.last = job.steps
-        tty = args.progress and sys.stderr.isatty()
-        self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
-        self.plain = args.progress and not tty
-        for line in start_lines(job.about) if job.about else []:
-            self.bar.write(line)
-        if job.data_info:  # what was read and inferred, truncated and dropped: never silently
-            self.bar.write(data.Prepared(None, None, job.data_info).message())
-
-    def write(self, record: dict):
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        shown = {k: f"{v:.4g}" for k, v in record.items() if k != "step"}
-        self.bar.set_postfix(shown, refresh=False)
-        self.bar.update(1)
-        if self.plain and (record["step"] % self.every == 0 or record["step"] == self.last):
-            self.bar.write(f"step {record['step']}/{self.last} " + " ".join(f"{k} {v}" for k, v in shown.items()))
-
-    def close(self, summary: dict):
-        """Add the throughput fields (mfu_fields) to `summary`, the caller's dict too, and write it last."""
-        summary.update(_run_throughput(summary, self.job, self.args))
-        self.file.write(json.dumps({"summary": summary}) + "\n")
-        self.file.close()
-        self.bar.close()

@@ -1,0 +1,140 @@
+"""Rank 0's progress: the opening block (start_lines, with StartClock's "ready after"), then per step a line
+in OUT/metrics.jsonl, a bar on a terminal or a plain line in a log file, and the experiment trackers
+(--report-to)."""
+
+import json
+from pathlib import Path
+
+from toolkit.train.report.summary import run_throughput
+
+
+class StartClock:
+    """Wall-clock marks from the launch to the first step (rank 0's "ready after" line): launch.sh's start
+    (DSTK_LAUNCHED_AT), this process's start (/proc), then each phase's end as the run marks it."""
+
+    def __init__(self):
+        import os
+        import time
+
+        launched = os.environ.get("DSTK_LAUNCHED_AT")
+        self.marks = [("launch", float(launched) if launched else None), ("launcher", _process_start()),
+                      ("imports", time.time())]
+
+    def mark(self, phase: str) -> None:
+        import time
+
+        self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict:
+        """{phase: seconds it took}, and "total" from the first known mark."""
+        known = [(name, at) for name, at in self.marks if at is not None]
+        out = {name: round(at - before, 2) for (_, before), (name, at) in zip(known, known[1:])}
+        return {**out, "total": round(known[-1][1] - known[0][1], 2)}
+
+
+def _process_start():
+    """This process's start, wall clock (Linux: /proc/self/stat's starttime after /proc/stat's btime)."""
+    import os
+
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def start_lines(about: dict) -> list:
+    """Rank 0's opening block: what runs, on what layout and batch, from where (prepare's `about`)."""
+    lay, lines = about["layout"], []
+    weights = f"weights from {about['model']}" if about["from_dir"] else f"random weights (seed {about['seed']})"
+    lines.append(f"model: {about['model_name']}, {weights}, {about['dtype']}; {_count(about['params'])} parameters")
+    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} = {lay['dp'] * lay['pp'] * lay['tp']} ranks, "
+                 f"ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp {lay['dp']} = "
+                 f"{about['gbs']} rows of {about['seq_len']} tokens per step")
+    lora = about.get("lora")
+    trains = f"{_count(about['trainable'])} ({100 * about['trainable'] / max(about['params'], 1):.2f}%)"
+    if lora:
+        lines.append(f"LoRA: r {lora['r']}, alpha {lora.get('alpha') or 2 * lora['r']}, on "
+                     f"{', '.join(lora.get('targets') or ['the default targets'])}; {trains} parameters train")
+    else:
+        lines.append(f"training: all {trains} trainable parameters")
+    resume = about.get("resume")
+    steps = f"steps {about['start_step'] + 1}..{about['steps']}"
+    if resume:
+        saved = resume["saved"]
+        lines.append(f"resume: from {resume['tag']} (step {about['start_step']}), written on dp {saved.get('dp')} x pp "
+                     f"{saved.get('pp')} x tp {saved.get('tp', 1)}, ZeRO {saved.get('zero_stage')}; {steps}")
+    else:
+        lines.append(f"fresh run: {steps}")
+    took = dict(about.get("startup") or {})
+    total = took.pop("total", None)
+    if total is not None:
+        lines.append(f"ready after {total:.1f} s: " + ", ".join(f"{name} {sec:.1f}" for name, sec in took.items()))
+    return lines
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+SHOWN = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s")  # what the bar and the plain lines show
+
+
+class ProgressLog:
+    """Rank 0's output: one JSON line per step in metrics.jsonl, the experiment trackers (--report-to:
+    trackers.Trackers), and progress for a person: a tqdm bar (loss, lr, tokens/s) on a terminal, else (a
+    log file, a batch job) a plain line every N steps. MFU joins each step's record on CUDA."""
+
+    def __init__(self, folder, job, args, trackers: tuple = ()):
+        import sys
+
+        from tqdm import tqdm
+
+        from toolkit import data
+        from toolkit.train.report.trackers import Trackers
+
+        folder.metrics.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(folder.metrics, "a")
+        self.job, self.args = job, args
+        self.every = args.log_every or max(1, (job.steps - job.start_step) // 20)
+        self.last = job.steps
+        tty = args.progress and sys.stderr.isatty()
+        self.bar = tqdm(total=job.steps, initial=job.start_step, disable=not tty, unit="step")
+        self.plain = args.progress and not tty
+        for line in start_lines(job.about) if job.about else []:
+            self.bar.write(line)
+        if job.data_info:  # what was read and inferred, truncated and dropped: never silently
+            self.bar.write(data.Prepared(None, None, job.data_info).message())
+        self.mfu_per_rate = run_throughput({"tokens_per_s": 1.0}, job, args)["mfu"]  # None off CUDA
+        hparams = {"args": {k: v for k, v in vars(args).items() if k != "crash_at_step"},
+                   "layout": (job.about or {}).get("layout") or {}, "deepspeed": job.config or {}}
+        self.trackers = Trackers(trackers, folder, hparams, resume=job.start_step > 0)
+        if self.trackers.where():
+            self.bar.write(self.trackers.where())
+
+    def write(self, record: dict):
+        if self.mfu_per_rate is not None:
+            record["mfu"] = self.mfu_per_rate * record["tokens_per_s"]
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.trackers.log(record, record["step"])
+        shown = {k: f"{record[k]:.4g}" for k in SHOWN if isinstance(record.get(k), (int, float))}
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(1)
+        if self.plain and (record["step"] % self.every == 0 or record["step"] == self.last):
+            self.bar.write(f"step {record['step']}/{self.last} " + " ".join(f"{k} {v}" for k, v in shown.items()))
+
+    def close(self, summary: dict):
+        """Add the throughput fields (mfu_fields) to `summary`, the caller's dict too, and write it last; the
+        final eval loss goes to the trackers at the last step."""
+        summary.update(run_throughput(summary, self.job, self.args))
+        self.file.write(json.dumps({"summary": summary}) + "\n")
+        self.file.close()
+        if summary.get("eval_loss") is not None:
+            self.trackers.log({"eval_loss": summary["eval_loss"], "eval_ppl": summary.get("eval_ppl")}, summary["steps"])
+        self.trackers.close()
+        self.bar.close()
