@@ -73,9 +73,13 @@ def _resolve(obj, task, attention=None, adapt=None, dtype=None):
 def _resolve_dir(path, task, attention=None, adapt=None, dtype=None):
     from transformers import AutoConfig
 
+    from toolkit.plan import hub
+
+    if not os.path.isdir(path) and hub.is_hub_id(path):  # org/name: its folder in huggingface_hub's cache
+        path = hub.snapshot(path, flag="model")
     if not os.path.isdir(path):
-        raise UnusableInput(f"{path}: no such directory (a local HF model directory with config.json is needed; "
-                            "the hub is not used)")
+        raise UnusableInput(f"{path}: no such directory (a local HF model directory with config.json is needed, "
+                            "or a hub id, org/name)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UnusableInput(f"{path}: no config.json in this directory: not a HF model directory")
     config = AutoConfig.from_pretrained(path)

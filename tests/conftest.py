@@ -23,15 +23,17 @@ def ds_world1():
 HEAVY = ("torch", "deepspeed", "transformers")
 
 
-def run_cli_fresh(argv: list) -> tuple:
-    """Run `dstk ARGV` in a fresh interpreter; (completed process, heavy packages it imported)."""
+def run_cli_fresh(argv: list, env: dict | None = None) -> tuple:
+    """Run `dstk ARGV` in a fresh interpreter (`env` over this process's environment); (completed process,
+    heavy packages it imported)."""
     import subprocess
     import sys
 
     code = ("import sys; from toolkit.cli import main\n"
             f"try: main({list(argv)!r})\nexcept SystemExit as e: code = e.code\n"
             f"print('HEAVY', *sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **(env or {})})
     heavy_line = [line for line in result.stderr.splitlines() if line.startswith("HEAVY")]
     if not heavy_line:
         raise AssertionError(f"dstk {argv} did not finish:\n{result.stderr[-2000:]}")

@@ -305,6 +305,11 @@ def _rank(request: dict, rank: int, port: int, write_end: int):
                           MASTER_PORT=str(port))
         os.chdir(request["cwd"])
         random.seed()  # a fresh interpreter's state, not the server's
+        import importlib
+
+        import huggingface_hub.constants
+
+        importlib.reload(huggingface_hub.constants)  # read at import: this launch's HF_HUB_CACHE, HF_HUB_OFFLINE
         import numpy
         import torch
 

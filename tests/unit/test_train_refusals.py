@@ -319,8 +319,9 @@ def test_a_model_directory_without_a_tokenizer_is_refused_at_once_saying_where_d
             f"no tokenizer found: --model {folder} holds none of tokenizer.json", "pass --tokenizer DIR")
     assert time.monotonic() - start < 30  # no hub retries
     refused(train_entry(["--model", str(folder), "--tokenizer", "org/tok", "--data", str(CORPUS), "--config",
-                         str(train_config(tmp_path)), "--out", str(tmp_path / "run"), "--check"]), 1,
-            "--tokenizer org/tok: no such local directory")
+                         str(train_config(tmp_path)), "--out", str(tmp_path / "run"), "--check"]), 2,
+            "--tokenizer org/tok: no such local directory, and the hub id is not in the Hugging Face cache",
+            "hf download org/tok")  # offline (tests/conftest.py): at once; tests/unit/test_hub.py
     ok = train_entry(["--model", str(folder), "--tokenizer", str(saved_llama), "--data", str(CORPUS), "--config",
                       str(train_config(tmp_path)), "--out", str(tmp_path / "run"), "--seq-len", "32", "--check"])
     assert ok.returncode == 0, ok.stderr

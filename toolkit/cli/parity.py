@@ -17,17 +17,21 @@ from toolkit.plan.arch import builtin_names
 @click.option("--attention", type=click.Choice(["eager", "sdpa"]), help="Attention implementation (default: HF's).")
 @click.option("--attn", type=click.Choice(["eager", "sdpa"]), hidden=True)  # the old name of --attention
 @click.option("--no-pad", is_flag=True, help="Do not right-pad the first sequence of the batch.")
+@click.option("--revision", default="main", show_default=True, metavar="REV",
+              help="Branch, tag or commit of a hub id (ORG/NAME) in MODEL.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def parity(ctx, model, task, seq_len, attention, attn, no_pad, as_json):
+def parity(ctx, model, task, seq_len, attention, attn, no_pad, revision, as_json):
     """Compare loss, logits and gradients of MODEL and its pipeline layer list.
 
-    MODEL is a local HF directory, a built-in name (its published dimensions, random weights) or a
-    transformers model type (small dimensions, random weights).
+    MODEL is a local HF directory, a hub id (ORG/NAME, read from the Hugging Face cache: downloaded when
+    online; offline, HF_HUB_OFFLINE=1, filled beforehand by `hf download ORG/NAME`), a built-in name (its
+    published dimensions, random weights) or a transformers model type (small dimensions, random weights).
 
     \b
     dstk parity llama
     dstk parity path/to/hf_model --seq-len 32
+    dstk parity Qwen/Qwen2.5-0.5B
     """
     from dataclasses import asdict
 
@@ -36,7 +40,8 @@ def parity(ctx, model, task, seq_len, attention, attn, no_pad, as_json):
     if attention and attn and attention != attn:
         raise click.UsageError(f"--attention {attention} and --attn {attn} disagree; --attn is the old name of "
                                "--attention: give --attention alone")
-    report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attention or attn)
+    report = run_parity(model, task=task, seq_len=seq_len, pad=not no_pad, attn_implementation=attention or attn,
+                        revision=revision)
     if as_json:
         echo_json({**asdict(report), "ok": report.ok, "tolerance": TOLERANCE})
     else:

@@ -16,7 +16,8 @@ def _size(ctx, param, value):
 
 
 @click.command("plan")
-@click.option("--model", required=True, metavar="NAME|DIR", help=f"Built-in architecture ({builtin_names()}) or a local HF directory.")
+@click.option("--model", required=True, metavar="NAME|DIR|ORG/NAME", help=f"Built-in architecture ({builtin_names()}), a local HF directory, or a hub id whose config.json is read from the Hugging Face cache (downloaded when online; offline, HF_HUB_OFFLINE=1, fill it with `hf download ORG/NAME config.json`).")
+@click.option("--revision", default="main", show_default=True, metavar="REV", help="Branch, tag or commit of a hub id in --model.")
 @click.option("--gpus-per-node", "--gpus", "gpus_per_node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node (--gpus: the same, for one node).")
 @click.option("--nodes", type=int, default=1, show_default=True, metavar="N", help="Nodes.")
 @click.option("--gpu", metavar="NAME", help=f"GPU preset: {', '.join(GPUS)} (h100 means h100-sxm).")

@@ -9,8 +9,10 @@ from toolkit.plan.arch import builtin_names
 
 
 @click.command()
-@click.option("--model", required=True, metavar="DIR|NAME", help="Local HF model directory, or a built-in "
-              f"architecture (random weights, a byte tokenizer): {builtin_names()}.")
+@click.option("--model", required=True, metavar="DIR|NAME|ORG/NAME", help="Local HF model directory, a built-in "
+              f"architecture (random weights, a byte tokenizer: {builtin_names()}), or a hub id read from the "
+              "Hugging Face cache (HF_HUB_CACHE): downloaded there once per node when online; offline "
+              "(HF_HUB_OFFLINE=1) it must be there already (fill it with `hf download ORG/NAME`).")
 @click.option("--data", required=True, metavar="FILE|DIR", help="Local .txt (blank-line separated documents), "
               ".jsonl/.json, .parquet, .csv, .arrow, or a datasets.save_to_disk folder; see --format.")
 @click.option("--format", "format", type=click.Choice(["auto", "text", "prompt-completion", "chat", "alpaca",
@@ -32,7 +34,10 @@ from toolkit.plan.arch import builtin_names
               help="DeepSpeed config (from `dstk generate-config`).")
 @click.option("--out", default="runs/dstk", show_default=True, metavar="DIR",
               help="Run folder: checkpoints/, hf/ (the export), metrics.jsonl.")
-@click.option("--tokenizer", metavar="DIR", help="Tokenizer directory (default: the model's; bytes for built-ins).")
+@click.option("--tokenizer", metavar="DIR|ORG/NAME", help="Tokenizer directory or hub id (default: the model's; "
+              "bytes for built-ins).")
+@click.option("--revision", default="main", show_default=True, metavar="REV", help="Branch, tag or commit of a hub "
+              "id in --model / --tokenizer.")
 @click.option("--task", type=click.Choice(spellings(("causal-lm", "sequence-classification"))), default="causal-lm",
               show_default=True, help="The head to train (classification: sequence-classification).")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages (default: the config's pipeline.stages, else 1).")
@@ -61,7 +66,7 @@ from toolkit.plan.arch import builtin_names
 @click.option("--lora", is_flag=True, help="Train LoRA adapters (peft) on a frozen base, at any pp x dp; exports "
               "OUT/adapter (PEFT format) and OUT/hf with them merged.")
 @click.option("--qlora", is_flag=True, help="LoRA on a 4-bit NF4 base (bitsandbytes): CUDA GPUs, pp 1, ZeRO 0-2, "
-              "--model a local directory; OUT/hf merges the adapters into the full-precision base.")
+              "--model a local directory or hub id; OUT/hf merges the adapters into the full-precision base.")
 @click.option("--lora-r", type=click.IntRange(min=1), default=16, show_default=True, help="LoRA rank.")
 @click.option("--lora-alpha", type=click.IntRange(min=1), help="LoRA alpha (default: 2 x --lora-r).")
 @click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
@@ -83,7 +88,8 @@ from toolkit.plan.arch import builtin_names
               "and (through launch.sh) the launcher's INFO lines.")
 @click.option("--check", "check_only", is_flag=True, help="Only check, then exit 0 or refuse; starts no process "
               "group (launch.sh runs this first): the config (for --world-size) and any recorded pipeline.parts "
-              "against --model; the model folder (config.json, safetensors headers, tokenizer files); the data file; "
+              "against --model; the model folder (config.json, safetensors headers, tokenizer files; a hub id's from "
+              "the cache alone: one not cached yet is refused offline, downloaded by the ranks online); the data file; "
               "--chat-template; --out (writable; used or not); with --resume, that the latest checkpoint is whole "
               "and was written by this run on this token stream.")
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")

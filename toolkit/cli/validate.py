@@ -65,9 +65,10 @@ def _print_human(report: dict) -> None:
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Check batch arithmetic for N processes.")
 @click.option("--pp", type=click.IntRange(min=1), metavar="N", help="Pipeline stages (default: pipeline.stages in the file, else 1).")
 @click.option("--strict", is_flag=True, help='Refuse "auto" values (only the HF Trainer/Accelerate fills them).')
-@click.option("--model", metavar="NAME|DIR", help="Check the model against the file's tensor_parallel.autotp_size: an "
-              "AutoTP plan, and tp dividing its heads, key/value heads and intermediate size. A built-in "
-              "architecture (see `dstk plan --help`) or a local HF directory.")
+@click.option("--model", metavar="NAME|DIR|ORG/NAME", help="Check the model against the file's "
+              "tensor_parallel.autotp_size: an AutoTP plan, and tp dividing its heads, key/value heads and "
+              "intermediate size. A built-in architecture (see `dstk plan --help`), a local HF directory, or a "
+              "hub id (ORG/NAME at its main branch) whose config.json is read from the Hugging Face cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
 def validate(files, world_size, pp, strict, model, as_json):
     """Validate DeepSpeed config FILES: all problems, each with its JSON path.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.errors import ConfigError, UnusableInput
+from toolkit.errors import ConfigError
 from toolkit.data import pack
 from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
                                         eval_micro_batches, loss_weight)
@@ -184,37 +184,18 @@ def _cache_file(opts: DataOptions, name: str) -> str:
 def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
     """prepare() on one rank first (it builds the caches, with progress bars), then on the others (cache hits,
     quiet): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
-    the same cache files at once would race), else each node's local rank 0. A refusal there is raised on
-    every rank, same message."""
+    the same cache files at once would race), else each node's local rank 0 (process_group.once_per_node).
+    A refusal there is raised on every rank, same message."""
     import datasets
-    import torch.distributed as dist
 
-    from toolkit.distributed.process_group import local_rank, patient_group, shared_with_rank0
+    from toolkit.distributed.process_group import once_per_node
 
-    if not dist.is_initialized():
+    result, built = once_per_node(lambda: prepare(opts, tokenizer), "preparing --data",
+                                  shared_dir=opts.cache_dir or datasets.config.HF_DATASETS_CACHE)
+    if built:
+        return result
+    datasets.disable_progress_bars()
+    try:
         return prepare(opts, tokenizer)
-    result, failure = None, None
-    shared = all(seen for _, seen in shared_with_rank0(opts.cache_dir or datasets.config.HF_DATASETS_CACHE))
-    if (dist.get_rank() if shared else local_rank()) == 0:
-        try:
-            result = prepare(opts, tokenizer)
-        except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below
-            failure = exc
-    failures = [None] * dist.get_world_size()
-    # the others wait for local rank 0's tokenizing, however long: not within the process group's timeout
-    dist.all_gather_object(failures, None if failure is None else (type(failure).__name__, str(failure)),
-                           group=patient_group())
-    if failure is not None:
-        raise failure
-    kind, message = next((f for f in failures if f), (None, None))
-    if kind in ("UnusableInput", "ConfigError"):
-        raise (UnusableInput if kind == "UnusableInput" else ConfigError)(message)
-    if kind is not None:
-        raise RuntimeError(f"preparing --data failed on another rank: {kind}: {message}")
-    if result is None:
-        datasets.disable_progress_bars()
-        try:
-            result = prepare(opts, tokenizer)
-        finally:
-            datasets.enable_progress_bars()
-    return result
+    finally:
+        datasets.enable_progress_bars()

@@ -28,7 +28,7 @@ import os
 import re
 import socket
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UnusableInput
 
 # Variables that mean "a launcher started this process as one rank of many", first match wins.
 LAUNCHER_VARS = {
@@ -342,6 +342,39 @@ def _listing(directory) -> list:
         return os.listdir(directory)  # a directory read, which revalidates an NFS client's cached entries
     except OSError:
         return []
+
+
+def once_per_node(work, what: str, shared_dir=None) -> tuple:
+    """(work()'s result, True) on the rank that ran it; (None, False) on the others, once it is done. One rank
+    per node runs `work` (its local rank 0) while the others wait, however long (patient_group: a download or
+    a tokenizing pass outlasts the process group's timeout); with `shared_dir`, global rank 0 alone where that
+    folder is one for every node (shared_with_rank0: nodes writing the same files at once would race). A
+    refusal there (ConfigError, UnusableInput) is raised on every rank with the same message; another failure
+    is raised as it is there and as a RuntimeError naming `what` on the others. Without a process group:
+    work() here."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return work(), True
+    shared = shared_dir is not None and all(seen for _, seen in shared_with_rank0(shared_dir))
+    mine = (tdist.get_rank() if shared else local_rank()) == 0
+    result, failure = None, None
+    if mine:
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below
+            failure = exc
+    failures = [None] * tdist.get_world_size()
+    tdist.all_gather_object(failures, None if failure is None else (type(failure).__name__, str(failure)),
+                            group=patient_group())
+    if failure is not None:
+        raise failure
+    kind, message = next((f for f in failures if f), (None, None))
+    if kind in ("UnusableInput", "ConfigError"):
+        raise (UnusableInput if kind == "UnusableInput" else ConfigError)(message)
+    if kind is not None:
+        raise RuntimeError(f"{what} failed on another rank: {kind}: {message}")
+    return result, mine
 
 
 def patient_group():

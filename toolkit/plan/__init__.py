@@ -2,6 +2,8 @@
 
     arch.py       architectures as plain numbers (built-ins, or a HF config.json) and their
                   per-layer parameter counts
+    hub.py        hub ids (org/name, --revision) -> their snapshot folder in huggingface_hub's cache,
+                  for every command that takes a model (downloads online; refused at once offline)
     moe.py        mixture-of-experts configs: experts, top-k routing, shared experts, refusals
     lora.py       LoRA adapter counts per layer: which linears `--lora` adapts, what trains
     tp.py         AutoTP: which architectures it shards, what one rank of a tp group holds

@@ -3,6 +3,7 @@ HF directory's config.json read with `json` (no transformers import, so `dstk pa
 
     arch = load_arch("llama-3.2-1b")           # a built-in
     arch = load_arch("path/to/hf_model")       # a directory holding config.json
+    arch = load_arch("org/name")               # a hub id: its config.json in huggingface_hub's cache
     arch.num_params()                          # unique parameters (tied weights counted once)
     load_arch("mixtral-8x7b").active_params()  # of which one token's forward uses (top-k experts of E)
 
@@ -206,8 +207,9 @@ def builtin_names() -> str:
     return ", ".join(BUILTINS)
 
 
-def load_arch(name_or_path: str) -> Arch:
-    """A built-in name (see BUILTINS, ALIASES) or a local HF directory (or its config.json)."""
+def load_arch(name_or_path: str, revision: str = "main") -> Arch:
+    """A built-in name (see BUILTINS, ALIASES), a local HF directory (or its config.json), or a hub id
+    (org/name) at `revision`, whose config.json is read from huggingface_hub's cache (toolkit.plan.hub)."""
     key = str(name_or_path).lower()
     if key in BUILTINS or key in ALIASES:
         return BUILTINS[ALIASES.get(key, key)]
@@ -215,6 +217,11 @@ def load_arch(name_or_path: str) -> Arch:
     if path.exists():
         config_file = path / "config.json" if path.is_dir() else path
         return arch_from_config(_read_json(config_file), name=path.name or str(path))
+    from toolkit.plan import hub
+
+    if hub.is_hub_id(name_or_path):
+        folder = hub.snapshot(str(name_or_path), revision, flag="model", files=hub.CONFIG_FILES)
+        return arch_from_config(_read_json(Path(folder) / "config.json"), name=str(name_or_path))
     raise _unknown(str(name_or_path))
 
 
@@ -223,8 +230,8 @@ def _unknown(name: str) -> ConfigError:
     close = difflib.get_close_matches(name.lower().rsplit("/", 1)[-1], names, n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     if "/" in name or name.startswith("."):
-        return UnusableInput(f"model {name!r}: no such directory (dstk reads local HF directories only; "
-                             f"the hub is not contacted).{hint} Built-ins: {', '.join(sorted(BUILTINS))}")
+        return UnusableInput(f"model {name!r}: no such directory (nor a hub id, org/name).{hint} Built-ins: "
+                             f"{', '.join(sorted(BUILTINS))}")
     return ConfigError(f"unknown model {name!r}: not a built-in architecture and no such directory.{hint} "
                        f"Built-ins: {', '.join(sorted(BUILTINS))}")
 

@@ -1,4 +1,5 @@
-"""Models and tokenizers for `dstk train`: a local HF directory, or a built-in architecture.
+"""Models and tokenizers for `dstk train`: a local HF directory, or a built-in architecture. A hub id
+(org/name) reaches here as its snapshot folder in huggingface_hub's cache (toolkit.train.runner.local_inputs).
 
 Built-in names are the one registry every command knows (toolkit.plan.arch: tiny-gpt2, gpt2,
 llama-3.2-1b, ...). They give random weights from a fixed seed, so every rank (and every layout) starts from
@@ -68,7 +69,7 @@ def check_tokenizer(model: str, tokenizer: str | None) -> None:
     Said at once, with where dstk looked (transformers would go on to the hub, retrying for a minute)."""
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise ConfigError(f"--tokenizer {tokenizer}: no such local directory; pass a folder with the tokenizer's "
-                          "files (the hub is not contacted)")
+                          "files, or a hub id (org/name) in the Hugging Face cache")
     source = tokenizer or (model if Path(model).is_dir() else None)
     if source is None:
         return
@@ -120,8 +121,9 @@ def load_config(model: str, tokenizer, task: str, attention: str = "sdpa"):
 
 
 def check_model_name(model: str) -> None:
-    """--model is a local directory with a config.json, or a built-in name; else a clear refusal. A
-    directory's config.json and safetensors headers are read (models.source.check_directory)."""
+    """--model is a local directory with a config.json (a hub id's snapshot folder included), or a built-in
+    name; else a clear refusal. A directory's config.json and safetensors headers are read
+    (models.source.check_directory)."""
     from toolkit.plan.arch import builtin_names, is_builtin
 
     path = Path(model)
@@ -133,7 +135,7 @@ def check_model_name(model: str) -> None:
         check_directory(path)
     if not path.is_dir() and not is_builtin(model):
         raise ConfigError(f"--model {model!r} is neither a local HF directory nor a built-in architecture "
-                          f"({builtin_names()}); the hub is not contacted")
+                          f"({builtin_names()}), nor a hub id (org/name)")
 
 
 def check_attention(attention: str) -> None:

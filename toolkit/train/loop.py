@@ -91,7 +91,8 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
     params, trainable = parameter_counts(engine, topo, record)
     dtype = "bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp16" if (cfg.get("fp16") or {}).get("enabled") \
         else "fp32"
-    return {"model": args.model, "model_name": Path(args.model).name or args.model, "from_dir": Path(args.model).is_dir(),
+    name = (args.hub_ids or {}).get("--model") or Path(args.model).name or args.model  # a hub id, not its commit
+    return {"model": args.model, "model_name": name, "from_dir": Path(args.model).is_dir(),
             "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
             "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp,
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
@@ -241,6 +242,8 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
                          "chat_template": _digest([args.chat_template]) if args.chat_template else None,
                          "tokenizer_files": _digest([Path(tokenizer_dir) / name for name in TOKENIZER_FILES])
                          if tokenizer_dir else None}}
+    if args.hub_ids:  # recorded, not compared: "model" and "tokenizer" are their snapshot folders (one commit)
+        identity["hub"] = {**args.hub_ids, "--revision": args.revision}
     if topo is not None:
         zero = (cfg or {}).get("zero_optimization") or {}
         identity.update(pp=topo.pp, dp=topo.dp, tp=topo.tp, zero_stage=zero.get("stage", 0))

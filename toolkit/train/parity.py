@@ -199,12 +199,17 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, dat
                         attn_implementation=str(model.config._attn_implementation))
 
 
-def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None) -> ParityReport:
-    """`dstk parity MODEL`: MODEL is a local HF directory, a built-in name (the registry's dimensions,
-    random weights) or a transformers model_type (SMALL dimensions)."""
+def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None, revision="main") -> ParityReport:
+    """`dstk parity MODEL`: MODEL is a local HF directory, a hub id at `revision` (its folder in
+    huggingface_hub's cache, toolkit.plan.hub), a built-in name (the registry's dimensions, random weights)
+    or a transformers model_type (SMALL dimensions)."""
+    from toolkit.plan import hub
+
     check_min_seq_len(seq_len, pad)
     looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)
-    if looks_like_path:
+    if hub.is_hub_id(model):
+        hf = load_model(hub.snapshot(model, revision, flag="model"), task, attn_implementation, seq_len=seq_len)
+    elif looks_like_path:
         hf = load_model(model, task, attn_implementation, seq_len=seq_len)
     else:
         hf = small_model(model, task, attn_implementation=attn_implementation, registry=True)

@@ -21,11 +21,13 @@ from toolkit.distributed.topology import Topology, tp_of
 
 @dataclass
 class TrainArgs:
-    model: str  # local HF directory, or a built-in name (toolkit.plan.arch.BUILTINS)
+    model: str  # local HF directory, a built-in name (toolkit.plan.arch.BUILTINS), or a hub id (org/name)
     data: str  # a local file or save_to_disk folder (see toolkit.data)
     config: str  # DeepSpeed JSON
     out: str = "runs/dstk"  # out/checkpoints (DeepSpeed's), out/hf (the export), out/metrics.jsonl
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a local directory or a hub id
+    revision: str = "main"  # of a hub id in --model / --tokenizer: a branch, tag or commit
+    hub_ids: dict | None = None  # {"--model": "org/name", ...}: the ids local_inputs replaced by their folders
     task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
     pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
     seq_len: int = 128
@@ -101,13 +103,61 @@ def check_shared_out(out) -> None:
                           "put --out on a file system every node mounts (NFS, Lustre, ...)")
 
 
+def local_inputs(args: TrainArgs, fetch: bool = False) -> TrainArgs | None:
+    """`args` with each hub id of --model and --tokenizer replaced by its snapshot folder at --revision in
+    huggingface_hub's cache (toolkit.plan.hub), the ids kept in hub_ids; unchanged without one. fetch (on the
+    ranks, once the process group is up): online, one rank per node downloads what the cache lacks while the
+    others wait, however long; offline, from the cache alone. Without fetch (check, before any rank starts):
+    from the cache alone, never the network; None when online and an id is not cached yet (the ranks download
+    it); offline, such an id is refused at once."""
+    from dataclasses import replace
+
+    from toolkit.plan import hub
+
+    ids = {flag: name for flag, name in (("--model", args.model), ("--tokenizer", args.tokenizer))
+           if name and hub.is_hub_id(name)}
+    if not ids:
+        return args
+    if fetch:
+        def folders_of(download):
+            return {flag: hub.snapshot(name, args.revision, flag, download=download) for flag, name in ids.items()}
+
+        what = f"downloading {', '.join(ids.values())}"
+        folders, fetched = process_group.once_per_node(lambda: folders_of(True), what)
+        folders = folders if fetched else folders_of(False)  # the others: what the fetching rank put in the cache
+    else:
+        folders = {flag: hub.cached(name, args.revision) for flag, name in ids.items()}
+        if None in folders.values() and not hub.offline():
+            return None
+        folders = {flag: folder or hub.snapshot(ids[flag], args.revision, flag, download=False)
+                   for flag, folder in folders.items()}
+    return replace(args, model=folders.get("--model", args.model), tokenizer=folders.get("--tokenizer", args.tokenizer),
+                   hub_ids=ids)
+
+
+def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
+    """The model's refusals, on local inputs (local_inputs): its name or folder (config.json, safetensors
+    headers), the tokenizer's folder, any recorded pipeline.parts, and --qlora where the ranks run."""
+    from toolkit.distributed.pipeline import check_recorded_parts
+    from toolkit.train import hf
+
+    hf.check_model_name(args.model)
+    hf.check_tokenizer(args.model, args.tokenizer)
+    check_recorded_parts(cfg, args.config, args.model, args.task)
+    if world_size is not None and args.qlora:  # known: the ranks run here (launch.sh on a login node passes none)
+        from toolkit.train.lora import check_qlora_here
+
+        check_qlora_here(args.model)
+
+
 def check(args: TrainArgs, world_size: int | None) -> None:
-    """The refusals that need no process group and no model: the config (for `world_size` processes
-    when known), the data file, the run folder. Every rank runs them first, so a mistake costs
-    seconds, not a rendezvous; launch.sh runs them once before it starts any rank (`--check`)."""
+    """The refusals that need no process group: the config (for `world_size` processes when known), the
+    model and tokenizer folders (a hub id's from the cache alone: one not cached yet is the ranks' to
+    download, online, and refused here offline), the data file, the run folder. Every rank runs them
+    first, so a mistake costs seconds, not a rendezvous; launch.sh runs them once before it starts any
+    rank (`--check`)."""
     from toolkit.data.source import check_path
     from toolkit.checkpoint import run_folder
-    from toolkit.distributed.pipeline import check_recorded_parts
     from toolkit.train import hf, lora
 
     from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to
@@ -117,31 +167,28 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     check_deepspeed_monitors(cfg, args.config)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
-    hf.check_model_name(args.model)
-    hf.check_tokenizer(args.model, args.tokenizer)
-    check_recorded_parts(cfg, args.config, args.model, args.task)
-    if world_size is not None:  # known: the ranks run here (launch.sh on a login node passes none)
+    local = local_inputs(args)
+    if local is not None:
+        check_model(local, cfg, world_size)
+    if world_size is not None:
         hf.check_attention(args.attention)
-        if args.qlora:
-            from toolkit.train.lora import check_qlora_here
-
-            check_qlora_here(args.model)
     check_path(args.data, encoding=args.encoding)
     if args.eval_data:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
     run_folder.check_out(args.out, args.resume, args.overwrite,
-                         {"--model": args.model, "--data": args.data, "--eval-data": args.eval_data, "--config":
-                          args.config, "--tokenizer": args.tokenizer, "--chat-template": args.chat_template})
+                         {"--model": (local or args).model, "--data": args.data, "--eval-data": args.eval_data,
+                          "--config": args.config, "--tokenizer": (local or args).tokenizer,
+                          "--chat-template": args.chat_template})
     if args.resume_with_new_data and not args.resume:
         raise ConfigError("--resume-with-new-data continues a run: pass it with --resume")
-    if args.resume:  # the run's own token stream and model, before any rank starts (the layout: once it has)
+    if args.resume and local is not None:  # the run's own token stream and model, before any rank starts
         from toolkit.checkpoint import manifest
         from toolkit.train.loop import run_identity
 
         folder = run_folder.RunFolder(args.out)
-        manifest.check_resumable(folder.checkpoints, run_identity(args), manifest.read_latest(folder.checkpoints),
+        manifest.check_resumable(folder.checkpoints, run_identity(local), manifest.read_latest(folder.checkpoints),
                                  new_data=args.resume_with_new_data, layout=False)
 
 
@@ -189,18 +236,22 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
     dist = process_group.init()
     clock.mark("process group")
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
+    try:
+        check_shared_out(args.out)
+        local = local_inputs(args, fetch=True)  # hub ids -> folders in the cache, downloaded once per node
+        if local is not args:
+            check_model(local, cfg, world)  # check() could not read a folder that was not downloaded yet
+        args = local
+    except ConfigError:
+        if teardown:
+            process_group.shutdown()  # every rank refuses: they meet in its barrier (gloo's threads, exit -6)
+        raise
     if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
         lora.check_qlora_here(args.model)
     topo = Topology(dist.get_world_size(), pp, tp_of(cfg))
     stage, dp_rank = topo.coords(dist.get_rank())
     folder = run_folder.RunFolder(args.out)
     ckpt_dir = folder.checkpoints
-    try:
-        check_shared_out(args.out)
-    except ConfigError:
-        if teardown:
-            process_group.shutdown()  # every rank refuses: they meet in its barrier (gloo's threads, exit -6)
-        raise
     resume_tag = manifest.agreed_latest(ckpt_dir) if args.resume else None
     if resume_tag:
         manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag,

@@ -173,10 +173,11 @@ def _as_leaves(x, torch):
 
 
 def profile_model(model: str, seq_len: int, mbs: int = 1, reps: int = 3, precision: str = "bf16",
-                  cuda: bool | None = None) -> LayerTimes:
+                  cuda: bool | None = None, revision: str = "main") -> LayerTimes:
     """Per-layer forward + backward seconds of `model` (a local HF directory, whose weights are loaded, or a
-    built-in name, built with random weights) through models/' layer list, where `timing_setup(precision,
-    cuda)` says: the GPU in `precision` where there is one, else the CPU in fp32."""
+    built-in name or hub id at `revision`, built from its config with random weights) through models/' layer
+    list, where `timing_setup(precision, cuda)` says: the GPU in `precision` where there is one, else the CPU
+    in fp32."""
     import os
 
     import torch
@@ -189,7 +190,7 @@ def profile_model(model: str, seq_len: int, mbs: int = 1, reps: int = 3, precisi
     if os.path.isdir(model):  # read in the timed dtype: no fp32 copy of a bf16 model first
         spec = models.pipeline_layers(model, seq_len=seq_len, dtype=dtype)
     else:
-        spec = models.pipeline_layers(to_hf_config(load_arch(model)), seq_len=seq_len)
+        spec = models.pipeline_layers(to_hf_config(load_arch(model, revision)), seq_len=seq_len)
     times = profile_layers(spec.layers, sample_batch(spec.config, seq_len, mbs), spec.loss_fn, reps=reps,
                            device=device, precision=used)
     name = f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device

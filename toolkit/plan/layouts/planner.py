@@ -37,7 +37,7 @@ MAX_MBS = 2**16  # micro-batch sizes tried: sequences per GPU per micro-batch; n
 
 @dataclass(frozen=True)
 class PlanRequest:
-    model: str  # built-in architecture name or a local HF directory
+    model: str  # built-in architecture name, a local HF directory, or a hub id (toolkit.plan.hub)
     gbs: int  # global batch (sequences per optimizer step)
     gpus_per_node: int = 8
     nodes: int = 1
@@ -58,6 +58,7 @@ class PlanRequest:
     checkpointing: bool = True  # consider activation checkpointing
     top: int = 3
     lora: int | None = None  # LoRA rank r: adapters on every block linear train, the base is frozen
+    revision: str = "main"  # of a hub id in `model`
 
 
 @dataclass
@@ -140,7 +141,7 @@ def _prepare(req: PlanRequest) -> tuple:
     from toolkit.plan.cost.layers import layer_costs
 
     _check_request(req)
-    gpu, arch = _gpu(req), load_arch(req.model)
+    gpu, arch = _gpu(req), load_arch(req.model, req.revision)
     seq = req.seq_len or min(2048, arch.max_positions)
     return gpu, arch, seq, layer_costs(arch, seq, 1, req.precision, attention=req.attention, lora=req.lora)
 
