@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start `toolkit.train` on every rank through DeepSpeed's launcher.
 #
+#   ./launch.sh --num-gpus 2 -- --recipe ds_configs/recipes/full_finetune.yaml   # flags and config in one file
 #   ./launch.sh --num-gpus 2 --config ds_configs/cpu_pp2.json -- --model tiny-gpt2 --data toolkit/corpus/corpus.txt
 #   ./launch.sh --hostfile hosts --launcher pdsh --config ds.json -- --model DIR --data train.jsonl
 #   # no ssh (one launcher per node, e.g. inside a cluster job), node 0 and node 1:
@@ -10,12 +11,13 @@
 #   ./launch.sh --launcher openmpi --hostfile hosts --config ds.json -- --model DIR --data train.jsonl
 #   ./launch.sh --launcher slurm --hostfile hosts --launcher-args '--partition gpu' --config ds.json -- ...
 #
-# Everything after `--` goes to `dstk train` (see `dstk train --help`). --dry-run prints the command.
+# Everything after `--` goes to `dstk train` (see `dstk train --help`); --config is needed unless a --recipe
+# there gives it (--config here wins over the recipe's). --dry-run prints the command.
 # --launcher-args STR goes to mpirun/srun/pdsh as it is. On a machine without CUDA, "GPUs" are
 # CPU processes: DS_ACCELERATOR=cpu, gloo, and OMP_NUM_THREADS = cores / processes unless set.
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "launch.sh: $*" >&2; exit 2; }
 usage_error() { die "$* (see ./launch.sh --help)"; }
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || usage_error "$1 needs a value"; }
@@ -55,8 +57,20 @@ while [[ $# -gt 0 ]]; do
 done
 train_args=("$@")
 
-[[ -n "$config" ]] || die "--config FILE is required (make one with: dstk generate-config ... -o FILE)"
-[[ -f "$config" ]] || die "--config $config does not exist"
+recipe=0
+for arg in "${train_args[@]}"; do [[ "$arg" == --recipe || "$arg" == --recipe=* ]] && recipe=1; done
+if [[ -z "$config" ]]; then
+  (( recipe )) || die "--config FILE is required, or a --recipe FILE after -- (make a config with: dstk generate-config ... -o FILE)"
+else
+  [[ -f "$config" ]] || die "--config $config does not exist"
+fi
+# With a --recipe, the config file and --out the ranks will use (the recipe's, under --config here and flags
+# after --; an inline config written where every rank writes it). Unreadable: dstk train --check says why.
+checked_config=$config recipe_out=""
+if (( recipe )) && view=$("$PYTHON" -c 'import sys; from toolkit.cli.train import launch_view; print(launch_view(sys.argv[1:]))' \
+    ${config:+--config "$config"} "${train_args[@]}" 2>/dev/null); then
+  checked_config=${view%%$'\n'*} recipe_out=${view#*$'\n'}
+fi
 case "$launcher" in ""|pdsh|openmpi|slurm|mpich|impi|mvapich) ;; *) die "--launcher must be pdsh, openmpi or slurm" ;; esac
 # mpirun/srun start every rank themselves, from the hostfile's hosts and slots. DeepSpeed would take a
 # one-host hostfile (or --node-rank) to mean "start locally" and quietly skip the launcher asked for.
@@ -78,9 +92,9 @@ fi
 
 # The config's pipeline.stages must divide the processes; say which --num-gpus would.
 check_stages() {
-  "$PYTHON" - "$config" "$num_gpus" "${num_nodes:-1}" <<'EOF'
+  "$PYTHON" - "$checked_config" "$num_gpus" "${num_nodes:-1}" "${config:-the config of --recipe ($checked_config)}" <<'EOF'
 import json, math, sys
-path, gpus, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, gpus, nodes, named = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 try:
     stages = json.load(open(path)).get("pipeline", {}).get("stages")
 except Exception:  # not plain JSON: dstk train reads it as DeepSpeed does and checks it on every rank
@@ -89,12 +103,12 @@ if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or (gpu
     sys.exit(0)
 step = stages // math.gcd(stages, nodes)  # --num-gpus must be a multiple of this
 fits = " or ".join(str(g) for g in (gpus // step * step, gpus // step * step + step) if g > 0)
-print(f"--num-gpus {gpus} x {nodes} node(s) = {gpus * nodes} processes, but {path} has pipeline.stages {stages}, "
+print(f"--num-gpus {gpus} x {nodes} node(s) = {gpus * nodes} processes, but {named} has pipeline.stages {stages}, "
       f"which does not divide {gpus * nodes}; use --num-gpus {fits}, or a config made for this many processes")
 sys.exit(1)
 EOF
 }
-if [[ -n "$num_gpus" && -z "$hostfile" ]]; then  # a hostfile's slots decide the count: dstk train --check then
+if [[ -n "$num_gpus" && -z "$hostfile" && -n "$checked_config" ]]; then  # a hostfile's slots decide the count: dstk train --check then
   message=$(check_stages) || die "$message"
 fi
 # Every refusal dstk train would make on each rank before training (config for this world, data file,
@@ -102,7 +116,7 @@ fi
 world=""
 [[ -n "$num_gpus" && -z "$hostfile" ]] && world=$(( num_gpus * ${num_nodes:-1} ))
 if [[ $dry_run == 0 ]]; then
-  "$PYTHON" -m toolkit.train --check ${world:+--world-size "$world"} --config "$config" "${train_args[@]}" >/dev/null \
+  "$PYTHON" -m toolkit.train --check ${world:+--world-size "$world"} ${config:+--config "$config"} "${train_args[@]}" >/dev/null \
     || exit $?
 fi
 
@@ -216,7 +230,7 @@ fi
 # line for a rank's non-zero exit neither (a refusal is said by rank 0; any other failure by the end below).
 log_level=critical
 for arg in "${train_args[@]}"; do [[ "$arg" == --verbose ]] && log_level=info; done
-cmd+=(--log_level "$log_level" --module toolkit.train --config "$config" "${train_args[@]}")
+cmd+=(--log_level "$log_level" --module toolkit.train ${config:+--config "$config"} "${train_args[@]}")
 
 if [[ $dry_run == 1 ]]; then
   echo "DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-}${DS_ENV_FILE:+ DS_ENV_FILE=$DS_ENV_FILE} \
@@ -228,7 +242,7 @@ fi
 # SIGINT / SIGTERM to this script, stops all of them within seconds: DeepSpeed's runner gets SIGTERM
 # first (under pdsh it then stops the other nodes' ranks), then the whole group, then SIGKILL. A rank
 # stopped mid-save leaves that tag without `latest`: the last whole checkpoint is still `latest`.
-out_dir=""
+out_dir=$recipe_out
 for ((i = 0; i < ${#train_args[@]}; i++)); do
   case "${train_args[i]}" in
     --out) out_dir=${train_args[i + 1]:-} ;;

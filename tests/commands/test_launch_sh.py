@@ -53,6 +53,36 @@ def test_bad_launch_options_are_refused(tmp_path, args, message):
     assert run.returncode == 2 and message in run.stderr
 
 
+def recipe(tmp_path, **keys):
+    """A recipe with an inline config (a fit one unless `keys` say otherwise) and --out in tmp_path."""
+    import yaml
+
+    from tests.configs import ds_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny-gpt2", "data": str(CORPUS), "seq-len": 32, "out": str(tmp_path / "run"),
+                                    "config": ds_config(2, 2), **keys}))
+    return path
+
+
+def test_a_recipe_needs_no_config_and_the_ranks_read_it_themselves(tmp_path):
+    """No --config to the ranks: a --config there would win over the recipe's (and be saved in OUT/recipe.yaml)."""
+    env = dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path))
+    run = launch_sh("--num-gpus", "2", "--dry-run", "--", "--recipe", recipe(tmp_path), "--steps", "3", env=env)
+    assert run.returncode == 0, run.stderr
+    assert f"--module toolkit.train --recipe {tmp_path / 'run.yaml'} --steps 3" in run.stdout and "--config" not in run.stdout
+    cfg = train_config(tmp_path)
+    run = launch_sh("--num-gpus", "2", "--config", cfg, "--dry-run", "--", "--recipe", recipe(tmp_path), env=env)
+    assert f"--module toolkit.train --config {cfg} --recipe " in run.stdout  # launch.sh's --config wins
+
+
+def test_a_bad_recipe_is_refused_once_before_starting_any_rank(tmp_path):
+    run = launch_sh("--num-gpus", "2", "--", "--recipe", recipe(tmp_path, seq_lenn=3),
+                    env=dict(os.environ, PYTHON=sys.executable, TMPDIR=str(tmp_path)))
+    refused(run, 2, "unknown key 'seq_lenn'; did you mean --seq-len?")
+    assert "spawned" not in run.stdout + run.stderr and not (tmp_path / "run").exists()
+
+
 # tests/unit/test_train_refusals.py
 
 

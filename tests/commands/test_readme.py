@@ -41,10 +41,11 @@ def runnable(lines: list) -> list:
 
 def root_like(tmp_path: Path) -> Path:
     """A working folder where the README's relative paths resolve: launch.sh, toolkit/ (its corpus),
-    ds_configs/ (a place to write in)."""
+    ds_configs/ (a place to write in) with the shipped recipes/."""
     (tmp_path / "launch.sh").symlink_to(REPO / "launch.sh")
     (tmp_path / "toolkit").symlink_to(REPO / "toolkit")
     (tmp_path / "ds_configs").mkdir()
+    (tmp_path / "ds_configs" / "recipes").symlink_to(REPO / "ds_configs" / "recipes")
     return tmp_path
 
 
@@ -73,8 +74,13 @@ def test_readme_dstk_commands_run_as_written(tmp_path, heading, lines):
 
 
 @pytest.mark.parametrize("heading, lines", LAUNCH_BLOCKS, ids=[h for h, _ in LAUNCH_BLOCKS])
-def test_readme_dstk_commands_before_the_first_launch_run_as_written(tmp_path, heading, lines):
-    before = lines[:next(i for i, line in enumerate(lines) if first_word(line) in LAUNCHES)]
+def test_readme_dstk_commands_before_the_first_flags_launch_run_as_written(tmp_path, heading, lines):
+    """The block opens with a shipped recipe (each passes --check: tests/commands/test_recipes.py), then the
+    dstk lines that make the config the flags form launches with: those run here."""
+    recipe = shlex.split(lines[0])[shlex.split(lines[0]).index("--recipe") + 1]
+    assert first_word(lines[0]) == "./launch.sh" and (REPO / recipe).is_file() and recipe.startswith("ds_configs/recipes/")
+    rest = lines[1:]
+    before = rest[:next(i for i, line in enumerate(rest) if first_word(line) in LAUNCHES)]
     assert before and all(first_word(line) == "dstk" for line in before)
     run_lines(before, root_like(tmp_path))
 
@@ -82,7 +88,9 @@ def test_readme_dstk_commands_before_the_first_launch_run_as_written(tmp_path, h
 @pytest.mark.heavy
 @pytest.mark.parametrize("heading, lines", LAUNCH_BLOCKS, ids=[h for h, _ in LAUNCH_BLOCKS])
 def test_readme_training_block_runs_as_written(tmp_path, heading, lines):
-    """The Train block whole: config, partition, launch.sh, deepspeed, torchrun (2 CPU ranks each), export."""
+    """The Train block whole: a recipe, then config, partition, launch.sh, deepspeed, torchrun (2 CPU ranks
+    each), export."""
     cwd = root_like(tmp_path)
     run_lines(lines, cwd, timeout=600)
     assert (cwd / "runs" / "dstk" / "hf_again" / "config.json").is_file()
+    assert (cwd / "runs" / "full-finetune" / "recipe.yaml").is_file()

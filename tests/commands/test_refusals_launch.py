@@ -63,3 +63,13 @@ def test_stages_that_do_not_divide_the_processes_suggest_num_gpus(tmp_path, stag
 def test_fitting_or_unknown_stages_pass(tmp_path, cfg):
     run = launch(tmp_path, "--config", config(tmp_path, **cfg), "--dry-run", "--num-gpus", "4")
     assert run.returncode == 0 and "--num_gpus 4 " in run.stdout, run.stderr
+
+
+def test_stages_of_a_recipes_inline_config_that_do_not_divide_the_processes(tmp_path):
+    import yaml
+
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(yaml.safe_dump({"model": "tiny-gpt2", "data": "d.txt", "config": {"pipeline": {"stages": 2}}}))
+    run = launch(tmp_path, "--num-gpus", "3", "--dry-run", "--", "--recipe", str(recipe))
+    assert run.returncode == 2 and "processes, but the config of --recipe (" in run.stderr, run.stderr
+    assert "run.yaml.config.json) has pipeline.stages 2, which does not divide 3; use --num-gpus 2 or 4" in run.stderr

@@ -3,6 +3,7 @@
     OUT/checkpoints/   DeepSpeed's tags + `latest` + dstk/ (see manifest.py)
     OUT/metrics.jsonl  one JSON line per step, then the summary
     OUT/hf/            the export at the end
+    OUT/recipe.yaml    the flags the run was started with (`--recipe OUT/recipe.yaml --resume` continues it)
 
 A fresh run needs an empty (or missing) OUT; --resume continues the run OUT holds; --overwrite
 deletes OUT's contents first (rank 0, once every rank has agreed to start).
@@ -29,6 +30,7 @@ class RunFolder:
         self.adapter = self.out / "adapter"  # a LoRA run's adapters, PEFT's format
         self.tensorboard = self.out / "tensorboard"  # --report-to tensorboard's event files
         self.trackers = self.out / "trackers.json"  # the wandb and mlflow run ids a resumed run continues
+        self.recipe = self.out / "recipe.yaml"  # the run's flags (toolkit.config.recipe.recorded)
 
 
 def check_out(out, resume: bool, overwrite: bool, inputs: dict | None = None) -> None:

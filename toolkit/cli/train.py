@@ -1,14 +1,22 @@
-"""`dstk train`: run on every rank by the launcher (see launch.sh); parse, call toolkit.train.runner.run, print."""
+"""`dstk train`: run on every rank by the launcher (see launch.sh); parse, call toolkit.train.runner.run, print.
+Every visible option is also a key of a --recipe file (toolkit.config.recipe), but COMMAND_LINE_ONLY."""
 
 import os
 
 import click
 
 from models import spellings
+from toolkit import __version__
+from toolkit.config.recipe import config_named, recipe_option, recorded, write_inline_config
 from toolkit.plan.arch import builtin_names
+
+# What one invocation does rather than what the run is: never in a recipe, nor in the OUT/recipe.yaml a run
+# saves (so `--recipe OUT/recipe.yaml --resume` reads back as it was written, whatever the first run was given).
+COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data", "overwrite")
 
 
 @click.command()
+@recipe_option(COMMAND_LINE_ONLY)
 @click.option("--model", required=True, metavar="DIR|NAME|ORG/NAME", help="Local HF model directory, a built-in "
               f"architecture (random weights, a byte tokenizer: {builtin_names()}), or a hub id read from the "
               "Hugging Face cache (HF_HUB_CACHE): downloaded there once per node when online; offline "
@@ -33,7 +41,7 @@ from toolkit.plan.arch import builtin_names
 @click.option("--config", "--deepspeed-config", "--deepspeed_config", "config", required=True, metavar="JSON",
               help="DeepSpeed config (from `dstk generate-config`).")
 @click.option("--out", default="runs/dstk", show_default=True, metavar="DIR",
-              help="Run folder: checkpoints/, hf/ (the export), metrics.jsonl.")
+              help="Run folder: checkpoints/, hf/ (the export), metrics.jsonl, recipe.yaml (the flags it used).")
 @click.option("--tokenizer", metavar="DIR|ORG/NAME", help="Tokenizer directory or hub id (default: the model's; "
               "bytes for built-ins).")
 @click.option("--revision", default="main", show_default=True, metavar="REV", help="Branch, tag or commit of a hub "
@@ -96,19 +104,28 @@ from toolkit.plan.arch import builtin_names
 @click.option("--crash-at-step", type=int, hidden=True)
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def train(local_rank, check_only, world_size, **options):
-    """Train a HF model (run on every rank by the launcher)."""
+    """Train a HF model (run on every rank by the launcher).
+
+    \b
+    ./launch.sh --num-gpus 2 -- --recipe ds_configs/recipes/full_finetune.yaml
+    ./launch.sh --num-gpus 2 --config ds.json -- --model tiny-gpt2 --data toolkit/corpus/corpus.txt
+    """
     from toolkit.distributed.process_group import shutdown
     from toolkit.train.runner import TrainArgs, check, run
 
+    ctx = click.get_current_context()
+    write_inline_config(ctx)  # a recipe's inline DeepSpeed config, as the file --config reads
     if options["eval_batches"] is not None and os.environ.get("RANK", "0") == "0":
         click.echo("note: --eval-batches is ignored: evaluation now covers the whole eval split "
                    "(token-weighted mean loss); drop the flag", err=True)
     if check_only:
         check(TrainArgs(**options), world_size)
-        click.echo(f"ok: {options['config']}, {options['data']} and --out {options['out']} are fit to train"
+        click.echo(f"ok: {config_named(ctx)}, {options['data']} and --out {options['out']} are fit to train"
                    + (f" on {world_size} process(es)" if world_size else ""))
         return
-    summary = run(TrainArgs(**options), teardown=True)
+    header = (f"# The flags of this run (the command line's over any --recipe's), saved by dstk {__version__}.\n"
+              f"# Continue it: --recipe {os.path.join(options['out'], 'recipe.yaml')} --resume (--steps N for more)\n")
+    summary = run(TrainArgs(**options), teardown=True, recipe=recorded(ctx, COMMAND_LINE_ONLY, header))
     if summary.get("rank0"):
         from toolkit.checkpoint.run_folder import RunFolder
         from toolkit.train.report import read_metrics, table
@@ -117,3 +134,11 @@ def train(local_rank, check_only, world_size, **options):
         click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else "")
                    + f"; summary: {summary['summary_json']}")
     shutdown()
+
+
+def launch_view(argv: list) -> str:
+    """What launch.sh needs before any rank starts, from the training arguments it passes on (--recipe
+    included, the command line over it): the DeepSpeed config file (a recipe's inline one written where
+    every rank writes it) and --out, one a line."""
+    ctx = train.make_context("train", list(argv))
+    return f"{write_inline_config(ctx) or ctx.params['config']}\n{ctx.params['out']}"

@@ -215,8 +215,11 @@ def _log_levels(verbose: bool) -> None:
         hf_logging.disable_progress_bar()
 
 
-def run(args: TrainArgs, teardown: bool = False) -> dict:
+def run(args: TrainArgs, teardown: bool = False, recipe: str | None = None) -> dict:
     """Train, checkpoint and export; returns the summary (the same dict on every rank).
+
+    recipe: the flags of this run as a YAML recipe (toolkit.config.recipe.recorded), which rank 0 saves as
+    OUT/recipe.yaml once the run is built (a refusal before that leaves --out as it was).
 
     teardown (the process entry, `dstk train`): the process group is destroyed once training is over,
     before rank 0 draws the loss curve and exports; nobody waits in a collective (whose timeout
@@ -265,6 +268,10 @@ def run(args: TrainArgs, teardown: bool = False) -> dict:
         if teardown and not getattr(exc, "every_rank", False):  # every rank refuses: none is left to die at exit
             process_group.shutdown()  # in gloo's threads (exit -6); it meets the others in a barrier
         raise
+    if recipe is not None and dist.get_rank() == 0:
+        from toolkit.config.generate import write_text
+
+        write_text(recipe, str(folder.recipe), force=True, flag="--out's")
     summary = train_loop.run_steps(args, job, is_logger=dist.get_rank() == 0)
     summary["rank0"] = dist.get_rank() == 0
     dist.barrier()  # every rank's last checkpoint is complete
