@@ -101,7 +101,7 @@ def test_a_typo_is_refused_with_the_closest_flag(tmp_path):
     ({"eval-fraction": 1.5}, "it takes a number >= 0 and < 1"),
     ({"format": "chatml"}, "it takes one of: auto, text, prompt-completion, chat, alpaca, sharegpt"),
     ({"lora": "maybe"}, "lora: 'maybe' is not a valid boolean"),
-    ({"model": ["a", "b"]}, "model takes text (DIR|NAME), not a list"),
+    ({"model": ["a", "b"]}, "model takes text (DIR|NAME|ORG/NAME), not a list"),
     ({"seq_len": 32, "seq-len": 64}, "seq-len sets --seq-len a second time"),
     ({"overwrite": True}, "overwrite is for the command line only (--overwrite says what one invocation does"),
     ({"check": True}, "pass --check with --recipe"),
