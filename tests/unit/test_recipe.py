@@ -61,6 +61,8 @@ def test_the_command_line_wins_over_the_file_and_the_file_over_the_defaults(tmp_
     ({"no-export": True, "no_progress": True}, {"export": False, "progress": False}),  # a flag's off switch
     ({"deepspeed_config": "ds.json"}, {"config": "ds.json"}),  # the option's other names
     ({"lora_dropout": "1e-1", "steps": None}, {"lora_dropout": 0.1, "steps": None}),  # converted; null: the default
+    ({"report-to": "tensorboard"}, {"report_to": ("tensorboard",)}),  # a repeatable flag: one value or a list
+    ({"report_to": ["tensorboard", "wandb"]}, {"report_to": ("tensorboard", "wandb")}),
 ])
 def test_keys_are_the_options_names(tmp_path, keys, expect):
     recipe = base(tmp_path, **keys)

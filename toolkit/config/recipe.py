@@ -114,6 +114,8 @@ def match_key(command, keys: dict, command_line_only: tuple, key, path: str):
 
 def convert(ctx, param: click.Option, key: str, value, path: str, negated: bool):
     """The value as the option's own type converts it, or a refusal naming the key and what it takes."""
+    if param.multiple and not isinstance(value, (list, tuple)):
+        value = [value]  # `report-to: tensorboard` is a list of one
     if isinstance(value, (dict, list)) and not (param.multiple or param.nargs != 1):
         raise UnusableInput(f"recipe {path}: {key} takes {what_it_takes(param)}, not a {type(value).__name__}")
     try:
