@@ -59,8 +59,8 @@ def track_grad_norm(engine) -> None:
     group: models.pipeline.mark_grad_norm_owners) and hands it to the optimizer, where the engine reads it
     after the step. With gradient clipping the norm is the one before clipping."""
     optimizer = engine.optimizer
-    if optimizer is None or hasattr(optimizer, "_global_grad_norm"):
-        return
+    if optimizer is None or hasattr(optimizer, "_global_grad_norm") or not hasattr(optimizer, "register_step_pre_hook"):
+        return  # DeepSpeed's wrappers keep their own; an optimizer dstk cannot hook logs none
     if engine.gradient_clipping() > 0:
         from deepspeed.runtime.utils import clip_grad_norm_
 
