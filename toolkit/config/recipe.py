@@ -240,8 +240,11 @@ def config_named(ctx: click.Context) -> str:
 
 def recorded(ctx: click.Context, command_line_only: tuple, header: str = "") -> str:
     """What this invocation ran with, as a recipe: every option given on the command line or in the recipe
-    (the command line's value where both), in the command's order; an inline config stays inline."""
+    (the command line's value where both), in the command's order; the DeepSpeed config inline, as it was
+    read (a config file may change or go after the run starts: the saved recipe still continues the run)."""
     import yaml
+
+    from toolkit.config.loader import read_config
 
     keys = {p.name for p, _ in recipe_keys(ctx.command, command_line_only).values()}
     inline = inline_in_use(ctx)
@@ -251,8 +254,8 @@ def recorded(ctx: click.Context, command_line_only: tuple, header: str = "") -> 
         if param.name not in keys or source in (None, ParameterSource.DEFAULT) or ctx.params.get(param.name) is None:
             continue
         value = ctx.params[param.name]
-        if param.name == CONFIG and inline is not None:
-            value = inline.inline
+        if param.name == CONFIG:
+            value = inline.inline if inline is not None else read_config(value)[0]
         out[long_name(param)] = list(value) if isinstance(value, tuple) else value
     if CONFIG in out:
         out[CONFIG] = out.pop(CONFIG)  # last: an inline config is the longest entry
