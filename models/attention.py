@@ -8,7 +8,8 @@ HF's packed-sequence format (positions restart at each document, padding a segme
   - position ids (B, T) (learned and rotary positions count from each document's start);
   - the attention mask for each layer kind (causal, sliding-window, chunked), by HF's own mask builders
     with the rows' rule added (so eager, sdpa and flex masks agree with HF's), never crossing a document
-    or padding boundary. With sdpa the mask is handed over additive, in the activations' dtype: torch
+    or padding boundary (sdpa and eager: HF's mask functions over broadcast indices, the builders' mask
+    without their torch.vmap). With sdpa the mask is handed over additive, in the activations' dtype: torch
     turns a bool mask into that at every call, a (B, 1, T, T) copy per layer that the memory-efficient
     kernel keeps for backward; given once, every layer refers to the same tensor. flash_attention_2 gets
     no mask but the variable-length arguments (cu_seq_lens_q/k, max_length_q/k) over the micro-batch's
@@ -81,9 +82,48 @@ def layer_inputs(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_fn) -
 
 def document_mask(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_fn):
     """HF's mask of kind `mask_fn` for these rows with attention kept inside each document (None where
-    the implementation takes no mask, e.g. flash without padding). sdpa: additive, in hidden's dtype."""
+    the implementation takes no mask, e.g. flash without padding). sdpa: additive, in hidden's dtype.
+
+    For sdpa and eager, HF's own mask function of the layer kind and the rows' rule are evaluated by HF's
+    mask interface (sdpa_mask, eager_mask) over broadcast indices: the rows' rule is index-based, so this
+    is the mask hf_document_mask builds, without the four nested torch.vmap HF uses for any custom rule
+    (~7 ms of host time per micro-batch and stage, more than the tiny models' whole forward)."""
+    from transformers import masking_utils as mu
+
+    impl, rule = config._attn_implementation, _kind_rule(mask_fn, config, doc_ids)
+    if impl not in ("sdpa", "eager") or rule is None or not getattr(config, "is_causal", True):
+        return hf_document_mask(doc_ids, hidden, config, mask_fn)
+    rows, length = doc_ids.shape
+    mask = mu.ALL_MASK_ATTENTION_FUNCTIONS[impl](
+        batch_size=rows, q_length=length, kv_length=length, mask_function=mu.and_masks(rule, _rows_rule(doc_ids)),
+        allow_is_causal_skip=False, dtype=hidden.dtype, config=config, use_vmap=False, device=hidden.device)
+    return _additive(mask, hidden, config)
+
+
+def _kind_rule(mask_fn, config, doc_ids: torch.Tensor):
+    """The mask function HF's builder `mask_fn` starts from (before the rows' rule), or None for a builder
+    not known here."""
+    from transformers import masking_utils as mu
+
+    if mask_fn is mu.create_causal_mask:
+        return mu.causal_mask_function
+    if mask_fn is mu.create_sliding_window_causal_mask and getattr(config, "sliding_window", None) is not None:
+        return mu.sliding_window_causal_mask_function(config.sliding_window)
+    if mask_fn is mu.create_chunked_causal_mask and getattr(config, "attention_chunk_size", None) is not None:
+        no_left_padding = torch.zeros(doc_ids.shape[0], device=doc_ids.device, dtype=torch.long)
+        return mu.chunked_causal_mask_function(config.attention_chunk_size, no_left_padding)
+    return None
+
+
+def hf_document_mask(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_fn):
+    """document_mask through HF's builder `mask_fn` itself, the rows' rule as its and_mask_function (which
+    HF evaluates with torch.vmap): flex attention's block mask, flash, builders not known to _kind_rule."""
     mask = mask_fn(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
                    and_mask_function=_rows_rule(doc_ids))
+    return _additive(mask, hidden, config)
+
+
+def _additive(mask, hidden: torch.Tensor, config):
     if config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(hidden.dtype).min)

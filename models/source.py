@@ -12,13 +12,12 @@ rotary inv_freq; a head a base checkpoint lacks). A DirSource may be given `adap
 applied to each module once it is filled (LoRA: freeze it and inject adapters, lora.StageAdapters).
 """
 
+from __future__ import annotations  # (nn.Module in signatures: torch is imported where a model is built)
+
 import copy
 import json
 import os
 from pathlib import Path
-
-import torch
-from torch import nn
 
 from toolkit.errors import ConfigError, UnusableInput
 
@@ -41,6 +40,8 @@ class DirSource:
     """Modules of a model saved in a local HF directory, built one at a time from safetensors."""
 
     def __init__(self, path: str, model_cls, config, adapt=None, dtype=None):
+        import torch
+
         self.path = path
         self.adapt = adapt
         self.dtype = dtype or torch.float32  # of the parameters; fp32: they are the optimizer's masters
@@ -66,6 +67,9 @@ class DirSource:
         return self.adapt(module, name) if self.adapt else module
 
     def parameter(self, name: str, allow_missing: bool = False) -> nn.Parameter:
+        import torch
+        from torch import nn
+
         module_name, _, attr = name.rpartition(".")
         values = {attr: torch.zeros(self.skeleton.get_parameter(name).shape, dtype=self.dtype)}
         # (a head bias absent from a base-model checkpoint starts at 0, as in HF)
@@ -82,6 +86,7 @@ class DirSource:
 
     def _load_into(self, tensors: dict, stored: dict) -> None:
         """Copy each stored tensor into `tensors[key]` in place, cast to its dtype, one file open at a time."""
+        import torch
         from safetensors import safe_open
 
         by_file = {}
@@ -105,6 +110,7 @@ def _init_unstored(module: nn.Module, init_weights, loaded: list) -> None:
     """HF's init (`init_weights`, per sub-module) for what the checkpoint does not hold: tensors in `loaded`
     are flagged `_is_hf_initialized`, which transformers' init functions skip (from_pretrained's own rule),
     so no random matrix is drawn only to be overwritten. Sub-modules wholly loaded are not visited."""
+    import torch
     from transformers import initialization
 
     skip = {id(t) for t in loaded}

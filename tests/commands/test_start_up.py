@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,19 @@ def test_validate_imports_no_heavy_package(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 8}))
     result, heavy = run_cli_fresh(["validate", str(path)])
     assert heavy == [] and "valid" in result.stdout, result.stderr[-2000:]
+
+
+def test_train_check_of_a_model_directory_imports_no_heavy_package(tmp_path, saved_models):
+    """launch.sh runs `dstk train --check` in a fresh interpreter before any rank: the model folder's config.json
+    and safetensors headers are read without torch (it cost every launch from a directory ~2 s)."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
+    corpus = Path(__file__).resolve().parents[2] / "toolkit" / "corpus" / "corpus.txt"
+    result, heavy = run_cli_fresh(["train", "--check", "--world-size", "1", "--config", str(cfg), "--model",
+                                   str(saved_models.get("tiny-llama")), "--data", str(corpus), "--out", str(tmp_path / "run")])
+    assert result.returncode == 0 and "are fit to train on 1 process(es)" in result.stdout, result.stderr[-2000:]
+    assert heavy == []
 
 
 # tests/unit/test_schema.py

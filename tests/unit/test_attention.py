@@ -61,6 +61,27 @@ def test_stage_masks_equal_hf_on_padded_rows(ds_world1):
         assert (module(inputs) - hf(input_ids=inputs[0], attention_mask=inputs[1]).logits).abs().max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"])
+def test_the_mask_without_vmap_is_hfs_builder_with_the_rows_rule(monkeypatch, attention, kind):
+    """document_mask evaluates the layer kind's rule and the rows' rule over broadcast indices: the very mask
+    HF's builder makes of them through torch.vmap (hf_document_mask), for one-document rows whole or padded,
+    packed rows with padding, and a filler row; and it never calls torch.vmap."""
+    from transformers import LlamaConfig
+    from transformers import masking_utils as mu
+
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, vocab_size=16)
+    config.sliding_window, config.attention_chunk_size, config._attn_implementation = 3, 4, attention
+    doc_ids = torch.tensor([[1] * 10, [1] * 7 + [0] * 3, [1, 1, 1, 2, 2, 3, 3, 3, 0, 0], [1] * 10,
+                            [1, 2, 2, 2, 2, 2, 2, 4, 4, 4]])
+    hidden = torch.zeros(*doc_ids.shape, 8, dtype=torch.bfloat16)
+    want = models.attention.hf_document_mask(doc_ids, hidden, config, getattr(mu, kind))
+    with monkeypatch.context() as m:
+        m.setattr(torch, "vmap", lambda *a, **k: pytest.fail("torch.vmap called"))
+        got = models.attention.document_mask(doc_ids, hidden, config, getattr(mu, kind))
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def _flash_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
                     cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
     """What transformers' flash_attention_2 computes without a padding mask: flash_attn_varlen_func over
