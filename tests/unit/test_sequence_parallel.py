@@ -94,3 +94,9 @@ def test_generate_config_refusals(kwargs, words):
     with pytest.raises(ConfigError) as exc:
         build_config(GenerateOptions(mbs=1, **kwargs))
     assert words in str(exc.value)
+
+
+def test_zero3_without_reduce_scatter_is_refused_with_sp():
+    cfg = dict(SP2, zero_optimization={"stage": 3, "reduce_scatter": False})
+    [message] = errors(check_rules(cfg, world_size=4))
+    assert '"reduce_scatter": false with ZeRO-3 and sp 2' in message

@@ -76,6 +76,16 @@ def register(model, sp: int, mbs: int):
                                                            seq_length_is_variable=True)
 
 
+def backward_scale(cfg: dict, sp: int) -> int:
+    """What a rank's loss is multiplied by for backward so DeepSpeed's gradient is one process's. ZeRO 0-2
+    divide the gradient summed over all ranks by world / sp (engine.py _reduce_non_expert_gradients,
+    stage_1_and_2.py); ZeRO-3's reduce-scatter (stage3.py __avg_scatter_grads, "reduce_scatter": true, its
+    default) divides by the whole world (coalesced_collectives.reduce_scatter_coalesced), sp times too much:
+    measured, grad norms half one process's at sp 2. "reduce_scatter": false with sp is refused (rules)."""
+    zero = cfg.get("zero_optimization") or {}
+    return sp if sp > 1 and zero.get("stage", 0) == 3 else 1
+
+
 def shard(batch, sp: int, sp_rank: int) -> dict:
     """A micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows -> this rank's keyword arguments
     for the HF model: its T / sp slice of input_ids, position_ids and shift_labels (labels shifted left

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from toolkit.distributed.process_group import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import config_batch
+from toolkit.distributed.sequence_parallel import backward_scale
 from toolkit import data
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
@@ -41,6 +42,7 @@ class Job:
     ckpt_dir: Path
     sp: int = 1  # Ulysses: the sp ranks of a group share rows, each with its 1/sp of the sequence
     sp_rank: int = 0
+    backward_scale: int = 1  # sp under ZeRO-3 (toolkit.distributed.sequence_parallel.backward_scale)
     save_frozen: bool = True  # False: a LoRA run from a directory saves adapters (and optimizer) only
     data_info: dict | None = None  # data.Prepared.info: format, documents, rows, truncations
     param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
@@ -81,6 +83,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     about["startup"] = clock.phases() if clock is not None else None
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
                steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp, sp_rank=topo.sp_rank(dist.get_rank()),
+               backward_scale=backward_scale(cfg, topo.sp),
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
                param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs)
 
@@ -310,7 +313,7 @@ def train_step(job: Job, it) -> float:
     losses = []
     for _ in range(job.engine.gradient_accumulation_steps()):
         loss = forward_loss(job.engine, next(it), job.sp, job.sp_rank)
-        job.engine.backward(loss)
+        job.engine.backward(loss * job.backward_scale if job.backward_scale != 1 else loss)
         job.engine.step()
         losses.append(loss.detach().float())
     # pp = 1: every sp group is a replica, whose ranks' losses sum to its loss (sp = 1: every rank)

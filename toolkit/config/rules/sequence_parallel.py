@@ -33,6 +33,12 @@ def sequence_parallel_problems(cfg: dict, ctx) -> list[Problem]:
         problems.append(Problem(SP, f'"sequence_parallel_size" {ctx.sp} with "autotp_size" {ctx.tp}: Ulysses and '
                                 "AutoTP both split the attention heads and DeepSpeed 0.19 does not combine them; "
                                 f'use "autotp_size": 1 with sp {ctx.sp}, or sp 1 with tp {ctx.tp}'))
+    zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+    if zero.get("stage") == 3 and zero.get("reduce_scatter") is False:
+        problems.append(Problem("$.zero_optimization.reduce_scatter", f'"reduce_scatter": false with ZeRO-3 and sp '
+                                f"{ctx.sp}: DeepSpeed 0.19 then averages some gradient buckets over world / sp ranks "
+                                "and others over the whole world (stage3.py), so no loss scale makes them one "
+                                'process\'s; remove "reduce_scatter" (its default is true)'))
     if ctx.world_size is not None and ctx.world_size % ctx.model_ranks:
         fits = [d for d in range(1, ctx.world_size + 1) if ctx.world_size % (ctx.pp * ctx.tp * d) == 0]
         problems.append(Problem(SP, f"world size {ctx.world_size} is not divisible by {_product(ctx)} = "
