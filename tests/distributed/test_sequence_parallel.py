@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
 TEXT = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-fraction", "0.05"]
 CHAT = ["--model", "tiny-llama", "--data", str(REPO / "toolkit" / "corpus" / "chat.jsonl"), "--chat-template",
-        str(REPO / "toolkit" / "corpus" / "chatml.jinja"), "--seq-len", "64", "--no-progress", "--eval-fraction",
+        str(REPO / "toolkit" / "corpus" / "chatml.jinja"), "--seq-len", "160", "--no-progress", "--eval-fraction",
         "0.1", "--lora", "--lora-r", "4"]
 RUNS = {  # procs, sp, ZeRO stage, model arguments
     "sp1": (1, 1, 1, TEXT), "sp2": (2, 2, 1, TEXT), "sp2z3": (2, 2, 3, TEXT), "dp2sp2": (4, 2, 2, TEXT),
