@@ -100,3 +100,16 @@ def test_zero3_without_reduce_scatter_is_refused_with_sp():
     cfg = dict(SP2, zero_optimization={"stage": 3, "reduce_scatter": False})
     [message] = errors(check_rules(cfg, world_size=4))
     assert '"reduce_scatter": false with ZeRO-3 and sp 2' in message
+
+
+def test_plan_proposes_sp_for_a_long_sequence_and_counts_its_all_to_alls():
+    from toolkit.plan.layouts.estimate import Layout, sp_comm_bytes
+    from toolkit.plan.layouts.planner import PlanRequest, make_plan
+
+    result = make_plan(PlanRequest(model="llama-3.2-1b", gpu="h100", gpus_per_node=8, gbs=8, seq_len=131072))
+    assert result.fitting and result.best[0].layout.sp > 1
+    best = result.best[0]
+    assert best.sp_comm_bytes > 0 and best.times["sp_comm"] > 0
+    # 4 all-to-alls forward + 4 backward per attention layer, each (sp - 1) / sp of the local tensor
+    assert sp_comm_bytes(1000.0, Layout(1, 1, 0, 1, 1, sp=2)) == 2 * 1000 / 2 * 1 / 2
+    assert sp_comm_bytes(1000.0, Layout(1, 1, 0, 1, 1)) == 0
