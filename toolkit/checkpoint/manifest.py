@@ -306,6 +306,11 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
                           "a fresh --out")
     if not layout:
         return []
+    if saved.get("sp", 1) != now.get("sp", 1):
+        raise ConfigError(f"--resume: {ckpt_dir} was written with sp {saved.get('sp', 1)} and this run has sp "
+                          f"{now.get('sp', 1)}: not yet: resuming on another sequence-parallel size is planned; "
+                          f'resume with "sequence_parallel_size": {saved.get("sp", 1)} (the checkpoint\'s config), '
+                          "or start a fresh --out")
     moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
     was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
     why = None

@@ -16,14 +16,14 @@ VALID, INVALID, UNUSABLE = 0, 1, 2
 STATUS = {VALID: "valid", INVALID: "invalid", UNUSABLE: "unusable"}
 
 
-def check_file(path: str, world_size=None, pp=None, strict=False, arch=None) -> dict:
+def check_file(path: str, world_size=None, pp=None, strict=False, arch=None, sp=None) -> dict:
     """One file -> a report dict: status code, problems (schema first, then rules, then the model's:
     `arch`, a toolkit.plan.arch.Arch, against the file's tensor_parallel size)."""
     from toolkit.config.loader import load_config
     from toolkit.errors import ConfigError, UnusableInput
 
     try:
-        cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=strict)
+        cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=strict, sp=sp)
     except UnusableInput as exc:
         return {"path": path, "code": UNUSABLE, "problems": [{"path": "$", "message": str(exc), "severity": ERROR}]}
     if arch is not None:
@@ -34,8 +34,23 @@ def check_file(path: str, world_size=None, pp=None, strict=False, arch=None) -> 
             problems += model_problems(cfg, arch, tp_of(cfg))
         except ConfigError:
             pass  # a bad autotp_size is already reported by the rules
+        problems += _heads_problems(cfg, arch, sp)
     code = INVALID if has_errors(problems) else VALID
     return {"path": path, "code": code, "problems": [p.to_dict() for p in problems]}
+
+
+def _heads_problems(cfg: dict, arch, sp) -> list:
+    """Whether Ulysses can split `arch`'s heads sp ways (--sp, else the file's sequence_parallel_size)."""
+    from toolkit.config.problems import Problem
+    from toolkit.config.rules.sequence_parallel import SP, ulysses_problems
+    from toolkit.distributed.topology import sp_of
+    from toolkit.errors import ConfigError
+
+    try:
+        sp = sp or sp_of(cfg)
+    except ConfigError:
+        return []  # reported by the rules
+    return [Problem(SP, message) for message in ulysses_problems(arch.heads, arch.kv_heads, sp)]
 
 
 def _arch(model: str):
@@ -64,19 +79,20 @@ def _print_human(report: dict) -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=True))
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Check batch arithmetic for N processes.")
 @click.option("--pp", type=click.IntRange(min=1), metavar="N", help="Pipeline stages (default: pipeline.stages in the file, else 1).")
+@click.option("--sp", type=click.IntRange(min=1), metavar="N", help="Ulysses sequence-parallel size (default: sequence_parallel_size in the file, else 1); dp = world / (pp x sp x tp).")
 @click.option("--strict", is_flag=True, help='Refuse "auto" values (only the HF Trainer/Accelerate fills them).')
 @click.option("--model", metavar="NAME|DIR|ORG/NAME", help="Check the model against the file's "
               "tensor_parallel.autotp_size: an AutoTP plan, and tp dividing its heads, key/value heads and "
-              "intermediate size. A built-in architecture (see `dstk plan --help`), a local HF directory, or a "
+              "intermediate size; and against sp (Ulysses: heads and key/value heads split sp ways). A built-in architecture (see `dstk plan --help`), a local HF directory, or a "
               "hub id (ORG/NAME at its main branch) whose config.json is read from the Hugging Face cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
-def validate(files, world_size, pp, strict, model, as_json):
+def validate(files, world_size, pp, sp, strict, model, as_json):
     """Validate DeepSpeed config FILES: all problems, each with its JSON path.
 
     Exit 0 if valid (warnings allowed), 1 if invalid, 2 if a file cannot be read as a config.
     """
     arch = _arch(model) if model else None
-    reports = [check_file(f, world_size=world_size, pp=pp, strict=strict, arch=arch) for f in files]
+    reports = [check_file(f, world_size=world_size, pp=pp, strict=strict, arch=arch, sp=sp) for f in files]
     if as_json:
         out = {"valid": all(r["code"] == VALID for r in reports),
                "files": [dict(r, status=STATUS[r["code"]]) for r in reports]}

@@ -36,6 +36,8 @@ def build_config(o: GenerateOptions) -> dict:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if topo.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": topo.tp}
+    if topo.sp > 1:
+        cfg["sequence_parallel_size"] = topo.sp
     if o.optimizer != "none":
         cfg["optimizer"] = _optimizer(o, auto)
     if o.scheduler != "none":

@@ -38,14 +38,15 @@ class _Pairs(dict):
             seen.add(key)
 
 
-def load_config(path, world_size: int | None = None, pp: int | None = None, strict: bool = False) -> tuple:
+def load_config(path, world_size: int | None = None, pp: int | None = None, strict: bool = False,
+                sp: int | None = None) -> tuple:
     """(config dict, problems): read like DeepSpeed, then the schema, then the rules for `world_size`
     processes and `pp` stages. strict: "auto" is an error. Raises UnusableInput when unreadable."""
     from toolkit.config.rules import check_rules
     from toolkit.config.validate import check_schema
 
     cfg, problems = read_config(path)
-    problems += check_schema(cfg, strict=strict) + check_rules(cfg, world_size=world_size, pp=pp)
+    problems += check_schema(cfg, strict=strict) + check_rules(cfg, world_size=world_size, pp=pp, sp=sp)
     return cfg, problems
 
 

@@ -33,6 +33,7 @@ class GenerateOptions:
     gpus_per_node: int | None = None
     pp: int = 1  # pipeline stages
     tp: int = 1  # tensor-parallel size (DeepSpeed AutoTP, pp = 1): tensor_parallel.autotp_size
+    sp: int = 1  # Ulysses sequence-parallel size (pp = tp = 1): sequence_parallel_size
     partition_method: str = "compute"  # how layers are split into stages (or "type:REGEX")
     # batch: gbs = mbs * gas * dp; one of gbs / gas may be None and is derived
     mbs: int = 1
@@ -78,14 +79,14 @@ class GenerateOptions:
             self.zero = 1 if self.precision == "bf16" else 0
 
     def topology(self) -> Topology:
-        return Topology(self.resolved_world_size(), self.pp, self.tp)
+        return Topology(self.resolved_world_size(), self.pp, self.tp, self.sp)
 
     def resolved_world_size(self) -> int:
         if self.world_size is not None:
             return self.world_size
         if self.nodes is not None and self.gpus_per_node is not None:
             return self.nodes * self.gpus_per_node
-        return self.pp * self.tp  # pure pipeline (or one tp group): one process per stage and shard
+        return self.pp * self.tp * self.sp  # pure pipeline (or one tp/sp group): one process per stage and shard
 
     def batch(self) -> Batch:
         return resolve_batch(self.topology().dp, mbs=self.mbs, gas=self.gas, gbs=self.gbs)
@@ -103,6 +104,8 @@ class GenerateOptions:
                 problems.append(str(exc))
         if batch is not None:
             problems += _check_batch_size(batch)
+        if not problems and self.sp > 1:
+            problems += _check_sequence_parallel(self)
         if topo is not None:
             problems += _check_strategy(self, topo)
         problems += _check_memory(self)
@@ -136,7 +139,7 @@ def _real(name, value, minimum=0.0, above=False):
 def _check_sizes(o: GenerateOptions) -> list[str]:
     problems = []
     for flag, value in (("--world-size", o.world_size), ("--nodes", o.nodes), ("--gpus-per-node", o.gpus_per_node),
-                        ("--pp", o.pp), ("--tp", o.tp)):
+                        ("--pp", o.pp), ("--tp", o.tp), ("--sp", o.sp)):
         problems += _positive(flag, value, maximum=MAX_PROCESSES, why="more processes than any cluster has")
     for flag, value in (("--mbs", o.mbs), ("--gbs", o.gbs), ("--gas", o.gas), ("--steps-per-print", o.steps_per_print)):
         problems += _positive(flag, value)
@@ -151,6 +154,23 @@ def _check_sizes(o: GenerateOptions) -> list[str]:
     if o.strategy in ("dp", "hybrid") and o.world_size is None and o.nodes is None:
         problems.append(f"--strategy {o.strategy} needs --world-size N (or --nodes and --gpus-per-node)")
     return problems
+
+
+def _check_sequence_parallel(o: GenerateOptions) -> list[str]:
+    """sp's refusals, as `dstk validate` words them (toolkit.config.rules.sequence_parallel), with flags."""
+    from types import SimpleNamespace
+
+    from toolkit.config.rules.sequence_parallel import sequence_parallel_problems
+
+    ctx = SimpleNamespace(world_size=None, pp=o.pp, tp=o.tp, sp=o.sp, model_ranks=o.pp * o.tp * o.sp)
+    words = (('"sequence_parallel_size" ', "--sp "), ('"autotp_size" ', "--tp "), ('"autotp_size": 1', "--tp 1"))
+    out = []
+    for problem in sequence_parallel_problems({}, ctx):
+        message = problem.message
+        for old, new in words:
+            message = message.replace(old, new)
+        out.append(message)
+    return out
 
 
 def _check_batch_size(batch: Batch) -> list[str]:

@@ -1,4 +1,4 @@
-"""World = pp * dp * tp, rank <-> coordinates, and batch arithmetic: computed here, once.
+"""World = pp * dp * sp * tp, rank <-> coordinates, and batch arithmetic: computed here, once.
 
 Vocabulary: pp pipeline stages, dp data-parallel replicas, tp tensor parallel, mbs micro-batch per
 GPU, gas gradient accumulation steps (= micro-batches per step in a pipeline), gbs global batch.
@@ -6,6 +6,9 @@ DeepSpeed's invariant: train_batch_size (gbs) == mbs * gas * dp, with dp = world
 With AutoTP (tp > 1) DeepSpeed 0.19 checks train_batch_size against mbs * gas * WORLD instead
 (runtime/config.py:471, asserted at :602; parsed before the tp groups exist), so such configs leave
 train_batch_size out and dstk computes gbs = mbs * gas * dp itself. `tp_of(cfg)` reads tp from a config.
+With Ulysses sequence parallelism (sp > 1, "sequence_parallel_size") the sp ranks of a group share
+their rows, each holding 1/sp of the sequence: dp = world / (pp * sp * tp), and DeepSpeed checks
+train_batch_size against mbs * gas * (world / sp) (runtime/config.py:461-469). `sp_of(cfg)` reads sp.
 """
 
 from dataclasses import dataclass
@@ -18,14 +21,17 @@ class Topology:
     """How the world's ranks are laid out. Ranks are ordered like DeepSpeed's
     PipeDataParallelTopology: axes (pipe, data), the data axis varying fastest; with AutoTP (tp > 1,
     pp = 1) a tensor axis inside that, as DeepSpeed's (data_parallel, tensor_parallel) mesh
-    (utils/groups.py _init_tp_mesh_device): tp groups are runs of tp consecutive ranks."""
+    (utils/groups.py _init_tp_mesh_device): tp groups are runs of tp consecutive ranks. With Ulysses
+    (sp > 1, pp = tp = 1) sp groups are runs of sp consecutive ranks, as DeepSpeed's
+    runtime/sequence_parallel/parallel_state_sp.py builds them: rank = dp_rank * sp + sp_rank."""
 
     world_size: int
     pp: int = 1
     tp: int = 1
+    sp: int = 1
 
     def __post_init__(self):
-        for name in ("world_size", "pp", "tp"):
+        for name in ("world_size", "pp", "tp", "sp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -36,22 +42,36 @@ class Topology:
                 f"or a {'pp * tp' if self.tp > 1 else 'pp'} that divides {self.world_size} "
                 f"({', '.join(map(str, divisors(self.world_size)))})"
             )
+        if self.sp > 1 and self.world_size % (self.pp * self.tp * self.sp):
+            raise ConfigError(f"world size {self.world_size} is not divisible by {self.model_product()} = "
+                              f"{self.pp * self.tp * self.sp}; use an sp that divides "
+                              f"{self.world_size // (self.pp * self.tp)} or a world size that is a multiple of "
+                              f"{self.pp * self.tp * self.sp}")
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.pp * self.tp)
+        return self.world_size // (self.pp * self.tp * self.sp)
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(stage, dp_rank) of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank} outside world of {self.world_size}")
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp
+        return rank // (self.dp * self.sp * self.tp), (rank // (self.tp * self.sp)) % self.dp
 
-    def rank(self, stage: int, dp_rank: int) -> int:
-        return (stage * self.dp + dp_rank) * self.tp
+    def sp_rank(self, rank: int) -> int:
+        """Which 1/sp slice of its group's sequences a global rank holds (0 without sp)."""
+        return (rank // self.tp) % self.sp
+
+    def rank(self, stage: int, dp_rank: int, sp_rank: int = 0) -> int:
+        return ((stage * self.dp + dp_rank) * self.sp + sp_rank) * self.tp
+
+    def model_product(self) -> str:
+        """pp(..) * sp(..) * tp(..), the factors that divide the world besides dp (sp, tp only when > 1)."""
+        return " * ".join([f"pp({self.pp})"] + [f"{k}({v})" for k, v in (("sp", self.sp), ("tp", self.tp)) if v > 1])
 
     def describe(self) -> str:
-        parts = [f"pp({self.pp})", f"dp({self.dp})"] + ([f"tp({self.tp})"] if self.tp > 1 else [])
+        parts = [f"pp({self.pp})", f"dp({self.dp})"] + [f"{k}({v})" for k, v in (("sp", self.sp), ("tp", self.tp))
+                                                       if v > 1]
         return " * ".join(parts) + f" = world({self.world_size})"
 
 
@@ -131,6 +151,17 @@ def tp_of(cfg: dict) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ConfigError(f'"tensor_parallel.autotp_size" must be an integer >= 0 (0 or 1: off), got {size!r}')
     return max(size, 1)
+
+
+def sp_of(cfg: dict) -> int:
+    """Sequence-parallel size of a DeepSpeed config: "sequence_parallel_size", else 1. Raises
+    ConfigError for a value DeepSpeed could not use."""
+    size = cfg.get("sequence_parallel_size")
+    if size is None:
+        return 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f'"sequence_parallel_size" must be an integer >= 1 (1: off), got {size!r}')
+    return size
 
 
 def config_batch(cfg: dict, dp: int) -> Batch:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from toolkit.distributed.process_group import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import config_batch
+from toolkit.distributed.sequence_parallel import backward_scale
 from toolkit import data
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
@@ -39,6 +40,9 @@ class Job:
     dp: int
     dp_rank: int
     ckpt_dir: Path
+    sp: int = 1  # Ulysses: the sp ranks of a group share rows, each with its 1/sp of the sequence
+    sp_rank: int = 0
+    backward_scale: int = 1  # sp under ZeRO-3 (toolkit.distributed.sequence_parallel.backward_scale)
     save_frozen: bool = True  # False: a LoRA run from a directory saves adapters (and optimizer) only
     data_info: dict | None = None  # data.Prepared.info: format, documents, rows, truncations
     param_names: list | None = None  # this rank's optimizer parameters by name, per group (saved with its states)
@@ -78,7 +82,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
                      {"tag": resume_tag, "saved": saved} if resume_tag else None)
     about["startup"] = clock.phases() if clock is not None else None
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
-               steps=steps, tokens_per_step=batch.gbs * args.seq_len,
+               steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp, sp_rank=topo.sp_rank(dist.get_rank()),
+               backward_scale=backward_scale(cfg, topo.sp),
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
                param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs)
 
@@ -94,7 +99,7 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
     name = (args.hub_ids or {}).get("--model") or Path(args.model).name or args.model  # a hub id, not its commit
     return {"model": args.model, "model_name": name, "from_dir": Path(args.model).is_dir(),
             "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
-            "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp,
+            "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp, "sp": topo.sp,
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len, "lora": record.get("lora"),
             "start_step": start, "steps": steps, "resume": resume}
@@ -136,7 +141,12 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
     param_names = [[names[id(p)] for p in g["params"]] for g in groups]
     if topo.pp == 1:
         record["param_groups"] = param_names
-    return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose), param_names
+    mpu = None
+    if topo.sp > 1:  # Ulysses' groups and attention, before the engine (it takes the groups as its mpu)
+        from toolkit.distributed.sequence_parallel import register
+
+        mpu = register(model, topo.sp, config_batch(cfg, topo.dp).mbs)
+    return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
 
 
 def run_record(args, record: dict, topo, cfg: dict) -> tuple:
@@ -247,6 +257,8 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
     if topo is not None:
         zero = (cfg or {}).get("zero_optimization") or {}
         identity.update(pp=topo.pp, dp=topo.dp, tp=topo.tp, zero_stage=zero.get("stage", 0))
+        if topo.sp > 1:
+            identity["sp"] = topo.sp
     return identity
 
 
@@ -300,19 +312,27 @@ def train_step(job: Job, it) -> float:
         return float(job.engine.train_batch(it))
     losses = []
     for _ in range(job.engine.gradient_accumulation_steps()):
-        loss = forward_loss(job.engine, next(it))
-        job.engine.backward(loss)
+        loss = forward_loss(job.engine, next(it), job.sp, job.sp_rank)
+        job.engine.backward(loss * job.backward_scale if job.backward_scale != 1 else loss)
         job.engine.step()
         losses.append(loss.detach().float())
-    return all_reduce_sum(torch.stack(losses).mean(), job.engine.device)[0] / dist.get_world_size()  # pp = 1: every rank is a replica
+    # pp = 1: every sp group is a replica, whose ranks' losses sum to its loss (sp = 1: every rank)
+    return all_reduce_sum(torch.stack(losses).mean(), job.engine.device)[0] / (dist.get_world_size() // job.sp)
 
 
-def forward_loss(engine, batch) -> torch.Tensor:
+def forward_loss(engine, batch, sp: int = 1, sp_rank: int = 0) -> torch.Tensor:
     """pp = 1: the HF model on a batch whose second tensor holds document ids (packed rows: positions
     restart and attention stays inside each document, models.attention.model_inputs, built on the host:
-    no device sync). DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does)."""
+    no device sync). DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does).
+    sp > 1: this rank's slice of the sequence; its loss is its share of the micro-batch's mean, the sp
+    group's shares summing to it (toolkit.distributed.sequence_parallel)."""
     from models.attention import model_inputs
 
+    if sp > 1:
+        from toolkit.distributed.sequence_parallel import shard
+
+        inputs = shard(batch, sp, sp_rank)
+        return engine(**{k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}).loss
     (input_ids, doc_ids), labels = batch
     device = engine.device
     if labels.dim() == 1:  # a classifier (BERT): never packed, a padding mask
@@ -358,11 +378,12 @@ def eval_loss(job: Job) -> float | None:
     else:
         job.engine.eval()
         with torch.no_grad():
-            losses = [float(forward_loss(job.engine, b)) for b in batches()]
+            losses = [float(forward_loss(job.engine, b, job.sp, job.sp_rank)) for b in batches()]
         job.engine.train()
     total = sum(loss * w for loss, w in zip(losses, weights) if w)  # an all-filler micro-batch's mean is nan
     # every replica's share (pipelines: the last stages' only)
-    total, count = all_reduce_sum([total, float(sum(weights) if losses else 0)], job.engine.device)
+    # sp > 1: a rank's loss is its share of the micro-batch's mean, and the group's ranks count its targets once
+    total, count = all_reduce_sum([total, float(sum(weights) / job.sp if losses else 0)], job.engine.device)
     return total / count if count else None
 
 

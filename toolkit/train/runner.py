@@ -16,7 +16,7 @@ from pathlib import Path
 from models import task_named
 from toolkit.distributed import process_group
 from toolkit.errors import ConfigError
-from toolkit.distributed.topology import Topology, tp_of
+from toolkit.distributed.topology import Topology, sp_of, tp_of
 
 
 @dataclass
@@ -150,6 +150,26 @@ def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
         check_qlora_here(args.model)
 
 
+def check_sequence_parallel(args: TrainArgs, cfg: dict) -> None:
+    """sp > 1 ("sequence_parallel_size"): the attention, the model's heads and --seq-len as Ulysses needs them."""
+    from toolkit.config.rules.sequence_parallel import ulysses_problems
+    from toolkit.distributed.sequence_parallel import check_attention
+    from toolkit.plan.arch import load_arch
+
+    sp = sp_of(cfg)
+    if sp == 1:
+        return
+    if args.task != "causal-lm":
+        raise ConfigError(f'"sequence_parallel_size" {sp} with --task {args.task}: Ulysses splits a causal LM\'s '
+                          'sequence; use "sequence_parallel_size": 1')
+    mbs = cfg.get("train_micro_batch_size_per_gpu")
+    check_attention(args.attention, sp, mbs if isinstance(mbs, int) else 1)
+    arch = load_arch(args.model)
+    problems = ulysses_problems(arch.heads, arch.kv_heads, sp, args.seq_len)
+    if problems:
+        raise ConfigError(f"{args.model}: " + "; ".join(problems))
+
+
 def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group: the config (for `world_size` processes when known), the
     model and tokenizer folders (a hub id's from the cache alone: one not cached yet is the ranks' to
@@ -170,6 +190,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     local = local_inputs(args)
     if local is not None:
         check_model(local, cfg, world_size)
+        check_sequence_parallel(local, cfg)
     if world_size is not None:
         hf.check_attention(args.attention)
     check_path(args.data, encoding=args.encoding)
@@ -251,7 +272,7 @@ def run(args: TrainArgs, teardown: bool = False, recipe: str | None = None) -> d
         raise
     if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
         lora.check_qlora_here(args.model)
-    topo = Topology(dist.get_world_size(), pp, tp_of(cfg))
+    topo = Topology(dist.get_world_size(), pp, tp_of(cfg), sp_of(cfg))
     stage, dp_rank = topo.coords(dist.get_rank())
     folder = run_folder.RunFolder(args.out)
     ckpt_dir = folder.checkpoints

@@ -35,9 +35,9 @@ def is_bf16_optimizer(optimizer) -> bool:
     return _kind(optimizer) == "BF16_Optimizer"
 
 
-def initialize(model, groups: list, config: dict, verbose: bool = False):
+def initialize(model, groups: list, config: dict, verbose: bool = False, mpu=None):
     """deepspeed.initialize on the GPU toolkit.distributed.process_group chose, settled; its prints (BF16_Optimizer reports memory
-    on stdout, forced, while it builds) only with --verbose."""
+    on stdout, forced, while it builds) only with --verbose. mpu: Ulysses' groups (sp > 1), else None."""
     import contextlib
     import io
 
@@ -47,7 +47,8 @@ def initialize(model, groups: list, config: dict, verbose: bool = False):
 
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with quiet:
-        engine, *_ = deepspeed.initialize(args=engine_args(), model=model, model_parameters=groups, config=config)
+        engine, *_ = deepspeed.initialize(args=engine_args(), model=model, model_parameters=groups, config=config,
+                                           mpu=mpu)
     settle(engine)
     return engine
 

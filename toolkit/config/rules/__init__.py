@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from toolkit.config.problems import NOTE, WARNING, Problem
 from toolkit.config.rules.zero_stages import stage_problems
 from toolkit.errors import ConfigError
-from toolkit.distributed.topology import DEEPSPEED_KEYS as BATCH_KEYS, JSON_KEYS, divisors, resolve_batch, tp_of
+from toolkit.distributed.topology import DEEPSPEED_KEYS as BATCH_KEYS, JSON_KEYS, divisors, resolve_batch, sp_of, tp_of
 
 AUTO = "auto"
 
@@ -21,20 +21,28 @@ class Context:
     world_size: int | None
     pp: int  # stages: --pp, else pipeline.stages in the file, else 1
     tp: int = 1  # tensor_parallel.autotp_size (toolkit.distributed.topology.tp_of), else 1
+    sp: int = 1  # sequence_parallel_size (toolkit.distributed.topology.sp_of), else 1
+
+    @property
+    def model_ranks(self) -> int:
+        """The ranks one replica spans: pp * sp * tp (dp = world / this)."""
+        return self.pp * self.tp * self.sp
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.pp * self.tp)
+        return self.world_size // self.model_ranks
 
     def dp_arithmetic(self) -> str:
-        tp = f" * tp({self.tp})" if self.tp > 1 else ""
-        model = f"(pp({self.pp}){tp})" if tp else f"pp({self.pp})"
+        extra = "".join(f" * {k}({v})" for k, v in (("sp", self.sp), ("tp", self.tp)) if v > 1)
+        model = f"(pp({self.pp}){extra})" if extra else f"pp({self.pp})"
         return f"dp = world({self.world_size}) / {model} = {self.dp}"
 
 
-def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None) -> list[Problem]:
-    """All cross-field problems of `cfg` for `world_size` processes and `pp` stages."""
+def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None, sp: int | None = None) -> list[Problem]:
+    """All cross-field problems of `cfg` for `world_size` processes, `pp` stages and sp (--sp: the
+    file's "sequence_parallel_size" must agree)."""
     from toolkit.config.rules.accumulation import accumulation_problems
+    from toolkit.config.rules.sequence_parallel import sequence_parallel_problems
     from toolkit.config.rules.tensor_parallel import tensor_parallel_problems
 
     problems, file_pp = _stages(cfg, pp)
@@ -43,9 +51,20 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None)
     except ConfigError as exc:
         problems.append(Problem("$.tensor_parallel.autotp_size", str(exc)))
         tp = 1
-    ctx = Context(world_size, pp or file_pp or 1, tp)
+    try:
+        file_sp = sp_of(cfg)
+    except ConfigError as exc:
+        problems.append(Problem("$.sequence_parallel_size", str(exc)))
+        file_sp = 1
+    if sp is not None and "sequence_parallel_size" in cfg and sp != file_sp:
+        problems.append(Problem("$.sequence_parallel_size", f'"sequence_parallel_size" is {file_sp} in the file but '
+                                f"--sp is {sp}: the config was made for another layout; regenerate it with --sp {sp}, "
+                                "or drop --sp"))
+    sp = sp or file_sp
+    ctx = Context(world_size, pp or file_pp or 1, tp, sp)
     for rule in (_topology, _batch, _zero_with_pipeline, _timers_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
-                 _null_types, _jit_built_optimizer, tensor_parallel_problems, accumulation_problems):
+                 _null_types, _jit_built_optimizer, tensor_parallel_problems, sequence_parallel_problems,
+                 accumulation_problems):
         problems += rule(cfg, ctx)
     return problems
 
@@ -90,9 +109,9 @@ def _batch(cfg: dict, ctx: Context) -> list[Problem]:
     if gbs is None and mbs is None:
         return [Problem("$", 'set "train_batch_size" or "train_micro_batch_size_per_gpu": DeepSpeed needs one of them')]
     if ctx.world_size is None:
-        return _batch_without_world(gbs, mbs, gas, ctx.pp)
-    if ctx.world_size % (ctx.pp * ctx.tp):
-        return []  # reported by _topology
+        return _batch_without_world(gbs, mbs, gas, ctx.pp, ctx.sp)
+    if ctx.world_size % ctx.model_ranks:
+        return []  # reported by _topology or sequence_parallel_problems
     try:
         resolve_batch(ctx.dp, mbs=mbs, gas=gas, gbs=gbs, names=JSON_KEYS)
     except ConfigError as exc:
@@ -110,7 +129,7 @@ def _batch_with_auto(cfg: dict, ctx: Context) -> list[Problem]:
             return []  # one of the two DeepSpeed needs will be filled
         return [Problem("$", 'set "train_batch_size" or "train_micro_batch_size_per_gpu" (a number or "auto"): '
                         'DeepSpeed needs one of them, and "gradient_accumulation_steps": "auto" fills neither')]
-    if ctx.world_size is None or ctx.world_size % (ctx.pp * ctx.tp):
+    if ctx.world_size is None or ctx.world_size % ctx.model_ranks:
         return []
     dp = ctx.dp
     known = [(k, _int(cfg.get(k))) for k in BATCH_KEYS[1:] if _int(cfg.get(k))]
@@ -126,22 +145,23 @@ def _batch_with_auto(cfg: dict, ctx: Context) -> list[Problem]:
                     f'("auto") fits; set "train_batch_size": "auto", or a multiple of {per_step}')]
 
 
-def _batch_without_world(gbs, mbs, gas, pp) -> list[Problem]:
+def _batch_without_world(gbs, mbs, gas, pp, sp=1) -> list[Problem]:
     """No --world-size: say which world sizes the batch numbers fit (tp = 1: with tp > 1 there is no
-    train_batch_size to fit)."""
+    train_batch_size to fit); each replica spans pp * sp ranks."""
+    span, named = pp * sp, f"pp({pp}) * sp({sp})" if sp > 1 else f"pp({pp})"
     if gbs and mbs and gas:
         if gbs % (mbs * gas):
             return [Problem("$.train_batch_size", f'"train_batch_size" {gbs} is not divisible by mbs({mbs}) * '
                             f"gas({gas}) = {mbs * gas}: no world size fits; fix one of the three")]
         dp = gbs // (mbs * gas)
         return [Problem("$", f"batch numbers fit exactly one layout: dp = {gbs} / ({mbs} * {gas}) = {dp}, "
-                        f"world size = dp({dp}) * pp({pp}) = {dp * pp}; pass --world-size to check it", NOTE)]
+                        f"world size = dp({dp}) * {named} = {dp * span}; pass --world-size to check it", NOTE)]
     known = gbs // mbs if gbs and mbs and gbs % mbs == 0 else gbs // gas if gbs and gas and gbs % gas == 0 else None
     if known is None:
         return []
-    worlds = [d * pp for d in divisors(known)][:12]
+    worlds = [d * span for d in divisors(known)][:12]
     return [Problem("$", f"batch numbers fit world sizes {', '.join(map(str, worlds))} (dp dividing {known}, "
-                    f"times pp {pp}); pass --world-size to check one", NOTE)]
+                    f"times {named.replace('(', ' ').replace(')', '')}); pass --world-size to check one", NOTE)]
 
 
 def _timers_with_pipeline(cfg: dict, ctx: Context) -> list[Problem]:

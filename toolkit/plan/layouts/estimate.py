@@ -17,6 +17,9 @@ for pp = 1 where ZeRO-2/3 can overlap):
   pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
   offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
               ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
+  sp comm     Ulysses (sp > 1, pp = tp = 1): each rank holds seq / sp tokens, so its activations and compute
+              are / sp; per attention layer 4 all-to-alls forward (q, k, v, output) and 4 backward, each
+              sending (sp - 1) / sp of the rank's tensor (sp_comm_bytes); ZeRO partitions over dp * sp.
   tp comm     AutoTP (tp > 1; in a pipeline only the blocks are sharded): the Model is one tp rank's
               (toolkit.plan.tp.shard_layers: its params, FLOPs and activations), and Model.tp_comm bytes per micro-batch go over `nvlink`
               (a tp group is tp consecutive ranks of one node): two all-reduces of (mbs, seq, h) per block
@@ -56,12 +59,20 @@ class Layout:
     gas: int  # = micro-batches per step under a pipeline
     offload: str = "none"  # none | optimizer | all
     checkpointing: bool = False
-    tp: int = 1  # tensor-parallel size (AutoTP); world = pp * dp * tp
+    tp: int = 1  # tensor-parallel size (AutoTP); world = pp * dp * sp * tp
+    sp: int = 1  # Ulysses sequence-parallel size (pp = tp = 1): each rank holds seq / sp tokens
+
+    @property
+    def zero_ranks(self) -> int:
+        """The ranks ZeRO partitions over and gradients are reduced across: dp * sp (DeepSpeed's
+        sequence-data-parallel group: every rank of an sp group holds the whole model)."""
+        return self.dp * self.sp
 
     def describe(self) -> str:
         extra = ([f"offload {self.offload}"] if self.offload != "none" else []) + \
                 (["act-ckpt"] if self.checkpointing else [])
         tp = f" tp={self.tp}" if self.tp > 1 else ""
+        tp += f" sp={self.sp}" if self.sp > 1 else ""
         return " ".join([f"pp={self.pp} dp={self.dp}{tp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
 
 
@@ -80,6 +91,7 @@ class Estimate:
     pp_comm_bytes: int  # per stage boundary per step, both directions
     times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload, tp_comm
     tp_comm_bytes: int = 0  # per rank per step, over its tp group
+    sp_comm_bytes: int = 0  # per rank per step, Ulysses' all-to-alls over its sp group
     loss_peak: int = 0  # of `activations`: the loss's transient peak, on the stage holding the head
     fixed: Fixed = Fixed(0, 0, 0)  # outside torch's allocator: CUDA context, NCCL buffers (toolkit.plan.memory.overhead)
 
@@ -115,6 +127,7 @@ class Estimate:
                                 "nccl_communicators": self.fixed.communicators},
                 "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
                 "tp": self.layout.tp, "tp_comm_bytes": self.tp_comm_bytes,
+                "sp": self.layout.sp, "sp_comm_bytes": self.sp_comm_bytes,
                 "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts)}
 
 
@@ -135,6 +148,8 @@ class Model:
     tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
     stage_act: int = 0  # bytes each stage holds once per micro-batch in flight (its attention mask)
     peak: list | None = None  # per layer, transient bytes on top, once per stage (the head's loss)
+    attn_bytes: float = 0.0  # q, k, v and the attention output of one sequence, summed over the attention
+    # layers: what Ulysses' 4 all-to-alls per layer carry (toolkit.plan.layouts.planner.model_of)
 
 
 @dataclass(frozen=True)
@@ -165,26 +180,27 @@ def stage_trainable(model: Model, parts: list, s: int) -> int:
 
 
 def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
-    per_layer = [a * lay.mbs for a in model.act]
-    ckpt = [model.boundary * lay.mbs] * len(per_layer) if lay.checkpointing else None
+    # sp: a rank holds seq / sp tokens of every activation (the attention mask, built whole, stays whole)
+    per_layer = [a * lay.mbs / lay.sp for a in model.act]
+    ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
     acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
     acts = [a + model.stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
-    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs for s in range(lay.pp)]
+    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs // lay.sp for s in range(lay.pp)]
     acts = [a + p for a, p in zip(acts, peaks)]  # the loss's peak: once, the last stage runs one loss at a time
     totals = []
     for s in range(lay.pp):
-        states = model_state_bytes(stage_params(model, parts, s), lay.dp, lay.zero, precision, optimizer,
+        states = model_state_bytes(stage_params(model, parts, s), lay.zero_ranks, lay.zero, precision, optimizer,
                                    lay.offload, pipeline=lay.pp > 1,
                                    overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
                                    fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
                                    trainable=stage_trainable(model, parts, s))
-        totals.append((states.peak + acts[s], s, states))
+        totals.append((states.peak + int(acts[s]), s, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
     w = weight_bytes(precision)
     working = 2 * max(model.params) * w if lay.zero == 3 else 0
-    est = Estimate(lay, heaviest, parts, states, acts[heaviest], working, hw.capacity, hw.host_capacity,
+    est = Estimate(lay, heaviest, parts, states, int(acts[heaviest]), working, hw.capacity, hw.host_capacity,
                    bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0,
-                   loss_peak=peaks[heaviest], fixed=fixed_bytes(lay.pp, lay.dp, lay.tp))
+                   loss_peak=peaks[heaviest], fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp))
     _times(est, model, hw, precision)
     return est
 
@@ -193,33 +209,45 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     """Seconds per step by part; a pipeline slot is the slowest stage's micro-batch plus its send/receive."""
     lay, parts = est.layout, est.parts
     w = weight_bytes(precision)
-    tokens = lay.mbs * model.tokens
+    tokens = lay.mbs * model.tokens // lay.sp  # sp: each rank computes its seq / sp tokens (attention: heads / sp)
     rate = hw.flops * tokens / (tokens + HALF_TOKENS)
     slot = 0.0
     for s in range(lay.pp):
         lo, hi = parts[s], parts[s + 1]
         flops = sum(model.flops[lo:hi]) + (sum(model.fwd_flops[lo:hi]) if lay.checkpointing else 0)
-        slot = max(slot, flops * lay.mbs / rate)
+        slot = max(slot, flops * lay.mbs / lay.sp / rate)
     pp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / (pp_bw * 1e9) if lay.pp > 1 else 0.0
     heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
     trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
     est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
     # a dp group spans dp * tp consecutive ranks (its members stride by tp)
-    dp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node) else hw.nvlink
+    dp_bw = hw.network if _crosses(lay.zero_ranks * lay.tp, lay.pp, hw.gpus_per_node) else hw.nvlink
     est.tp_comm_bytes = int((model.tp_comm + lay.checkpointing * model.tp_recompute) * lay.mbs * lay.gas)
+    est.sp_comm_bytes = int(sp_comm_bytes(model.attn_bytes, lay))
+    sp_bw = hw.network if lay.sp > hw.gpus_per_node else hw.nvlink  # an sp group: sp consecutive ranks
     est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
                  "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
                  "offload": _offload_time(lay, trained, heaviest, w, hw),
-                 "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9)}
+                 "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9), "sp_comm": est.sp_comm_bytes / (sp_bw * 1e9)}
+
+
+def sp_comm_bytes(attn_bytes: float, lay: Layout) -> float:
+    """Bytes a rank sends per step in Ulysses' all-to-alls: per attention layer 4 of them forward (q, k, v
+    in, the output back) and 4 backward (their gradients), 4 more forward with activation checkpointing
+    (the recomputed forward), each sending (sp - 1) / sp of the rank's (mbs, seq / sp, width) tensor."""
+    if lay.sp == 1:
+        return 0.0
+    passes = 3 if lay.checkpointing else 2
+    return passes * attn_bytes / lay.sp * (lay.sp - 1) / lay.sp * lay.mbs * lay.gas
 
 
 def _dp_volume(lay: Layout, grad_bytes: int, param_bytes: int) -> float:
     """Bytes a rank sends per step: gradients (and updated parameters) of what trains; ZeRO-3 also
     gathers every parameter, frozen ones included, twice per micro-batch."""
-    if lay.dp == 1:
+    if lay.zero_ranks == 1:
         return 0.0
-    share = (lay.dp - 1) / lay.dp  # of the bytes, in one reduce-scatter or all-gather
+    share = (lay.zero_ranks - 1) / lay.zero_ranks  # of the bytes, in one reduce-scatter or all-gather
     if lay.zero <= 1:
         return 2 * share * grad_bytes
     if lay.zero == 2:
@@ -232,10 +260,10 @@ def _offload_time(lay: Layout, trainable: int, params: int, w: int, hw: Hardware
     parameters up; offload "all" also fetches every parameter forward and backward per micro-batch."""
     if lay.offload == "none":
         return 0.0
-    part = trainable / lay.dp
+    part = trainable / lay.zero_ranks
     seconds = 2 * part * w / (hw.pcie * 1e9) + part / CPU_ADAM
     if lay.offload == "all":
-        seconds += 2 * lay.gas * params / lay.dp * w / (hw.pcie * 1e9)
+        seconds += 2 * lay.gas * params / lay.zero_ranks * w / (hw.pcie * 1e9)
     return seconds
 
 

@@ -81,7 +81,7 @@ class PlanResult:
         seen, out = set(), []
         for e in self.fitting:
             lay = e.layout
-            family = (lay.pp, lay.tp, lay.zero, lay.offload, lay.checkpointing)
+            family = (lay.pp, lay.tp, lay.sp, lay.zero, lay.offload, lay.checkpointing)
             if family not in seen and len(out) < self.request.top:
                 seen.add(family)
                 out.append(e)
@@ -214,7 +214,9 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq,
                  trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act,
-                 peak=[c.peak_bytes for c in costs])
+                 peak=[c.peak_bytes for c in costs],
+                 # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
+                 attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs))
 
 
 def _held_logits(act: list, costs, arch, seq: int, req, pipeline: bool) -> list:
@@ -262,21 +264,33 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
 
     world = req.gpus_per_node * req.nodes
     pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
-    combos = [(pp, tp) for pp in pps for tp in tps if world % (pp * tp) == 0]
-    usable = [(pp, tp) for pp, tp in combos if req.gbs % (world // (pp * tp)) == 0]
+    combos = [(pp, tp, 1) for pp in pps for tp in tps if world % (pp * tp) == 0]
+    combos += [(1, 1, sp) for sp in sp_candidates(arch, req.seq_len or min(2048, arch.max_positions), world)]
+    usable = [(pp, tp, sp) for pp, tp, sp in combos if req.gbs % (world // (pp * tp * sp)) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
         raise ConfigError(f"--gbs {req.gbs}: no layout can form it; gbs must be a multiple of dp, and with "
                           f"world {world} and {arch.layers} blocks the choices are {dps}: use --gbs "
                           f"{_round_up(req.gbs, world // pps[-1])} or a multiple of {world // pps[-1]}")
-    for pp, tp in usable:
+    for pp, tp, sp in usable:
         parts = partition_layers(costs, pp, "compute")
-        dp = world // (pp * tp)
+        dp = world // (pp * tp * sp)
         for mbs in _divisors_up_to(req.gbs // dp, MAX_MBS):
             for zero in (range(2) if pp > 1 else range(4)):
                 for offload in _offloads(zero, req.offload):
                     for ckpt in ((False, True) if req.checkpointing else (False,)):
-                        yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt, tp)
+                        yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt, tp, sp)
+
+
+def sp_candidates(arch, seq: int, world: int) -> list:
+    """Ulysses sizes > 1 to try at pp = tp = 1: those dividing the world, the sequence and the heads as
+    UlyssesSPAttentionHF needs (toolkit.config.rules.sequence_parallel.ulysses_problems); causal LMs only."""
+    from toolkit.config.rules.sequence_parallel import ulysses_problems
+
+    if arch.model_type == "bert":
+        return []
+    return [sp for sp in range(2, min(world, arch.heads) + 1)  # sp divides the heads: bounded by them, not the world
+            if world % sp == 0 and not ulysses_problems(arch.heads, arch.kv_heads, sp, seq)]
 
 
 def _divisors_up_to(n: int, limit: int) -> list:
@@ -306,7 +320,7 @@ def _reason(e: Estimate, ranked: list, index: int) -> str:
 
 _PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "data-parallel communication",
           "pp_comm": "pipeline send/receive", "offload": "offload traffic and CPU optimizer",
-          "tp_comm": "tensor-parallel all-reduces"}
+          "tp_comm": "tensor-parallel all-reduces", "sp_comm": "sequence-parallel all-to-alls"}
 
 
 def _compare(slower: Estimate, faster: Estimate, name: str) -> str:

@@ -1,0 +1,100 @@
+"""`dstk train` with Ulysses sequence parallelism (sp, "sequence_parallel_size"): CPU processes on gloo,
+forked from the warm rank server (tests/ranks.py), the built-in tiny Llama (4 heads, 2 key/value heads:
+sp 2 splits both). DeepSpeed's UlyssesSPAttentionHF with dstk's document-masking sdpa core
+(toolkit.distributed.sequence_parallel): sp 2 on 2 ranks gives one process's losses, grad norms and eval
+loss (1e-4, fp32, gbs 8: mbs 2 x gas 4) on packed text, whose documents one process keeps apart (so the
+sp run masks them too: plain Ulysses under sdpa would not); the same under ZeRO-3, on chat rows with
+LoRA, and sp 2 x dp 2 (4 ranks). A run resumed from an sp 2 checkpoint (DeepSpeed's own load) continues
+with the uninterrupted run's losses.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.configs import OPTIMIZER, QUIET, write_config
+from tests.distributed.launch import CORPUS, launch
+from tests.distributed.test_resume_layouts import resumed_from
+from tests.distributed.test_train import losses, summary
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no-progress", "--eval-fraction", "0.05"]
+CHAT = ["--model", "tiny-llama", "--data", str(REPO / "toolkit" / "corpus" / "chat.jsonl"), "--chat-template",
+        str(REPO / "toolkit" / "corpus" / "chatml.jinja"), "--seq-len", "160", "--no-progress", "--eval-fraction",
+        "0.1", "--lora", "--lora-r", "4"]
+RUNS = {  # procs, sp, ZeRO stage, model arguments
+    "sp1": (1, 1, 1, TEXT), "sp2": (2, 2, 1, TEXT), "sp2z3": (2, 2, 3, TEXT), "dp2sp2": (4, 2, 2, TEXT),
+    "chat_sp1": (1, 1, 0, CHAT), "chat_sp2": (2, 2, 0, CHAT)}
+STEPS = 6
+
+
+class Runs:
+    """Each run's folder, launched the first time a test asks for it; NAME_resumed: NAME resumed from step 3."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.done = tmp, set()
+
+    def __truediv__(self, name: str) -> Path:
+        if name not in self.done:
+            self._launch(name)
+            self.done.add(name)
+        return self.tmp / name
+
+    def _launch(self, name: str) -> None:
+        base = name.removesuffix("_resumed")
+        procs, sp, zero, args = RUNS[base]
+        cfg = write_config(self.tmp / f"{base}.json", mbs=2, gas=4 * sp // procs, optimizer=OPTIMIZER, zero=zero,
+                           gradient_clipping=1.0, **({"sequence_parallel_size": sp} if sp > 1 else {}), **QUIET)
+        if name == base:
+            rc, log = launch(cfg, self.tmp / name, procs, "--steps", STEPS, "--save-every", 3, "--no-export",
+                             model_args=args)
+        else:
+            resumed_from(self / base, 3, self.tmp / name)
+            rc, log = launch(cfg, self.tmp / name, procs, "--steps", STEPS, "--resume", "--no-export", model_args=args)
+        assert rc == 0, f"{name}:\n{log[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("sp"))
+
+
+def records(out: Path) -> dict:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+
+
+def same(got: dict, want: dict, rel=1e-4) -> bool:
+    return sorted(got) == sorted(want) and all(abs(got[s] - want[s]) <= rel * abs(want[s]) for s in want)
+
+
+@pytest.mark.parametrize("name, reference", [("sp2", "sp1"), ("sp2z3", "sp1"), ("chat_sp2", "chat_sp1"),
+                                             ("dp2sp2", "sp1")])
+def test_sp_gives_the_losses_grad_norms_and_eval_loss_of_one_process(runs, name, reference):
+    got, want = records(runs / name), records(runs / reference)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert same({s: r["loss"] for s, r in got.items()}, {s: r["loss"] for s, r in want.items()}), (got, want)
+    # the gradient counted once per token: DeepSpeed sums over all ranks and divides by dp = world / sp
+    assert same({s: r["grad_norm"] for s, r in got.items()}, {s: r["grad_norm"] for s, r in want.items()})
+    assert abs(summary(runs / name)["eval_loss"] - summary(runs / reference)["eval_loss"]) <= 1e-4 * 5
+
+
+def test_the_run_says_its_layout(runs):
+    layout = summary(runs / "dp2sp2")["run"]["layout"]
+    assert (layout["dp"], layout["sp"], layout["pp"]) == (2, 2, 1)
+
+
+def test_a_resumed_sp_run_continues_the_losses(runs):
+    want, got = losses(runs / "sp2"), losses(runs / "sp2_resumed")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert same({s: got[s] for s in range(4, STEPS + 1)}, {s: want[s] for s in range(4, STEPS + 1)}), (got, want)
+
+
+def test_resuming_with_another_sp_is_refused(runs, tmp_path):
+    out = resumed_from(runs / "sp2", 3, tmp_path / "moved")
+    rc, log = launch(runs.tmp / "sp1.json", out, 1, "--steps", STEPS, "--resume", "--no-export", model_args=TEXT)
+    assert rc != 0 and "written with sp 2 and this run has sp 1: not yet" in log, log[-2000:]
+    shutil.rmtree(out)
