@@ -74,7 +74,7 @@ def test_tp_candidates_stay_inside_a_node():
     assert {lay.tp for lay in layouts} == {1, 2, 4}
     assert {(lay.pp, lay.tp) for lay in layouts if lay.tp > 1} == {(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)}
     for lay in layouts:
-        assert lay.pp * lay.dp * lay.tp == 8 and lay.dp * lay.mbs * lay.gas == 64
+        assert lay.pp * lay.dp * lay.tp * lay.sp == 8 and lay.dp * lay.mbs * lay.gas == 64
         if lay.tp > 1:  # tp groups are tp consecutive ranks: inside one node of 4
             assert 4 % lay.tp == 0 and (lay.zero < 2 or lay.pp == 1)
 

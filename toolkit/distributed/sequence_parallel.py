@@ -20,9 +20,6 @@ Trainer's deepspeed_sp_compute_loss gets the same value by a differentiable all_
 mean weighted by its targets; backward through that gathers sp copies of the gradient.
 """
 
-import torch
-import torch.nn.functional as F
-
 from toolkit.errors import ConfigError
 
 CORE = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -42,8 +39,10 @@ def check_attention(attention: str, sp: int, mbs: int) -> None:
                           "(raise gas to keep the global batch), or --attention sdpa")
 
 
-def documents(position_ids: torch.Tensor) -> torch.Tensor:
+def documents(position_ids: "torch.Tensor") -> "torch.Tensor":
     """(B, T) segment ids: a new segment where a position is not its predecessor's + 1."""
+    import torch.nn.functional as F
+
     starts = F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True)
     return starts.long().cumsum(dim=1)
 
@@ -51,6 +50,7 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor:
 def document_sdpa(module, query, key, value, attention_mask, **kwargs):
     """HF's sdpa attention over the full sequence Ulysses hands it (query (B, heads/sp, T, hs)), causal
     and inside each document of the gathered kwargs["position_ids"] (B, T)."""
+    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     docs = documents(kwargs["position_ids"].to(query.device))
@@ -90,6 +90,8 @@ def shard(batch, sp: int, sp_rank: int) -> dict:
     """A micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows -> this rank's keyword arguments
     for the HF model: its T / sp slice of input_ids, position_ids and shift_labels (labels shifted left
     over the whole row), and num_items_in_batch, the targets of the whole micro-batch."""
+    import torch.nn.functional as F
+
     from models.attention import positions
     from toolkit.data.formats import IGNORE_INDEX
 
