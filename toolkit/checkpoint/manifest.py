@@ -277,7 +277,22 @@ def stage_of(manifest: dict, index: int) -> int | None:
 
 
 RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora", "data")  # what a resume must match
-LAYOUT_KEYS = ("pp", "dp", "tp", "zero_stage")  # the layout: what may change on resume (toolkit.checkpoint.portable)
+# the layout: what may change on resume (toolkit.checkpoint.portable)
+LAYOUT_KEYS = ("pp", "dp", "tp", "sp", "zero_stage")
+# what a manifest without the key means (an older dstk; sp was recorded only above 1 before)
+LAYOUT_DEFAULTS = {"tp": 1, "sp": 1}
+
+
+def layout_of(record: dict) -> dict:
+    """A manifest's (or run identity's) layout keys, absent tp and sp read as 1 (None: not recorded)."""
+    return {k: record.get(k, LAYOUT_DEFAULTS.get(k)) for k in LAYOUT_KEYS}
+
+
+def moved_keys(saved: dict, now: dict) -> list:
+    """The layout keys whose values differ between a checkpoint's manifest and this run's (a key the
+    checkpoint did not record, pp/dp/zero_stage of a very old dstk, is not compared)."""
+    was, will = layout_of(saved), layout_of(now)
+    return [k for k in LAYOUT_KEYS if was[k] is not None and was[k] != will[k]]
 
 
 TOKEN_KEYS = ("tokenizer", "seq_len", "data")  # what --resume-with-new-data lets change: the token stream
@@ -289,7 +304,7 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     stream (tokenizer and its files, seq-len, data: file, format, chat template, --train-on, packing, split,
     seed) unless new_data (--resume-with-new-data), and a move to another layout that cannot be honoured
     (layout=False: not checked, e.g. by --check before the world is known); returns the layout keys that
-    change (pp, dp, zero_stage: the run continues there through toolkit.checkpoint.portable)."""
+    change (pp, dp, sp, zero_stage: the run continues there through toolkit.checkpoint.portable)."""
     saved = read_manifest(ckpt_dir, tag)
     if "task" in saved:  # a run started with `--task classification` recorded the short name
         from models import task_named
@@ -306,13 +321,8 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
                           "a fresh --out")
     if not layout:
         return []
-    if saved.get("sp", 1) != now.get("sp", 1):
-        raise ConfigError(f"--resume: {ckpt_dir} was written with sp {saved.get('sp', 1)} and this run has sp "
-                          f"{now.get('sp', 1)}: not yet: resuming on another sequence-parallel size is planned; "
-                          f'resume with "sequence_parallel_size": {saved.get("sp", 1)} (the checkpoint\'s config), '
-                          "or start a fresh --out")
-    moved = [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
-    was = ", ".join(f"{k} {saved[k]}" for k in LAYOUT_KEYS if k in saved)
+    moved = moved_keys(saved, now)
+    was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
     if moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
         why = ("a tensor-parallel checkpoint holds each tensor in tp shards, which only `dstk export` merges "
@@ -321,7 +331,7 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
         why = "the checkpoint was written by an older dstk that did not name its optimizer states"
     if why:
         raise ConfigError(f"--resume: {ckpt_dir} was written with {was} and this run has "
-                          f"{', '.join(f'{k} {now.get(k)}' for k in LAYOUT_KEYS)}: {why}; resume with the "
+                          f"{', '.join(f'{k} {v}' for k, v in layout_of(now).items())}: {why}; resume with the "
                           "checkpoint's layout (its config), or start a fresh --out")
     return moved
 

@@ -1,4 +1,4 @@
-"""Moving a run to another layout (pp, dp, ZeRO 0-3): a checkpoint's training state by HF name, and
+"""Moving a run to another layout (pp, dp, sp, ZeRO 0-3): a checkpoint's training state by HF name, and
 putting it into an engine built for the new layout.
 
 A dstk checkpoint knows which HF tensor every pipeline layer holds (the manifest's hf_names), so a
@@ -29,7 +29,7 @@ from toolkit.errors import UnusableInput
 from toolkit.checkpoint.deepspeed_files import (Kind, checkpoint_kind, join, model_states, param_shapes,
                                                 partition_files, torch_load, zero3_full, zero3_model_states,
                                                 zero3_pieces, zero3_rank_share, zero3_table)
-from toolkit.checkpoint.manifest import LAYOUT_KEYS, hf_name_of
+from toolkit.checkpoint.manifest import hf_name_of, moved_keys
 from toolkit.checkpoint.state import load_state_dict, masters_by_hf_name, partition_fragments, resolve_tag
 from toolkit.train.wrappers import is_bf16_optimizer, is_fp16_wrapper, restore_masters
 
@@ -47,8 +47,8 @@ class PortableState:
 
 
 def moved(saved: dict, now: dict) -> list:
-    """The layout keys (pp, dp, zero_stage) whose values differ between a checkpoint's manifest and this run's."""
-    return [k for k in LAYOUT_KEYS if k in saved and saved[k] != now.get(k)]
+    """The layout keys (pp, dp, tp, sp, zero_stage) that differ between a checkpoint's manifest and this run's."""
+    return moved_keys(saved, now)
 
 
 PORTABLE = "portable"  # a tag's folder of HF-named state, written by `dstk reshard`

@@ -1,4 +1,4 @@
-"""`dstk reshard CKPT OUT --pp N [--dp M --zero Z]`: a checkpoint made ready for another layout, offline.
+"""`dstk reshard CKPT OUT --pp N [--dp M --sp S --zero Z]`: a checkpoint made ready for another layout, offline.
 
 OUT becomes a run folder whose checkpoints/ holds the tag's whole training state by HF name
 (toolkit.checkpoint.portable: fp32 weights, Adam moments, optimizer step, LR scheduler, step counters) and
@@ -14,13 +14,14 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 from toolkit.files import as_umask, check_writable
 from toolkit.checkpoint import portable
-from toolkit.checkpoint.manifest import LAYOUT_KEYS, META, check_resumable, read_manifest, write_latest, write_manifest
+from toolkit.checkpoint.manifest import META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 
 
-def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict:
-    """Write OUT (a run folder) from checkpoint `tag` of CKPT for layout pp x dp x ZeRO (None: unchanged);
-    returns what was done (the --json summary)."""
+def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None) -> dict:
+    """Write OUT (a run folder) from checkpoint `tag` of CKPT for layout pp x dp x sp x ZeRO (None: unchanged);
+    returns what was done (the --json summary). At pp = 1 no parameter depends on sp (Ulysses splits the
+    sequence, not the weights): an sp move is a move of the ZeRO partitions (over dp x sp ranks) and of dp."""
     ckpt_dir = find_checkpoint_dir(ckpt)
     tag = resolve_tag(ckpt_dir, tag)
     out = Path(out)
@@ -31,9 +32,10 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
     if manifest.get("tp", 1) > 1:
         raise ConfigError(f"{ckpt_dir} is a tensor-parallel run (tp {manifest['tp']}): its tensors are tp shards, "
                           "which only `dstk export` merges today; export it and start a new run from the HF directory")
-    source = {k: manifest.get(k, 1 if k == "tp" else None) for k in LAYOUT_KEYS}
-    target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("zero_stage", zero)) if v is not None}}
-    _check_target(manifest, target, _pipeline_layers(ckpt_dir, manifest))
+    source = layout_of(manifest)
+    target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("zero_stage", zero))
+                           if v is not None}}
+    _check_target(ckpt_dir, manifest, target, _pipeline_layers(ckpt_dir, manifest))
     check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
     parent = out.absolute().parent
@@ -56,14 +58,15 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None) -> dict
     return {"checkpoint": str(ckpt_dir), "tag": tag, "out": str(out), "from": source, "to": target,
             "tensors": len(state.weights), "bytes": size, "optimizer_step": state.optimizer_step,
             "resume": f"dstk train ... --out {out} --resume (with a config for pp {target['pp']}, "
-                      f"dp {target['dp']}, ZeRO {target['zero_stage']})"}
+                      f"dp {target['dp']}, ZeRO {target['zero_stage']}"
+                      + (f', "sequence_parallel_size": {target["sp"]}' if target["sp"] > 1 else "") + ")"}
 
 
-def _check_target(manifest: dict, target: dict, layers) -> None:
+def _check_target(ckpt_dir: Path, manifest: dict, target: dict, layers) -> None:
     """The target layout the config rules would accept for this model (`layers`: its pipeline layers,
     None when unknown)."""
-    pp, dp, zero = target["pp"], target["dp"], target["zero_stage"]
-    for key, value in (("--pp", pp), ("--dp", dp)):
+    pp, dp, sp, zero = target["pp"], target["dp"], target["sp"], target["zero_stage"]
+    for key, value in (("--pp", pp), ("--dp", dp), ("--sp", sp)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     if zero not in (0, 1, 2, 3):
@@ -73,6 +76,13 @@ def _check_target(manifest: dict, target: dict, layers) -> None:
                           "use --zero 1, or --pp 1")
     if layers is not None and pp > layers:
         raise ConfigError(f"--pp {pp} is more stages than the model's {layers} pipeline layers; use --pp <= {layers}")
+    if sp > 1 and pp > 1:  # as train refuses it (toolkit.config.rules.sequence_parallel)
+        raise ConfigError(f"--sp {sp} with --pp {pp}: not yet: sp inside pipeline stages is planned (DeepSpeed's "
+                          f"PipelineModule path takes no sp groups); use --pp 1 with --sp {sp}, or --sp 1")
+    if sp > 1:
+        problems = _ulysses_problems(ckpt_dir, manifest, sp)
+        if problems:
+            raise ConfigError(f"--sp {sp}: " + "; ".join(problems))
 
 
 def _pipeline_layers(ckpt_dir: Path, manifest: dict):
@@ -87,3 +97,16 @@ def _pipeline_layers(ckpt_dir: Path, manifest: dict):
         return load_arch(str(ckpt_dir / META)).num_pipeline_layers
     except ConfigError:  # the resume's own build refuses a split it cannot make
         return None
+
+
+def _ulysses_problems(ckpt_dir: Path, manifest: dict, sp: int) -> list:
+    """What Ulysses needs of the model's heads and the run's seq-len at sp (none for a model the planner
+    cannot read: the resume's own check refuses it then)."""
+    from toolkit.config.rules.sequence_parallel import ulysses_problems
+    from toolkit.plan.arch import load_arch
+
+    try:
+        arch = load_arch(str(ckpt_dir / META))
+    except ConfigError:
+        return []
+    return ulysses_problems(arch.heads, arch.kv_heads, sp, manifest.get("seq_len"))

@@ -1,4 +1,5 @@
-"""`dstk reshard CHECKPOINT_DIR OUT_DIR --pp N [--dp M --zero Z]`: a checkpoint ready for another layout."""
+"""`dstk reshard CHECKPOINT_DIR OUT_DIR --pp N [--dp M --sp S --zero Z]`: a checkpoint ready for another
+layout."""
 
 
 import click
@@ -11,11 +12,13 @@ from toolkit.cli import echo_json
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--pp", type=int, metavar="N", help="Pipeline stages of the layout to resume on (default: unchanged).")
 @click.option("--dp", type=int, metavar="M", help="Data-parallel replicas of that layout (default: unchanged).")
+@click.option("--sp", type=int, metavar="S", help="Sequence-parallel (Ulysses) size of that layout, pp 1 only "
+              "(default: unchanged).")
 @click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-3 (0-1 with pp > 1; default: unchanged).")
 @click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
-def reshard(checkpoint_dir, out_dir, pp, dp, zero, tag, as_json):
-    """Make a run's checkpoint resumable on another layout (pp, dp, ZeRO stage), offline.
+def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, tag, as_json):
+    """Make a run's checkpoint resumable on another layout (pp, dp, sp, ZeRO stage), offline.
 
     OUT_DIR becomes a run folder holding the checkpoint's weights, Adam moments, optimizer step, LR
     schedule and step counters by HF name; continue the run there with `dstk train --out OUT_DIR --resume`
@@ -25,15 +28,19 @@ def reshard(checkpoint_dir, out_dir, pp, dp, zero, tag, as_json):
     \b
     dstk reshard runs/big runs/big_pp2 --pp 2 --dp 4
     dstk reshard runs/big/checkpoints runs/big_z0 --zero 0 --tag global_step500 --json
+    dstk reshard runs/long runs/long_sp1 --sp 1 --dp 8
     """
     from toolkit.checkpoint.reshard import reshard_checkpoint
 
-    done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero)
+    done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero, sp)
     if as_json:
         echo_json(done, indent=1)
         return
     src, dst = done["from"], done["to"]
     click.echo(f"wrote {done['out']}: {done['tag']} ({done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB "
-               f"of fp32 weights and moments), pp {src['pp']} dp {src['dp']} ZeRO {src['zero_stage']} -> "
-               f"pp {dst['pp']} dp {dst['dp']} ZeRO {dst['zero_stage']}")
+               f"of fp32 weights and moments), {_layout(src)} -> {_layout(dst)}")
     click.echo(f"continue with: {done['resume']}")
+
+
+def _layout(layout: dict) -> str:
+    return f"pp {layout['pp']} dp {layout['dp']} sp {layout['sp']} ZeRO {layout['zero_stage']}"

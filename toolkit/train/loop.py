@@ -256,9 +256,7 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
         identity["hub"] = {**args.hub_ids, "--revision": args.revision}
     if topo is not None:
         zero = (cfg or {}).get("zero_optimization") or {}
-        identity.update(pp=topo.pp, dp=topo.dp, tp=topo.tp, zero_stage=zero.get("stage", 0))
-        if topo.sp > 1:
-            identity["sp"] = topo.sp
+        identity.update(pp=topo.pp, dp=topo.dp, tp=topo.tp, sp=topo.sp, zero_stage=zero.get("stage", 0))
     return identity
 
 
