@@ -111,27 +111,16 @@ def test_reported_eval_loss_is_the_token_weighted_mean_over_the_whole_eval_split
     cross entropy over every target token / their count == the run's eval_loss."""
     import math
 
-    import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models.spec import attention_inputs
+    from tests.reference import eval_reference
     from toolkit import data
 
     out, args, _ = runs[kind]
     model = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
     tok = AutoTokenizer.from_pretrained(out / "hf")  # saved with the run's chat template
     held = data.prepare(_options(args), tok).eval
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for k in range(len(held)):
-            (ids, docs), labels = held.batch([k])
-            mask, positions = attention_inputs(docs)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            target = labels[:, 1:]
-            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).double(), target.reshape(-1),
-                                           ignore_index=-100, reduction="sum"))
-            count += int((target != -100).sum())
+    loss = eval_reference(model, held)
     reported = summary(out)
-    assert count > 0 and abs(total / count - reported["eval_loss"]) < 1e-4 * total / count, (total / count, reported)
+    assert abs(loss - reported["eval_loss"]) < 1e-4 * loss, (loss, reported)
     assert abs(reported["eval_ppl"] - math.exp(reported["eval_loss"])) < 1e-6 * reported["eval_ppl"]

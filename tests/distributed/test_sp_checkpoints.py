@@ -82,27 +82,14 @@ def close(got: dict, want: dict, rel: float = 1e-5) -> None:
 
 def hf_eval_loss(out: Path) -> float:
     """The exported model's token-weighted cross entropy over the run's eval rows, prepared again."""
-    import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models.spec import attention_inputs
+    from tests.reference import eval_reference
     from toolkit import data
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
     tok = AutoTokenizer.from_pretrained(out / "hf")
-    held = data.prepare(data.DataOptions(path=str(CORPUS), seq_len=32, eval_fraction=0.05), tok).eval
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for k in range(0, len(held), 32):  # (in batches: one row at a time takes minutes on a loaded CPU)
-            (ids, docs), labels = held.batch(list(range(k, min(k + 32, len(held)))))
-            mask, positions = attention_inputs(docs)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            target = labels[:, 1:]
-            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).double(), target.reshape(-1),
-                                           ignore_index=-100, reduction="sum"))
-            count += int((target != -100).sum())
-    return total / count
+    return eval_reference(model, data.prepare(data.DataOptions(path=str(CORPUS), seq_len=32, eval_fraction=0.05), tok).eval)
 
 
 @pytest.mark.parametrize("name", ["sp2z1", "sp2z3"])
