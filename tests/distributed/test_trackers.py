@@ -3,6 +3,7 @@
 the hyperparameters hold the run's arguments, DeepSpeed config and layout, rank 0 alone logged, and a
 resumed run continues the same tracker runs. Then the refusals, before any model is built."""
 
+import importlib.util
 import json
 import struct
 import subprocess
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
+MLFLOW = importlib.util.find_spec("mlflow") is not None
 PER_STEP = ["train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
             "train/samples_per_second", "train/peak_memory_mib", "pipeline/stage_0/forward_seconds",
             "pipeline/stage_0/backward_seconds", "pipeline/stage_1/forward_seconds", "pipeline/stage_1/backward_seconds"]
@@ -38,7 +40,7 @@ def tracked(tmp_path_factory):
     out = tmp / "run"
     assert COMMON[-2] == "--steps"
     args = ["--config", cfg, *COMMON[:-2], "--out", out, "--eval-every", "2", "--report-to", "tensorboard,wandb",
-            "--report-to", "mlflow"]
+            *(["--report-to", "mlflow"] if MLFLOW else [])]
     rc, log = run_train([*args, "--steps", STEPS], 2, env=_env(tmp))
     assert rc == 0, log[-3000:]
     first = {r["step"]: r for r in _records(out)}
@@ -144,6 +146,8 @@ def test_wandb_offline_files_hold_every_step_and_the_config(tracked):
     assert config["args/seq_len"] == 32 and config["layout/pp"] == 2 and config["deepspeed/pipeline/stages"] == 2
 
 
+@pytest.mark.skipif(not MLFLOW, reason="mlflow is not installed (an extra: DeepSpeed imports it when present, "
+                    "~1.6 s on every fresh import)")
 def test_mlflow_holds_every_step_and_the_parameters(tracked, monkeypatch):
     out, tmp, _, ids = tracked
     from mlflow.tracking import MlflowClient
