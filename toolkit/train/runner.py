@@ -316,11 +316,10 @@ def run(args: TrainArgs, teardown: bool = False, recipe: str | None = None) -> d
 def write_summary(path: Path, summary: dict) -> None:
     """OUT/summary.json, whole (per-rank lists included), replaced atomically."""
     import json
-    import os
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    os.replace(tmp, path)
+    from toolkit.config.generate import write_text
+
+    write_text(json.dumps(summary, indent=1) + "\n", str(path), force=True, flag="--out's")
 
 
 def _loss_png(folder) -> Path:

@@ -23,7 +23,7 @@ PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
             "mlflow": ("mlflow", "pip install mlflow")}
 WORDS = ("all", "none")
 # DeepSpeed's monitor sections -> (the module its monitor imports, how to install it); csv_monitor needs none
-MONITORS = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", "pip install wandb"),
+MONITORS = {"tensorboard": PACKAGES["tensorboard"], "wandb": PACKAGES["wandb"],
             "comet": ("comet_ml", 'pip install "comet_ml>=3.41.0"')}
 # metrics.jsonl's keys -> the trackers' names (HF Trainer's where it has one)
 NAMES = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
@@ -90,7 +90,7 @@ def check_deepspeed_monitors(cfg: dict, path) -> None:
         if isinstance(section, dict) and section.get("enabled") is True and not _installed(module):
             raise ConfigError(f'{path}: "{key}": {{"enabled": true}} needs the {module} package, which is not '
                               f"installed here; {pip}, or remove the section (or log through dstk: --report-to "
-                              f"{'tensorboard' if key == 'tensorboard' else 'wandb' if key == 'wandb' else 'NAME'})")
+                              f"{key if key in PACKAGES else 'tensorboard'})")
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
@@ -136,11 +136,9 @@ class Trackers:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def _write_ids(self) -> None:
-        import os
+        from toolkit.config.generate import write_text
 
-        tmp = self.folder.trackers.with_name(f".{self.folder.trackers.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.ids, indent=1) + "\n")
-        os.replace(tmp, self.folder.trackers)
+        write_text(json.dumps(self.ids, indent=1) + "\n", str(self.folder.trackers), force=True, flag="--out's")
 
     def _open_tensorboard(self, run_name: str):
         from torch.utils.tensorboard import SummaryWriter
