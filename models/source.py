@@ -18,8 +18,12 @@ import copy
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from toolkit.errors import ConfigError, UnusableInput
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class LiveSource:

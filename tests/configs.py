@@ -11,6 +11,10 @@ import json
 from pathlib import Path
 
 QUIET = {"steps_per_print": 10**6}  # DeepSpeed's own step lines off
+# --eval-fraction of the runs that evaluate without checking the eval loss: ceil(700 x 0.005) = 4 of the
+# corpus's documents, a few micro-batches at --seq-len 32 (the run evaluates its whole eval split; the
+# default 5% is ~190 micro-batches of 2 rows, most of a short test run's time).
+SHORT_EVAL = 0.005
 FULL_ADAMW = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # torch's defaults, written out
 
 

@@ -78,14 +78,15 @@ def train_runs(tmp_path_factory) -> TrainRuns:
 
 class Bf16Runs:
     """`dstk train` of a built-in model on 2 ranks, bf16 (BF16_Optimizer's fp32
-    masters), 2 steps, one eval batch; by (model, pp, zero, export), each launched on first request."""
+    masters), 2 steps, a short eval split (SHORT_EVAL); by (model, pp, zero, export), each launched on
+    first request."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.done = set()
 
     def get(self, model: str, pp: int, zero: int, export: bool = True) -> Path:
-        from tests.configs import QUIET, write_config
+        from tests.configs import QUIET, SHORT_EVAL, write_config
         from tests.ranks import run_train
 
         tmp = self.folder / f"{model}_pp{pp}_zero{zero}{'' if export else '_no_export'}"
@@ -94,7 +95,7 @@ class Bf16Runs:
             cfg = tmp / "ds.json"
             write_config(cfg, mbs=2, gas=2, zero=zero, pp=pp, bf16=True, gradient_clipping=0.0, **QUIET)
             args = ["--config", cfg, "--model", model, "--data", REPO / "toolkit" / "corpus" / "corpus.txt",
-                    "--seq-len", "32", "--steps", "2", "--no-progress", "--eval-batches", "1",
+                    "--seq-len", "32", "--steps", "2", "--no-progress", "--eval-fraction", SHORT_EVAL,
                     *([] if export else ["--no-export"]), "--out", tmp / "run"]
             rc, log = run_train(args, 2, timeout=600)
             assert rc == 0, log[-3000:]

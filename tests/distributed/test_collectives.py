@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.configs import run_config, write_config
+from tests.configs import SHORT_EVAL, run_config, write_config
 from tests.distributed.launch import COMMON
 from tests.ranks import run_ranks
 
@@ -24,7 +24,7 @@ HELPER = "toolkit/distributed/process_group.py"
 @pytest.mark.parametrize("pp", [1, 2])
 def test_every_collective_tensor_is_on_the_engines_device(tmp_path, pp):
     cfg = write_config(tmp_path / "ds.json", run_config(mbs=2, gas=2, pp=pp))
-    args = ["--config", cfg, *COMMON, "--steps", "2", "--eval-every", "1", "--eval-batches", "1", "--no-export",
+    args = ["--config", cfg, *COMMON, "--steps", "2", "--eval-every", "1", "--eval-fraction", SHORT_EVAL, "--no-export",
             "--out", tmp_path / "run"]
     rc, log = run_ranks([SCRIPT, tmp_path, *args], 2)
     assert rc == 0, log[-3000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.configs import SHORT_EVAL
 from toolkit.cli import main
 from toolkit.errors import ConfigError
 
@@ -106,7 +107,7 @@ def test_pp1_checkpoints_stream_the_in_memory_exports_tensors(ds_world1, tmp_pat
                                "gradient_clipping": 0.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero},
                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
     run(TrainArgs(model="tiny-gpt2", data=str(CORPUS), config=str(cfg), out=str(tmp_path / "run"), seq_len=32,
-                  steps=2, progress=False, eval_batches=1, export=False))
+                  steps=2, progress=False, eval_fraction=SHORT_EVAL, export=False))
     for dtype in ("fp32", "bf16"):
         export(tmp_path / "run", tmp_path / f"whole_{dtype}", dtype=dtype, stream=False)
         export(tmp_path / "run", tmp_path / f"streamed_{dtype}", dtype=dtype, max_shard_size="100KB")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.configs import write_config
+from tests.configs import SHORT_EVAL, write_config
 from toolkit.errors import ConfigError
 from toolkit.train import hf, lora
 
@@ -63,7 +63,7 @@ def test_only_adapters_train_and_the_export_loads_with_peft(ds_world1, tmp_path,
     cfg = write_config(tmp_path / "ds.json", mbs=2, gas=1, lr=1e-2, zero=zero, gradient_clipping=0.0)
     out = tmp_path / "run"
     summary = run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=3,
-                            progress=False, eval_batches=1, lora=True, lora_r=4))
+                            progress=False, eval_fraction=SHORT_EVAL, lora=True, lora_r=4))
     assert summary["last_loss"] < summary["first_loss"]
     groups = json.loads((out / "checkpoints" / "dstk" / "manifest.json").read_text())["param_groups"]
     assert groups and all(".lora_A." in n or ".lora_B." in n for g in groups for n in g)  # the optimizer's only
@@ -110,7 +110,7 @@ def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_
     base_dir, cfg = _base_and_config(tmp_path)
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
-                  progress=False, eval_batches=1, lora=True, lora_r=4, export=False))
+                  progress=False, eval_fraction=SHORT_EVAL, lora=True, lora_r=4, export=False))
     manifest_file = out / "checkpoints" / "dstk" / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     assert manifest["model"] == str(base_dir.resolve())
@@ -137,7 +137,7 @@ def test_dstk_export_writes_the_adapters_alone_or_beside_the_merge(ds_world1, tm
     cfg = write_config(tmp_path / "ds.json", mbs=2, gas=1, lr=1e-2)
     out = tmp_path / "run"
     run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
-                  progress=False, eval_batches=1, lora=True, lora_r=4))
+                  progress=False, eval_fraction=SHORT_EVAL, lora=True, lora_r=4))
     runner = CliRunner()
     alone = runner.invoke(cli, ["export", str(out), str(tmp_path / "alone"), "--no-merge"])
     assert alone.exit_code == 0, alone.output
@@ -151,7 +151,7 @@ def test_dstk_export_writes_the_adapters_alone_or_beside_the_merge(ds_world1, tm
     assert (tmp_path / "merged" / "model.safetensors").exists() and not (tmp_path / "merged" / "adapter").exists()
     full = tmp_path / "full"
     run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(full), seq_len=32, steps=1,
-                  progress=False, eval_batches=1, export=False))
+                  progress=False, eval_fraction=SHORT_EVAL, export=False))
     refused = runner.invoke(cli, ["export", str(full), str(tmp_path / "nothing"), "--no-merge"])
     assert refused.exit_code != 0 and "--no-merge: " in str(refused.exception) and "not a LoRA run" in str(refused.exception)
     assert not (tmp_path / "nothing").exists()
@@ -166,7 +166,7 @@ def test_a_bf16_run_merges_its_adapters_into_the_exact_base(ds_world1, tmp_path)
     base_dir, cfg = _base_and_config(tmp_path, bf16=True)
     out = tmp_path / "run"
     run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=2,
-                  progress=False, eval_batches=1, lora=True, lora_r=4))
+                  progress=False, eval_fraction=SHORT_EVAL, lora=True, lora_r=4))
     assert _merge_gap(out / "hf", base_dir, out / "adapter") < 1e-5
 
 
@@ -205,7 +205,7 @@ def test_a_lora_run_saves_its_adapters_only_and_resumes_exactly(ds_world1, tmp_p
 
     def train(out, steps, resume=False):
         run(TrainArgs(model=str(base_dir), data=str(CORPUS), config=str(cfg), out=str(out), seq_len=32, steps=steps,
-                      progress=False, eval_batches=1, lora=True, lora_r=4, export=False, resume=resume))
+                      progress=False, eval_fraction=SHORT_EVAL, lora=True, lora_r=4, export=False, resume=resume))
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "step" in r}
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.configs import SHORT_EVAL
 from toolkit.errors import ConfigError
 from toolkit.train import hf
 
@@ -42,7 +43,7 @@ def test_a_bf16_checkpoint_trains_fp32_masters_under_an_fp32_config(ds_world1, b
                                "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {
                                    "lr": 1e-5, "weight_decay": 0.0, "torch_adam": True}}}))
     run(TrainArgs(model=str(bf16_llama), data=str(CORPUS), config=str(cfg), out=str(tmp_path / "run"), seq_len=32,
-                  steps=3, progress=False, eval_batches=1))
+                  steps=3, progress=False, eval_fraction=SHORT_EVAL))
     before = load_file(bf16_llama / "model.safetensors")
     after = load_file(tmp_path / "run" / "hf" / "model.safetensors")
     moved = {k: (after[k] != before[k].float()).float().mean().item() for k in before
@@ -184,7 +185,7 @@ def test_bf16_training_exports_the_fp32_masters(ds_world1, tmp_path, zero):
                                "gradient_clipping": 0.0, "bf16": {"enabled": True}, "zero_optimization": {"stage": zero},
                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}))
     run(TrainArgs(model="tiny-llama", data=str(CORPUS), config=str(cfg), out=str(tmp_path / "run"), seq_len=32,
-                  steps=2, progress=False, eval_batches=1))
+                  steps=2, progress=False, eval_fraction=SHORT_EVAL))
     weights = load_file(tmp_path / "run" / "hf" / "model.safetensors")
     w = weights["model.layers.0.mlp.down_proj.weight"]
     off_grid = (w.bfloat16().float() != w).float().mean().item()
