@@ -57,6 +57,12 @@ def positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return _memo(doc_ids, "positions", build)
 
 
+def slice_positions(doc_ids: torch.Tensor, length: int, rank: int) -> torch.Tensor:
+    """(B, length) positions of slice `rank` of the rows (Ulysses sequence parallelism: each rank's hidden state
+    holds `length` tokens of the whole rows' T); once per micro-batch."""
+    return _memo(doc_ids, ("slice", length, rank), lambda: positions(doc_ids)[:, rank * length:(rank + 1) * length].contiguous())
+
+
 def _rows_rule(doc_ids: torch.Tensor):
     """HF's mask_function form of the rows' rule, added to the layer kind's causal rule: a one-document row
     attends to its tokens, not its padding (HF's padding mask); a packed row stays inside each document."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import FLASH, layer_inputs
+from models.attention import FLASH, layer_inputs, slice_positions
 from models.moe import RouterAux, RouterCapture
 from models.spec import PipelineSpec, causal_lm_loss, needs_grad
 from toolkit.errors import ConfigError
@@ -49,6 +49,7 @@ class DecoderBlock(nn.Module):
         self.rotary = source.module(rotary_name) if rotary_name else None
         self.config = config = config.get_text_config()  # a multimodal model's decoder: its text config
         self.mask_fn = _mask_function(config, layer_idx)
+        self.sequence_shard = None  # (sp, sp rank) under Ulysses: the hidden state is that slice of the rows
         self.rope_kwargs = _rope_kwargs(self.rotary, config, layer_idx)
         params = inspect.signature(self.layer.forward).parameters.values()
         # a layer without **kwargs gets only what it names (older layers take no position_embeddings)
@@ -60,7 +61,10 @@ class DecoderBlock(nn.Module):
 
     def forward(self, inputs):
         hidden, doc_ids, *stats = inputs
-        kwargs = layer_inputs(doc_ids, hidden, self.config, self.mask_fn)  # attention_mask, position_ids[, varlen]
+        if self.sequence_shard is None:
+            kwargs = layer_inputs(doc_ids, hidden, self.config, self.mask_fn)  # attention_mask, position_ids[, varlen]
+        else:  # the slice's positions, no mask: Ulysses' core attention keeps the documents apart
+            kwargs = {"position_ids": slice_positions(doc_ids, hidden.shape[1], self.sequence_shard[1])}
         rope = self.rotary(hidden, kwargs["position_ids"], **self.rope_kwargs) if self.rotary is not None else None
         kwargs["position_embeddings"] = rope
         if self.takes is not None:

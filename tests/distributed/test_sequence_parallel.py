@@ -4,7 +4,8 @@ sp 2 splits both). DeepSpeed's UlyssesSPAttentionHF with dstk's document-masking
 (toolkit.distributed.sequence_parallel): sp 2 on 2 ranks gives one process's losses, grad norms and eval
 loss (1e-4, fp32, gbs 8: mbs 2 x gas 4) on packed text, whose documents one process keeps apart (so the
 sp run masks them too: plain Ulysses under sdpa would not); the same under ZeRO-3, on chat rows with
-LoRA, and sp 2 x dp 2 (4 ranks). A run resumed from an sp 2 checkpoint (DeepSpeed's own load) continues
+LoRA, sp 2 x dp 2 (4 ranks), and inside pipeline stages: pp 2 x sp 2 (4 ranks) on packed text and on chat
+rows with LoRA (dstk's own sp-inside-stages, toolkit.distributed.sequence_parallel). A run resumed from an sp 2 or a pp 2 x sp 2 checkpoint (DeepSpeed's own load) continues
 with the uninterrupted run's losses.
 """
 
@@ -25,9 +26,10 @@ TEXT = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no
 CHAT = ["--model", "tiny-llama", "--data", str(REPO / "toolkit" / "corpus" / "chat.jsonl"), "--chat-template",
         str(REPO / "toolkit" / "corpus" / "chatml.jinja"), "--seq-len", "160", "--no-progress", "--eval-fraction",
         "0.1", "--lora", "--lora-r", "4"]
-RUNS = {  # procs, sp, ZeRO stage, model arguments
+RUNS = {  # procs, sp, ZeRO stage, model arguments[, pipeline stages]
     "sp1": (1, 1, 1, TEXT), "sp2": (2, 2, 1, TEXT), "sp2z3": (2, 2, 3, TEXT), "dp2sp2": (4, 2, 2, TEXT),
-    "chat_sp1": (1, 1, 0, CHAT), "chat_sp2": (2, 2, 0, CHAT)}
+    "chat_sp1": (1, 1, 0, CHAT), "chat_sp2": (2, 2, 0, CHAT), "pp2sp2": (4, 2, 1, TEXT, 2),
+    "chat_pp2sp2": (4, 2, 0, CHAT, 2)}
 STEPS = 6
 
 
@@ -45,9 +47,11 @@ class Runs:
 
     def _launch(self, name: str) -> None:
         base = name.removesuffix("_resumed")
-        procs, sp, zero, args = RUNS[base]
-        cfg = write_config(self.tmp / f"{base}.json", mbs=2, gas=4 * sp // procs, optimizer=OPTIMIZER, zero=zero,
-                           gradient_clipping=1.0, **({"sequence_parallel_size": sp} if sp > 1 else {}), **QUIET)
+        procs, sp, zero, args, *pp = RUNS[base]
+        pp = pp[0] if pp else None
+        cfg = write_config(self.tmp / f"{base}.json", mbs=2, gas=4 * sp * (pp or 1) // procs, optimizer=OPTIMIZER,
+                           zero=zero, pp=pp, gradient_clipping=1.0, **({"sequence_parallel_size": sp} if sp > 1 else {}),
+                           **QUIET)
         if name == base:
             rc, log = launch(cfg, self.tmp / name, procs, "--steps", STEPS, "--save-every", 3, "--no-export",
                              model_args=args)
@@ -71,7 +75,7 @@ def same(got: dict, want: dict, rel=1e-4) -> bool:
 
 
 @pytest.mark.parametrize("name, reference", [("sp2", "sp1"), ("sp2z3", "sp1"), ("chat_sp2", "chat_sp1"),
-                                             ("dp2sp2", "sp1")])
+                                             ("dp2sp2", "sp1"), ("pp2sp2", "sp1"), ("chat_pp2sp2", "chat_sp1")])
 def test_sp_gives_the_losses_grad_norms_and_eval_loss_of_one_process(runs, name, reference):
     got, want = records(runs / name), records(runs / reference)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -81,13 +85,15 @@ def test_sp_gives_the_losses_grad_norms_and_eval_loss_of_one_process(runs, name,
     assert abs(summary(runs / name)["eval_loss"] - summary(runs / reference)["eval_loss"]) <= 1e-4 * 5
 
 
-def test_the_run_says_its_layout(runs):
-    layout = summary(runs / "dp2sp2")["run"]["layout"]
-    assert (layout["dp"], layout["sp"], layout["pp"]) == (2, 2, 1)
+@pytest.mark.parametrize("name, dp, pp", [("dp2sp2", 2, 1), ("pp2sp2", 1, 2)])
+def test_the_run_says_its_layout(runs, name, dp, pp):
+    layout = summary(runs / name)["run"]["layout"]
+    assert (layout["dp"], layout["sp"], layout["pp"]) == (dp, 2, pp)
 
 
-def test_a_resumed_sp_run_continues_the_losses(runs):
-    want, got = losses(runs / "sp2"), losses(runs / "sp2_resumed")
+@pytest.mark.parametrize("name", ["sp2", "pp2sp2"])
+def test_a_resumed_sp_run_continues_the_losses(runs, name):
+    want, got = losses(runs / name), losses(runs / f"{name}_resumed")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert same({s: got[s] for s in range(4, STEPS + 1)}, {s: want[s] for s in range(4, STEPS + 1)}), (got, want)
 

@@ -45,10 +45,14 @@ def test_sp_of_reads_the_key_and_refuses_nonsense():
         sp_of({"sequence_parallel_size": 0})
 
 
-def test_sp_with_pipeline_stages_is_refused_for_now():
-    cfg = dict(SP2, train_batch_size=2, pipeline={"stages": 2})
-    [message] = errors(check_rules(cfg, world_size=4))
-    assert "not yet: sp inside pipeline stages is planned" in message and "use pp 1 with sp 2" in message
+def test_sp_inside_pipeline_stages_counts_dp_as_world_over_pp_and_sp():
+    cfg = dict(SP2, train_batch_size=4, pipeline={"stages": 2})
+    assert errors(check_rules(cfg, world_size=8)) == []
+    [message] = errors(check_rules(cfg, world_size=4))  # dp 1: gbs 2
+    assert "dp = world(4) / (pp(2) * sp(2)) = 1" in message
+    topo = Topology(8, pp=2, sp=2)
+    assert [topo.coords(r) for r in range(8)] == [(0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [topo.sp_rank(r) for r in range(4)] == [0, 1, 0, 1]
 
 
 def test_sp_with_autotp_is_refused():
@@ -86,7 +90,6 @@ def test_generate_config_writes_sp_and_counts_dp():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"world_size": 4, "sp": 2, "pp": 2}, "--sp 2 with 2 pipeline stages: not yet"),
     ({"world_size": 4, "sp": 2, "tp": 2}, "--sp 2 with --tp 2"),
     ({"world_size": 6, "sp": 4}, "world size 6 is not divisible by pp(1) * sp(4) = 4"),
 ])
@@ -113,3 +116,74 @@ def test_plan_proposes_sp_for_a_long_sequence_and_counts_its_all_to_alls():
     # 4 all-to-alls forward + 4 backward per attention layer, each (sp - 1) / sp of the local tensor
     assert sp_comm_bytes(1000.0, Layout(1, 1, 0, 1, 1, sp=2)) == 2 * 1000 / 2 * 1 / 2
     assert sp_comm_bytes(1000.0, Layout(1, 1, 0, 1, 1)) == 0
+
+
+def _packed_batch(rows=2, length=12, vocab=17, seed=0):
+    """((input_ids, doc_ids), labels) of packed rows: documents of 5, 4 and 3 tokens, then 0 padding in row 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    doc_ids = torch.tensor([[1] * 5 + [2] * 4 + [3] * 3, [1] * 7 + [2] * 3 + [0] * 2])[:rows, :length]
+    labels = torch.where(doc_ids > 0, ids, torch.full_like(ids, -100))
+    return (ids, doc_ids), labels
+
+
+@pytest.mark.parametrize("sp", [2, 3, 4])
+def test_pipeline_slices_and_their_losses_average_to_one_process_loss(sp):
+    """Inside pipeline stages the engine averages the sp ranks' losses: each is sp x its slice's summed
+    token losses / the micro-batch's targets, so their mean is the whole rows' causal-LM loss, and each
+    slice's labels are the rows' shifted before slicing (a slice's last position predicts the next slice's
+    first token)."""
+    import torch
+
+    from models.spec import causal_lm_loss
+    from toolkit.distributed.sequence_parallel import PipelineLoss, stage_batch
+
+    batch = _packed_batch()
+    logits = torch.randn(2, 12, 17, generator=torch.Generator().manual_seed(1))
+    losses, firsts = [], []
+    for rank in range(sp):
+        (ids, doc_ids), (shift, targets) = stage_batch(batch, sp, rank)
+        part = slice(12 // sp * rank, 12 // sp * (rank + 1))
+        assert torch.equal(ids, batch[0][0][:, part]) and torch.equal(doc_ids, batch[0][1])  # documents travel whole
+        assert float(targets) == float((batch[1][:, 1:] != -100).sum())
+        losses.append(PipelineLoss(sp)(logits[:, part], (shift, targets)))
+        firsts.append(shift[:, -1])
+    assert torch.allclose(torch.stack(losses).mean(), causal_lm_loss(logits, batch[1]), rtol=1e-6)
+    assert torch.equal(firsts[0], batch[1][:, 12 // sp])  # the next slice's first label
+
+
+def test_pipeline_slice_refuses_a_row_sp_does_not_divide():
+    from toolkit.distributed.sequence_parallel import stage_batch
+
+    with pytest.raises(ConfigError, match="12 tokens per row is not divisible by sp 5"):
+        stage_batch(_packed_batch(), 5, 0)
+
+
+def test_document_sdpa_keeps_packed_documents_apart_where_plain_causal_attention_would_not():
+    """Ulysses hands its core attention the whole gathered sequence and no mask. dstk's core keeps each packed
+    document to itself (each document attended alone gives the same outputs); plain causal sdpa, what
+    DeepSpeed's Ulysses runs under sdpa, lets later documents see earlier ones."""
+    import torch
+    from torch.nn import Module
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from models.attention import positions
+    from toolkit.distributed.sequence_parallel import document_sdpa
+
+    (_, doc_ids), _ = _packed_batch()
+    position_ids = positions(doc_ids)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
+    module = Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 1, False
+    got, _ = document_sdpa(module, q, k, v, None, position_ids=position_ids, dropout=0.0, scaling=None)
+    plain, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=None)
+    for row, bounds in enumerate([[(0, 5), (5, 9), (9, 12)], [(0, 7), (7, 10), (10, 12)]]):
+        for a, b in bounds:
+            alone, _ = sdpa_attention_forward(module, q[row:row + 1, :, a:b], k[row:row + 1, :, a:b],
+                                              v[row:row + 1, :, a:b], None, dropout=0.0, scaling=None)
+            assert torch.allclose(got[row:row + 1, a:b], alone, atol=1e-6), (row, a, b)
+    assert torch.allclose(got[:, :5], plain[:, :5], atol=1e-6)  # the first document sees nothing before it
+    assert not torch.allclose(got[:, 7:], plain[:, 7:], atol=1e-3)  # later documents: plain causal mixes them

@@ -20,8 +20,8 @@ from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 
 def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None) -> dict:
     """Write OUT (a run folder) from checkpoint `tag` of CKPT for layout pp x dp x sp x ZeRO (None: unchanged);
-    returns what was done (the --json summary). At pp = 1 no parameter depends on sp (Ulysses splits the
-    sequence, not the weights): an sp move is a move of the ZeRO partitions (over dp x sp ranks) and of dp."""
+    returns what was done (the --json summary). No parameter depends on sp (Ulysses splits the sequence, not the
+    weights): an sp move is a move of the ZeRO partitions (over a stage's dp x sp ranks) and of dp."""
     ckpt_dir = find_checkpoint_dir(ckpt)
     tag = resolve_tag(ckpt_dir, tag)
     out = Path(out)
@@ -76,9 +76,6 @@ def _check_target(ckpt_dir: Path, manifest: dict, target: dict, layers) -> None:
                           "use --zero 1, or --pp 1")
     if layers is not None and pp > layers:
         raise ConfigError(f"--pp {pp} is more stages than the model's {layers} pipeline layers; use --pp <= {layers}")
-    if sp > 1 and pp > 1:  # as train refuses it (toolkit.config.rules.sequence_parallel)
-        raise ConfigError(f"--sp {sp} with --pp {pp}: not yet: sp inside pipeline stages is planned (DeepSpeed's "
-                          f"PipelineModule path takes no sp groups); use --pp 1 with --sp {sp}, or --sp 1")
     if sp > 1:
         problems = _ulysses_problems(ckpt_dir, manifest, sp)
         if problems:

@@ -68,6 +68,9 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
                                               activation_checkpoint_interval=checkpoint_interval(cfg))
         _finish_on_host(module, spec, record, cfg, plan, topo.tp)
         place(module)  # the stage as it trains (cast, sharded) to its device: nothing bigger goes there first
+    if topo.sp > 1:
+        _sequence_parallel(module, spec, topo, cfg)
+        record["sp"] = topo.sp
     if plan is not None:
         models.mark_grad_norm_owners(module)
         record["tp"] = topo.tp
@@ -91,12 +94,26 @@ def _finish_on_host(module, spec, record: dict, cfg: dict, plan, tp: int) -> Non
 
 
 def _topology(topo):
-    """DeepSpeed's grid for pp x dp (x tp: a "model" axis, the fastest, as dstk's Topology orders ranks)."""
+    """DeepSpeed's grid for pp x dp (x tp: a "model" axis, the fastest, as dstk's Topology orders ranks; x sp:
+    a stage's sp ranks are data-parallel ranks to DeepSpeed, toolkit.distributed.sequence_parallel)."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
     if topo.tp > 1:
         return PipeModelDataParallelTopology(num_pp=topo.pp, num_mp=topo.tp, num_dp=topo.dp)
-    return PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp)
+    return PipeDataParallelTopology(num_pp=topo.pp, num_dp=topo.dp * topo.sp)
+
+
+def _sequence_parallel(module, spec, topo, cfg: dict) -> None:
+    """Ulysses inside the stages (toolkit.distributed.sequence_parallel): its groups and attention, this rank's
+    slice for each block, and the loss over a slice."""
+    import torch.distributed as dist
+
+    from toolkit.distributed.sequence_parallel import PipelineLoss, register, shard_stage
+    from toolkit.distributed.topology import config_batch
+
+    shard_stage(module, spec.kinds, topo.sp, topo.sp_rank(dist.get_rank()))
+    register(spec.config, topo.sp, config_batch(cfg, topo.dp).mbs)
+    module.loss_fn = PipelineLoss(topo.sp)
 
 
 def _tp_plan(config, task: str, cfg: dict, tp: int):

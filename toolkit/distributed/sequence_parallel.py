@@ -1,5 +1,5 @@
-"""Ulysses sequence parallelism (sp > 1, pp = 1) through DeepSpeed's own pieces
-(deepspeed.runtime.sequence_parallel.ulysses_sp, 0.19.8).
+"""Ulysses sequence parallelism (sp > 1) through DeepSpeed's own pieces (deepspeed.runtime.sequence_parallel.
+ulysses_sp, 0.19.8), at pp = 1 and inside pipeline stages.
 
 Each group of sp consecutive ranks (DeepSpeed's parallel_state_sp) reads the same rows and keeps its
 1/sp slice of the sequence: input ids, positions and the labels shifted BEFORE slicing (the next token of
@@ -18,6 +18,20 @@ so the sp group's losses sum to the micro-batch's mean, the one-process value, a
 the one-process gradient (DeepSpeed sums gradients over all ranks and divides by dp = world / sp). HF
 Trainer's deepspeed_sp_compute_loss gets the same value by a differentiable all_gather of each rank's
 mean weighted by its targets; backward through that gathers sp copies of the gradient.
+
+Inside pipeline stages (pp > 1), which DeepSpeed does not offer (its PipelineModule path takes no mpu):
+- The grid: DeepSpeed's pipeline engine is given pp x (dp * sp) ranks (PipeDataParallelTopology), the sp
+  ranks of a group as data-parallel ones of their stage. Ranks are ordered stage, dp, sp (Topology), so the
+  sp groups DeepSpeed's parallel_state_sp builds (runs of sp consecutive ranks) lie inside a stage, and each
+  rank's activations go to the rank of the next stage with the same dp and sp coordinates: they stay
+  sequence-sharded, 1/sp of the hidden state per send. Only the (B, T) document ids travel whole (8 bytes
+  a token against 2-4 x hidden / sp).
+- The stage layers: the embedding, final norm and head work token by token on the slice; each decoder block
+  (models.generic.DecoderBlock, `sequence_shard`) gets its slice's positions and no mask, and its HF
+  attention is Ulysses' (registered process-wide, as at pp = 1) with `document_sdpa` as the core.
+- The loss: the engine averages gradients and the reported loss over dp * sp ranks, so each rank's loss
+  is sp x its slice's summed token losses / the micro-batch's targets (`PipelineLoss`): the mean over the
+  grid is the micro-batch's mean, one process's loss, and the averaged gradient one process's gradient.
 """
 
 from toolkit.errors import ConfigError
@@ -60,20 +74,38 @@ def document_sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
-def register(model, sp: int, mbs: int):
-    """Ulysses for `model` (its config's attention implementation) over sp-rank groups; returns the mpu
-    deepspeed.initialize takes. Process-wide: it replaces the implementation in transformers'
-    ALL_ATTENTION_FUNCTIONS (each rank is its own process)."""
+def register(config, sp: int, mbs: int):
+    """Ulysses for a model of HF `config` (its attention implementation) over groups of sp consecutive
+    ranks; returns the mpu deepspeed.initialize takes at pp = 1. Process-wide: it replaces the
+    implementation in transformers' ALL_ATTENTION_FUNCTIONS (each rank is its own process)."""
+    from types import SimpleNamespace
+
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    config = getattr(model, "config", None) or model.get_base_model().config
     attention = config._attn_implementation
     if attention == "sdpa":
         ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the core Ulysses calls after its all-to-all
-    return UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=model, core_attn_implementation=attention,
-                                                           sequence_parallel_size=sp, micro_batch_size=mbs,
-                                                           seq_length_is_variable=True)
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=SimpleNamespace(config=config), core_attn_implementation=attention,
+        sequence_parallel_size=sp, micro_batch_size=mbs, seq_length_is_variable=True)
+
+
+def shard_stage(module, kinds: list, sp: int, sp_rank: int) -> None:
+    """A pipeline stage (models.build_pipeline_module's PipelineModule; kinds: the spec's, per layer) made to run
+    on this rank's 1/sp of the sequence: each decoder block told its slice (`sequence_shard`). Refused: blocks
+    of a wrapper without that support (GPT-2's learned positions), MoE blocks whose aux loss sums routers."""
+    for index, layer in enumerate(module.forward_funcs, start=module._local_start):
+        if kinds[index] != "block":
+            continue  # the embedding, final norm and head work token by token
+        if not hasattr(layer, "sequence_shard"):
+            raise ConfigError(f"sp {sp} with pipeline stages: {type(layer).__name__} layers do not run on a slice of "
+                              f"the sequence yet; use pp 1 with sp {sp}, or sp 1")
+        if getattr(layer, "routers", None) is not None:
+            raise ConfigError(f"sp {sp} with pipeline stages: the MoE router aux loss (output_router_logits) is summed "
+                              "over a stage's whole rows, not yet over a slice; set output_router_logits false in the "
+                              f"model's config, or use pp 1 with sp {sp}")
+        layer.sequence_shard = (sp, sp_rank)
 
 
 def backward_scale(cfg: dict, sp: int) -> int:
@@ -86,23 +118,59 @@ def backward_scale(cfg: dict, sp: int) -> int:
     return sp if sp > 1 and zero.get("stage", 0) == 3 else 1
 
 
-def shard(batch, sp: int, sp_rank: int) -> dict:
-    """A micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows -> this rank's keyword arguments
-    for the HF model: its T / sp slice of input_ids, position_ids and shift_labels (labels shifted left
-    over the whole row), and num_items_in_batch, the targets of the whole micro-batch."""
+def _slices(batch, sp: int, sp_rank: int) -> tuple:
+    """(input ids, shifted labels, the slice, the micro-batch's targets) of a micro-batch of whole rows."""
     import torch.nn.functional as F
 
-    from models.attention import positions
     from toolkit.data.formats import IGNORE_INDEX
 
-    (input_ids, doc_ids), labels = batch
+    (input_ids, _), labels = batch
     length = input_ids.shape[1]
     if length % sp:
         raise ConfigError(f"a micro-batch of {length} tokens per row is not divisible by sp {sp}; use a --seq-len "
                           "that sp divides")
     shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     part = slice(length // sp * sp_rank, length // sp * (sp_rank + 1))
+    return input_ids, shift, part, int((shift != IGNORE_INDEX).sum())
+
+
+def shard(batch, sp: int, sp_rank: int) -> dict:
+    """A micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows -> this rank's keyword arguments
+    for the HF model: its T / sp slice of input_ids, position_ids and shift_labels (labels shifted left
+    over the whole row), and num_items_in_batch, the targets of the whole micro-batch."""
+    from models.attention import positions
+
+    input_ids, shift, part, targets = _slices(batch, sp, sp_rank)
+    doc_ids = batch[0][1]
     mine = shift[:, part].contiguous()
     return {"input_ids": input_ids[:, part].contiguous(), "position_ids": positions(doc_ids)[:, part].contiguous(),
-            "labels": mine, "shift_labels": mine, "num_items_in_batch": int((shift != IGNORE_INDEX).sum()),
-            "use_cache": False}
+            "labels": mine, "shift_labels": mine, "num_items_in_batch": targets, "use_cache": False}
+
+
+def stage_batch(batch, sp: int, sp_rank: int) -> tuple:
+    """pp > 1: a micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows -> what the PipelineEngine
+    feeds this rank: ((its T / sp slice of input ids, the rows' document ids), (its slice of the labels
+    shifted left over the whole row, the micro-batch's targets as a 0-d tensor)) for `PipelineLoss`."""
+    import torch
+
+    input_ids, shift, part, targets = _slices(batch, sp, sp_rank)
+    return (input_ids[:, part].contiguous(), batch[0][1]), (shift[:, part].contiguous(), torch.tensor(float(targets)))
+
+
+class PipelineLoss:
+    """The last stage's loss under sp (module doc): sp x the slice's summed cross entropy / the micro-batch's
+    targets (an all-filler micro-batch: nan, as the mean over no target is at sp 1)."""
+
+    def __init__(self, sp: int):
+        self.sp = sp
+
+    def __call__(self, logits, labels):
+        import torch.nn.functional as F
+
+        from toolkit.data.formats import IGNORE_INDEX
+
+        shift, targets = labels
+        logits = logits.float()  # a no-op in fp32
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), shift.reshape(-1).to(logits.device),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return total * self.sp / targets.to(total.device)

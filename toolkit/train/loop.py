@@ -142,10 +142,11 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
     if topo.pp == 1:
         record["param_groups"] = param_names
     mpu = None
-    if topo.sp > 1:  # Ulysses' groups and attention, before the engine (it takes the groups as its mpu)
-        from toolkit.distributed.sequence_parallel import register
+    if topo.sp > 1 and topo.pp == 1:  # Ulysses' groups and attention, before the engine (it takes the groups as
+        from toolkit.distributed.sequence_parallel import register  # its mpu; pipelines: toolkit.distributed.pipeline)
 
-        mpu = register(model, topo.sp, config_batch(cfg, topo.dp).mbs)
+        mpu = register(getattr(model, "config", None) or model.get_base_model().config, topo.sp,
+                       config_batch(cfg, topo.dp).mbs)
     return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
 
 
@@ -211,6 +212,8 @@ def deepspeed_config(cfg: dict, topo) -> dict:
     the right value (mbs x gas x dp, checked by dstk) would stop it; it derives one from the other two.
     With pipeline stages also without "tensor_parallel": dstk shards the stages itself (toolkit.train.
     distributed/tensor_parallel.py), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis."""
+    if topo.sp > 1 and topo.pp > 1:  # DeepSpeed's grid holds a stage's dp x sp ranks as data-parallel ones
+        return {k: v for k, v in cfg.items() if k not in ("train_batch_size", "sequence_parallel_size")}
     if topo.tp == 1:
         return cfg
     dropped = ("train_batch_size", "tensor_parallel") if topo.pp > 1 else ("train_batch_size",)
@@ -318,6 +321,16 @@ def train_step(job: Job, it) -> float:
     return all_reduce_sum(torch.stack(losses).mean(), job.engine.device)[0] / (dist.get_world_size() // job.sp)
 
 
+def stage_batch(job: Job, batch):
+    """A micro-batch as the engine takes it: a pipeline under sp gets this rank's slice of the sequence
+    (toolkit.distributed.sequence_parallel.stage_batch); otherwise as read."""
+    if not (job.pipeline and job.sp > 1):
+        return batch
+    from toolkit.distributed.sequence_parallel import stage_batch as sliced
+
+    return sliced(batch, job.sp, job.sp_rank)
+
+
 def forward_loss(engine, batch, sp: int = 1, sp_rank: int = 0) -> torch.Tensor:
     """pp = 1: the HF model on a batch whose second tensor holds document ids (packed rows: positions
     restart and attention stays inside each document, models.attention.model_inputs, built on the host:
@@ -368,7 +381,7 @@ def eval_loss(job: Job) -> float | None:
     def batches():
         for batch in data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank):
             weights.append(data.loss_weight(batch[1]))
-            yield batch
+            yield stage_batch(job, batch)
 
     if job.pipeline:
         losses = job.engine.eval_batch(batches(), reduce_output=None, bcast_loss=False, num_micro_batches=count)
@@ -379,9 +392,11 @@ def eval_loss(job: Job) -> float | None:
             losses = [float(forward_loss(job.engine, b, job.sp, job.sp_rank)) for b in batches()]
         job.engine.train()
     total = sum(loss * w for loss, w in zip(losses, weights) if w)  # an all-filler micro-batch's mean is nan
-    # every replica's share (pipelines: the last stages' only)
-    # sp > 1: a rank's loss is its share of the micro-batch's mean, and the group's ranks count its targets once
-    total, count = all_reduce_sum([total, float(sum(weights) / job.sp if losses else 0)], job.engine.device)
+    # every replica's share (pipelines: the last stages' only). sp > 1 at pp = 1: a rank's loss is its share of
+    # the micro-batch's mean, and the group's ranks count its targets once; in a pipeline each rank's loss is
+    # sp x its share (sequence_parallel.PipelineLoss), so each counts them
+    share = job.sp if not job.pipeline else 1
+    total, count = all_reduce_sum([total, float(sum(weights) / share if losses else 0)], job.engine.device)
     return total / count if count else None
 
 
@@ -389,7 +404,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
     from toolkit.train.report.trackers import check_report_to
 
-    it = job.train.micro_batches(job.start_step)
+    it = (stage_batch(job, batch) for batch in job.train.micro_batches(job.start_step))
     stats = StepStats(job.engine, job.pipeline)  # on every rank: each step's measures are gathered
     log = ProgressLog(RunFolder(args.out), job, args, check_report_to(args.report_to)) if is_logger else None
     losses, rates, start = [], [], time.perf_counter()

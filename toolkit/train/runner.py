@@ -150,8 +150,9 @@ def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
         check_qlora_here(args.model)
 
 
-def check_sequence_parallel(args: TrainArgs, cfg: dict) -> None:
-    """sp > 1 ("sequence_parallel_size"): the attention, the model's heads and --seq-len as Ulysses needs them."""
+def check_sequence_parallel(args: TrainArgs, cfg: dict, pp: int = 1) -> None:
+    """sp > 1 ("sequence_parallel_size"): the attention, the model's heads and --seq-len as Ulysses needs them;
+    inside pipeline stages (pp > 1) a model whose stage layers run on a slice of the sequence."""
     from toolkit.config.rules.sequence_parallel import ulysses_problems
     from toolkit.distributed.sequence_parallel import check_attention
     from toolkit.plan.arch import load_arch
@@ -166,6 +167,9 @@ def check_sequence_parallel(args: TrainArgs, cfg: dict) -> None:
     check_attention(args.attention, sp, mbs if isinstance(mbs, int) else 1)
     arch = load_arch(args.model)
     problems = ulysses_problems(arch.heads, arch.kv_heads, sp, args.seq_len)
+    if pp > 1 and arch.learned_positions:
+        problems.append(f"model_type {arch.model_type} adds learned positions in its pipeline embedding layer, which "
+                        f"does not run on a slice of the sequence yet; use pp 1 with sp {sp}, or sp 1")
     if problems:
         raise ConfigError(f"{args.model}: " + "; ".join(problems))
 
@@ -190,7 +194,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     local = local_inputs(args)
     if local is not None:
         check_model(local, cfg, world_size)
-        check_sequence_parallel(local, cfg)
+        check_sequence_parallel(local, cfg, pp)
     if world_size is not None:
         hf.check_attention(args.attention)
     check_path(args.data, encoding=args.encoding)

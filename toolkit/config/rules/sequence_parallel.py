@@ -8,7 +8,7 @@ What DeepSpeed 0.19.8 combines with sp and what not (paths in site-packages/deep
   their rows and each holds 1/sp of the sequence, so dp = world / (pp * sp * tp) and train_batch_size
   is checked against mbs * gas * (world / sp) (runtime/config.py:461-469).
 - Not with a PipelineModule: deepspeed/__init__.py asserts `mpu is None` on that path, and Ulysses
-  needs its mpu. dstk refuses sp with pp > 1 (sp inside pipeline stages is planned).
+  needs its mpu. dstk runs sp inside pipeline stages itself (toolkit.distributed.sequence_parallel).
 - Not with AutoTP (tensor_parallel.autotp_size > 1): both would own the attention heads.
 - UlyssesSPAttentionHF.__init__: num_attention_heads % sp == 0, and num_key_value_heads % sp == 0 or
   sp % num_key_value_heads == 0 (fewer kv heads than sp are replicated); the sequence length must divide
@@ -25,10 +25,6 @@ def sequence_parallel_problems(cfg: dict, ctx) -> list[Problem]:
     if ctx.sp <= 1:
         return []
     problems = []
-    if ctx.pp > 1:
-        problems.append(Problem(SP, f'"sequence_parallel_size" {ctx.sp} with {ctx.pp} pipeline stages: not yet: sp '
-                                "inside pipeline stages is planned (DeepSpeed's PipelineModule path asserts mpu is "
-                                f"None, and Ulysses needs one); use pp 1 with sp {ctx.sp}, or sp 1 with pp {ctx.pp}"))
     if ctx.tp > 1:
         problems.append(Problem(SP, f'"sequence_parallel_size" {ctx.sp} with "autotp_size" {ctx.tp}: Ulysses and '
                                 "AutoTP both split the attention heads and DeepSpeed 0.19 does not combine them; "
