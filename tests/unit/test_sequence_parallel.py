@@ -187,3 +187,44 @@ def test_document_sdpa_keeps_packed_documents_apart_where_plain_causal_attention
             assert torch.allclose(got[row:row + 1, a:b], alone, atol=1e-6), (row, a, b)
     assert torch.allclose(got[:, :5], plain[:, :5], atol=1e-6)  # the first document sees nothing before it
     assert not torch.allclose(got[:, 7:], plain[:, 7:], atol=1e-3)  # later documents: plain causal mixes them
+
+
+def _layouts(**kwargs):
+    from toolkit.plan.layouts.planner import PlanRequest, make_plan
+
+    request = dict(model="llama-3.2-1b", gpu="h100", gpu_mem=2**50, gpus_per_node=8, gbs=8, seq_len=32768)
+    return make_plan(PlanRequest(**{**request, **kwargs}))  # memory enough for every layout to fit
+
+
+def _estimate(result, **layout):
+    return next(e for e in result.fitting
+                if all(getattr(e.layout, k) == v for k, v in layout.items()))
+
+
+def test_plan_counts_sp_inside_pipeline_stages_sends_slices_and_builds_no_mask():
+    result = _layouts()
+    whole = _estimate(result, pp=2, sp=1, tp=1, zero=1, mbs=1, checkpointing=False, offload="none")
+    sliced = _estimate(result, pp=2, sp=2, zero=1, mbs=1, checkpointing=False, offload="none")
+    assert sliced.layout.dp == whole.layout.dp // 2
+    per_micro_batch = [e.pp_comm_bytes / e.layout.gas for e in (sliced, whole)]
+    assert per_micro_batch[0] * 2 == per_micro_batch[1]  # each stage sends 1/sp of the hidden state
+    assert sliced.sp_comm_bytes > 0 and whole.sp_comm_bytes == 0
+    # no (seq x seq) mask under sp (each document runs causally), and half the tokens: less than half
+    assert sliced.activations < whole.activations / 2
+
+
+def test_plan_gives_flash_under_sp_one_row_per_micro_batch():
+    result = _layouts(attention="flash_attention_2")
+    with_sp = [e.layout for e in result.fitting if e.layout.sp > 1]
+    assert with_sp and {lay.mbs for lay in with_sp} == {1}
+    assert {e.layout.mbs for e in result.fitting if e.layout.sp == 1} != {1}
+
+
+def test_plan_drops_the_mask_under_sp_at_pp_1():
+    from toolkit.plan.cost.layers import mask_bytes
+
+    result = _layouts()
+    one, two = (_estimate(result, pp=1, sp=sp, tp=1, zero=3, mbs=1, checkpointing=False, offload="none")
+                for sp in (1, 2))
+    blocks = 16  # llama-3.2-1b: each block's sdpa converts the mask at pp = 1
+    assert one.activations - 2 * two.activations >= blocks * mask_bytes(32768, 1, "bf16", "sdpa") * 0.99

@@ -10,7 +10,8 @@ Attention: UlyssesSPAttentionHF all-to-alls q, k, v to the full sequence for hea
 position ids, and calls the core attention with NO mask (it drops HF's, built for the local slice). Under
 sdpa that is plain causal attention: packed documents would see each other. `document_sdpa` is the core
 attention dstk hands it instead: causal AND inside each document, the documents read from the gathered
-position ids (a document starts where a position does not follow its predecessor), a (B, 1, T, T) bool mask.
+position ids (a document starts where a position does not follow its predecessor), one causal sdpa call per
+document, with no (T x T) mask (that would be 16 GiB a row at 131072 tokens).
 flash_attention_2 finds documents from the gathered position ids itself, at batch size 1 only.
 
 Loss: each rank's loss is its slice's summed token losses / the micro-batch's targets (num_items_in_batch),
@@ -62,16 +63,36 @@ def documents(position_ids: "torch.Tensor") -> "torch.Tensor":
 
 
 def document_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """HF's sdpa attention over the full sequence Ulysses hands it (query (B, heads/sp, T, hs)), causal
-    and inside each document of the gathered kwargs["position_ids"] (B, T)."""
+    """HF's sdpa attention over the full sequence Ulysses hands it (query (B, heads/sp, T, hs)), causal and
+    inside each document of the gathered kwargs["position_ids"] (B, T), without a (T x T) mask: a row of one
+    document is one causal call (torch's flash / memory-efficient kernels: memory linear in T), a packed row
+    one causal call per document (their bounds: one device-to-host copy per layer). A sliding window shorter
+    than the sequence (kwargs["sliding_window"], mistral, qwen2) is a mask: built then, (B, 1, T, T) bool."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    docs = documents(kwargs["position_ids"].to(query.device))
-    length = query.shape[2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-    mask = (docs[:, None, :, None] == docs[:, None, None, :]) & causal  # (B, 1, T, T)
-    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    position_ids = kwargs["position_ids"].to(query.device)
+    rows, length = position_ids.shape
+    window = kwargs.get("sliding_window")
+    if window is not None and window < length:
+        docs = documents(position_ids)
+        index = torch.arange(length, device=query.device)
+        near = (index[:, None] >= index[None, :]) & (index[:, None] - index[None, :] < window)
+        mask = (docs[:, None, :, None] == docs[:, None, None, :]) & near  # (B, 1, T, T)
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    starts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().cpu().tolist()  # [(row, t - 1)]
+    if not starts:
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    bounds = [[0] for _ in range(rows)]
+    for row, before in starts:
+        bounds[row].append(before + 1)
+    out = []
+    for row, cuts in enumerate(bounds):
+        cuts.append(length)
+        pieces = [sdpa_attention_forward(module, query[row:row + 1, :, a:b], key[row:row + 1, :, a:b],
+                                         value[row:row + 1, :, a:b], None, **kwargs)[0] for a, b in zip(cuts, cuts[1:])]
+        out.append(torch.cat(pieces, dim=1))  # (1, T, heads, hs), as sdpa_attention_forward returns
+    return torch.cat(out, dim=0), None
 
 
 def register(config, sp: int, mbs: int):

@@ -17,9 +17,11 @@ for pp = 1 where ZeRO-2/3 can overlap):
   pp comm     per micro-batch and stage boundary: activations forward + gradients back, 2 x (mbs, seq, h).
   offload     gradients down and parameters up over PCIe per step, plus CPU Adam at CPU_ADAM params/s;
               ZeRO-3 parameter offload also fetches parameters every micro-batch, forward and backward.
-  sp comm     Ulysses (sp > 1, pp = tp = 1): each rank holds seq / sp tokens, so its activations and compute
-              are / sp; per attention layer 4 all-to-alls forward (q, k, v, output) and 4 backward, each
-              sending (sp - 1) / sp of the rank's tensor (sp_comm_bytes); ZeRO partitions over dp * sp.
+  sp comm     Ulysses (sp > 1, tp = 1; inside pipeline stages too): each rank holds seq / sp tokens, so its
+              activations, compute and stage sends are / sp, and it builds no attention mask (dstk's core
+              attention runs each document causally, no (seq x seq) mask); per attention layer 4 all-to-alls
+              forward (q, k, v, output) and 4 backward, each sending (sp - 1) / sp of the rank's tensor
+              (sp_comm_bytes); ZeRO partitions over dp * sp.
   tp comm     AutoTP (tp > 1; in a pipeline only the blocks are sharded): the Model is one tp rank's
               (toolkit.plan.tp.shard_layers: its params, FLOPs and activations), and Model.tp_comm bytes per micro-batch go over `nvlink`
               (a tp group is tp consecutive ranks of one node): two all-reduces of (mbs, seq, h) per block
@@ -147,6 +149,7 @@ class Model:
     tp_comm: float = 0.0  # bytes a tp rank sends per micro-batch of one sequence (0 without tp)
     tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
     stage_act: int = 0  # bytes each stage holds once per micro-batch in flight (its attention mask)
+    masks: list | None = None  # per layer, of `act` the attention masks (none under sp: Ulysses' core builds none)
     peak: list | None = None  # per layer, transient bytes on top, once per stage (the head's loss)
     attn_bytes: float = 0.0  # q, k, v and the attention output of one sequence, summed over the attention
     # layers: what Ulysses' 4 all-to-alls per layer carry (toolkit.plan.layouts.planner.model_of)
@@ -180,11 +183,13 @@ def stage_trainable(model: Model, parts: list, s: int) -> int:
 
 
 def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
-    # sp: a rank holds seq / sp tokens of every activation (the attention mask, built whole, stays whole)
-    per_layer = [a * lay.mbs / lay.sp for a in model.act]
+    # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
+    masks = model.masks or [0] * len(model.act)
+    per_layer = [(a - m) * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a, m in zip(model.act, masks)]
     ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
     acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
-    acts = [a + model.stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
+    stage_act = model.stage_act if lay.sp == 1 else 0
+    acts = [a + stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
     peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs // lay.sp for s in range(lay.pp)]
     acts = [a + p for a, p in zip(acts, peaks)]  # the loss's peak: once, the last stage runs one loss at a time
     totals = []
@@ -199,7 +204,8 @@ def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str
     w = weight_bytes(precision)
     working = 2 * max(model.params) * w if lay.zero == 3 else 0
     est = Estimate(lay, heaviest, parts, states, int(acts[heaviest]), working, hw.capacity, hw.host_capacity,
-                   bubble_fraction(lay.pp, lay.gas), 0, 2 * model.boundary * lay.mbs * lay.gas if lay.pp > 1 else 0,
+                   bubble_fraction(lay.pp, lay.gas), 0,
+                   2 * model.boundary * lay.mbs * lay.gas // lay.sp if lay.pp > 1 else 0,  # sp: slices travel
                    loss_peak=peaks[heaviest], fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp))
     _times(est, model, hw, precision)
     return est
@@ -216,8 +222,8 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
         lo, hi = parts[s], parts[s + 1]
         flops = sum(model.flops[lo:hi]) + (sum(model.fwd_flops[lo:hi]) if lay.checkpointing else 0)
         slot = max(slot, flops * lay.mbs / lay.sp / rate)
-    pp_bw = hw.network if _crosses(lay.dp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
-    send = 2 * model.boundary * lay.mbs / (pp_bw * 1e9) if lay.pp > 1 else 0.0
+    pp_bw = hw.network if _crosses(lay.dp * lay.sp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
+    send = 2 * model.boundary * lay.mbs / lay.sp / (pp_bw * 1e9) if lay.pp > 1 else 0.0
     heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
     trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
     est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))

@@ -7,7 +7,8 @@
 Layouts: pp dividing the world and the model's block count; tensor parallelism (DeepSpeed AutoTP) with
 tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
 (toolkit.plan.tp.tp_candidates), alone (pp = 1) or inside pipeline stages (3D: dp x pp x tp);
-dp = world / (pp * tp); ZeRO 0-3 at pp = 1 (with or without tp), 0-1 with pp > 1 (DeepSpeed's PipelineEngine
+Ulysses sequence parallelism (sp) at tp = 1, alone or inside pipeline stages, for a causal LM whose heads sp
+divides; dp = world / (pp * sp * tp); ZeRO 0-3 at pp = 1 (with or without tp), 0-1 with pp > 1 (DeepSpeed's PipelineEngine
 refuses 2/3); mbs * gas * dp = gbs; offload of the optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation
 checkpointing on or off. With tp at pp = 1 AutoTP shards every layer it has a plan for (the head, a tied
 embedding); inside pipeline stages only the decoder blocks are sharded, the embedding, final norm and
@@ -206,15 +207,16 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
         per_rank = shard_layers(arch, costs, seq, req.precision, tp, pipeline)
         comm = tp_comm_bytes(arch, seq, 1, req.precision, tp, pipeline=pipeline)
         recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
-        act, stage_act = _with_masks(per_rank["act"], costs, seq, req, pipeline)  # every tp rank: the whole mask
+        act, stage_act, masks = _with_masks(per_rank["act"], costs, seq, req, pipeline)  # every tp rank: whole masks
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
                      _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
-                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"])
-    act, stage_act = _with_masks([c.act_bytes for c in costs], costs, seq, req, pipeline)
+                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"],
+                     masks=masks)
+    act, stage_act, masks = _with_masks([c.act_bytes for c in costs], costs, seq, req, pipeline)
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq,
                  trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act,
-                 peak=[c.peak_bytes for c in costs],
+                 peak=[c.peak_bytes for c in costs], masks=masks,
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs))
 
@@ -233,15 +235,17 @@ def _held_logits(act: list, costs, arch, seq: int, req, pipeline: bool) -> list:
 
 
 def _with_masks(act: list, costs, seq: int, req, pipeline: bool) -> tuple:
-    """(activation bytes per layer, bytes per stage) with the attention mask (toolkit.plan.cost.layers.mask_bytes):
-    one per pipeline stage, shared by its blocks; at pp = 1 under sdpa one per block (torch's conversion of
-    HF's bool mask at every layer), under eager one for the model."""
+    """(activation bytes per layer, bytes per stage, of the first the masks' per layer: Model.masks) with the
+    attention mask (toolkit.plan.cost.layers.mask_bytes): one per pipeline stage, shared by its blocks; at
+    pp = 1 under sdpa one per block (torch's conversion of HF's bool mask at every layer), under eager one
+    for the model."""
     from toolkit.plan.cost.layers import mask_bytes
 
     mask = mask_bytes(seq, 1, req.precision, req.attention)
     if pipeline or req.attention != "sdpa":
-        return act, mask
-    return [a + (mask if c.kind == "block" else 0) for a, c in zip(act, costs)], 0
+        return act, mask, None
+    masks = [mask if c.kind == "block" else 0 for c in costs]
+    return [a + m for a, m in zip(act, masks)], 0, masks
 
 
 def _stage_tp_comm(model: Model, costs: list, parts: list) -> Model:
@@ -265,7 +269,9 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     world = req.gpus_per_node * req.nodes
     pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
     combos = [(pp, tp, 1) for pp in pps for tp in tps if world % (pp * tp) == 0]
-    combos += [(1, 1, sp) for sp in sp_candidates(arch, req.seq_len or min(2048, arch.max_positions), world)]
+    sps = sp_candidates(arch, req.seq_len or min(2048, arch.max_positions), world)
+    # sp inside stages too, where the pipeline's embedding adds no learned positions (dstk train's rule)
+    combos += [(pp, 1, sp) for pp in pps for sp in sps if world % (pp * sp) == 0 and (pp == 1 or not arch.learned_positions)]
     usable = [(pp, tp, sp) for pp, tp, sp in combos if req.gbs % (world // (pp * tp * sp)) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
@@ -275,7 +281,8 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     for pp, tp, sp in usable:
         parts = partition_layers(costs, pp, "compute")
         dp = world // (pp * tp * sp)
-        for mbs in _divisors_up_to(req.gbs // dp, MAX_MBS):
+        # flash under sp finds packed documents from position ids at batch size 1 only (dstk train refuses more)
+        for mbs in _divisors_up_to(req.gbs // dp, 1 if sp > 1 and req.attention.startswith("flash") else MAX_MBS):
             for zero in (range(2) if pp > 1 else range(4)):
                 for offload in _offloads(zero, req.offload):
                     for ckpt in ((False, True) if req.checkpointing else (False,)):
@@ -283,7 +290,7 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
 
 
 def sp_candidates(arch, seq: int, world: int) -> list:
-    """Ulysses sizes > 1 to try at pp = tp = 1: those dividing the world, the sequence and the heads as
+    """Ulysses sizes > 1 to try at tp = 1 (any pp): those dividing the world, the sequence and the heads as
     UlyssesSPAttentionHF needs (toolkit.config.rules.sequence_parallel.ulysses_problems); causal LMs only."""
     from toolkit.config.rules.sequence_parallel import ulysses_problems
 
