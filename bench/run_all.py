@@ -32,6 +32,8 @@ SCRIPTS = {
              ["--repeats", "5", "--steps", "20", "--warmup", "4"]),
     "data_pipeline": ("data_pipeline.py", ["--quick", "--repeats", "1"],  # 20 MB: ~4 min on 2 cores
                       ["--mb", "200", "--repeats", "1"]),  # the size: ~25 min, ~20 GB RAM
+    "long_context": ("long_context.py", ["--budget-mib", "128", "--reps", "1"],  # ~8 min on 2 cores
+                     ["--budget-mib", "256", "--reps", "3"]),
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
     "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only
 }
