@@ -65,9 +65,10 @@ def run_cli_fresh(argv: list, env: dict | None = None) -> tuple:
     import subprocess
     import sys
 
-    code = ("import sys; from toolkit.cli import main\n"
+    code = ("import sys; from toolkit.cli import main\ncode = 0\n"
             f"try: main({list(argv)!r})\nexcept SystemExit as e: code = e.code\n"
-            f"print('HEAVY', *sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)")
+            f"print('HEAVY', *sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)\n"
+            "sys.exit(code)")  # the command's exit status
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, **(env or {})})
     heavy_line = [line for line in result.stderr.splitlines() if line.startswith("HEAVY")]
