@@ -228,3 +228,30 @@ def test_plan_drops_the_mask_under_sp_at_pp_1():
                 for sp in (1, 2))
     blocks = 16  # llama-3.2-1b: each block's sdpa converts the mask at pp = 1
     assert one.activations - 2 * two.activations >= blocks * mask_bytes(32768, 1, "bf16", "sdpa") * 0.99
+
+
+def test_document_sdpa_keeps_a_sliding_window_inside_each_document():
+    """mistral / qwen2 layers pass their sliding_window: each query sees its last `window` keys, never across a
+    document (the one case that builds a mask)."""
+    import torch
+    from torch.nn import Module
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from models.attention import positions
+    from toolkit.distributed.sequence_parallel import document_sdpa
+
+    (_, doc_ids), _ = _packed_batch()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=g) for _ in range(3))
+    module = Module()
+    module.is_causal, module.num_key_value_groups, module.training = True, 1, False
+    got, _ = document_sdpa(module, q, k, v, None, position_ids=positions(doc_ids), sliding_window=3, dropout=0.0,
+                           scaling=None)
+    index = torch.arange(12)
+    near = (index[:, None] >= index[None, :]) & (index[:, None] - index[None, :] < 3)
+    docs = positions(doc_ids).eq(0).cumsum(1)  # a document starts where its position is 0
+    mask = near & (docs[:, None, :, None] == docs[:, None, None, :])
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=None)
+    assert torch.allclose(got, want, atol=1e-6)
+    unwindowed, _ = document_sdpa(module, q, k, v, None, position_ids=positions(doc_ids), dropout=0.0, scaling=None)
+    assert not torch.allclose(got, unwindowed, atol=1e-3)
