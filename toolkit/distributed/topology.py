@@ -22,7 +22,7 @@ class Topology:
     PipeDataParallelTopology: axes (pipe, data), the data axis varying fastest; with AutoTP (tp > 1,
     pp = 1) a tensor axis inside that, as DeepSpeed's (data_parallel, tensor_parallel) mesh
     (utils/groups.py _init_tp_mesh_device): tp groups are runs of tp consecutive ranks. With Ulysses
-    (sp > 1, pp = tp = 1) sp groups are runs of sp consecutive ranks, as DeepSpeed's
+    (sp > 1, tp = 1; inside each pipeline stage too) sp groups are runs of sp consecutive ranks, as DeepSpeed's
     runtime/sequence_parallel/parallel_state_sp.py builds them: rank = dp_rank * sp + sp_rank."""
 
     world_size: int

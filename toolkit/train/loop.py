@@ -211,7 +211,9 @@ def deepspeed_config(cfg: dict, topo) -> dict:
     checks it against mbs x gas x the WORLD size (runtime/config.py:471) before its tp groups exist, so
     the right value (mbs x gas x dp, checked by dstk) would stop it; it derives one from the other two.
     With pipeline stages also without "tensor_parallel": dstk shards the stages itself (toolkit.train.
-    distributed/tensor_parallel.py), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis."""
+    distributed/tensor_parallel.py), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis.
+    sp inside pipeline stages: without train_batch_size and sequence_parallel_size, as the engine's grid counts a
+    stage's dp x sp ranks as replicas (toolkit.distributed.sequence_parallel); dstk checked gbs = mbs x gas x dp."""
     if topo.sp > 1 and topo.pp > 1:  # DeepSpeed's grid holds a stage's dp x sp ranks as data-parallel ones
         return {k: v for k, v in cfg.items() if k not in ("train_batch_size", "sequence_parallel_size")}
     if topo.tp == 1:
