@@ -44,12 +44,14 @@ def check_parts(parts, num_stages, num_layers) -> list:
     return parts
 
 
-def _module_class():
-    """Defined lazily so importing models does not import deepspeed."""
+def _module_class(dual: bool = False):
+    """Defined lazily so importing models does not import deepspeed. dual: on DeepSpeed's DualPipeVModule
+    (runtime/pipe/dualpipev.py), whose rank r builds stage r (phase 0) and stage 2p-1-r (phase 1)."""
     import torch
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
-    class DstkPipelineModule(PipelineModule):
+    class DstkPipelineModule(DualPipeVModule if dual else PipelineModule):
         """PipelineModule that takes given boundaries and precomputed parameter counts."""
 
         def __init__(self, layers, *, dstk_parts=None, dstk_param_counts=None, dstk_on_host=False, **kwargs):
@@ -77,6 +79,10 @@ def _module_class():
             self.parts = list(self._dstk_parts)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+            if dual:  # what DualPipeVModule._partition_layers sets: 2p stages, this rank's two
+                self.num_stages *= 2
+                mirror = self.num_stages - 1 - stage
+                self.phase_bounds = [(self.parts[stage], self.parts[stage + 1]), (self.parts[mirror], self.parts[mirror + 1])]
 
         def get_tied_weights_and_groups(self):
             # A frozen tied weight (LoRA's embedding) has no gradient to reduce between its stages; under
@@ -123,13 +129,15 @@ def checkpointable_layers(spec) -> list:
 
 
 def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
-                          partition_method="parameters", on_host=False, **kwargs):
+                          partition_method="parameters", on_host=False, dual=False, **kwargs):
     """deepspeed.pipe.PipelineModule for `spec` (needs torch.distributed initialised, LOCAL_RANK set).
 
     parts: stage boundaries (len num_stages + 1, parts[0] = 0, parts[-1] = spec.num_layers);
         when given they are used as is and partition_method is ignored.
     on_host: leave the stage where its layers were built (the CPU) and its tied weights unsynchronised
         until `place(module)`, instead of DeepSpeed moving it to the device as it is built (module doc).
+    dual: a DualPipeVModule (DeepSpeed picks its DualPipeVEngine): `parts` then cuts 2 x num_stages stages,
+        rank r holding stages r and 2 x num_stages - 1 - r (the embedding and the head both on rank 0).
     Other keyword arguments go to PipelineModule (activation_checkpoint_interval, seed_layers, ...);
     checkpointable_layers defaults to the spec's blocks and final norm.
     """
@@ -137,13 +145,13 @@ def build_pipeline_module(spec, *, num_stages=None, topology=None, parts=None,
         if parts is None:
             raise ConfigError("build_pipeline_module needs num_stages, topology or parts")
         num_stages = len(parts) - 1
-    stages = topology.get_dim("pipe") if topology is not None else num_stages
+    stages = (topology.get_dim("pipe") if topology is not None else num_stages) * (2 if dual else 1)
     if parts is not None:
         parts = check_parts(parts, stages, spec.num_layers)
     elif stages > spec.num_layers:
         raise ConfigError(f"num_stages {stages} > {spec.num_layers} layers: every stage needs a layer")
     kwargs.setdefault("checkpointable_layers", checkpointable_layers(spec))
-    cls = _module_class()
+    cls = _module_class(dual)
     return cls(spec.layers, num_stages=None if topology is not None else num_stages, topology=topology,
                loss_fn=spec.loss_fn, partition_method=partition_method, dstk_parts=parts,
                dstk_param_counts=spec.param_counts, dstk_on_host=on_host, **kwargs)

@@ -49,6 +49,9 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--task", type=click.Choice(spellings(("causal-lm", "sequence-classification"))), default="causal-lm",
               show_default=True, help="The head to train (classification: sequence-classification).")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages (default: the config's pipeline.stages, else 1).")
+@click.option("--schedule", type=click.Choice(["1f1b", "dualpipev"]), default="1f1b", show_default=True,
+              help="Pipeline schedule at pp > 1: DeepSpeed's 1F1B, or DualPipeV (two stages per rank, the loss "
+                   "back on rank 0; needs gradient_accumulation_steps >= 2 x pp).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens per row.")
 @click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (default: one epoch).")
 @click.option("--eval-every", type=click.IntRange(min=0), default=0, show_default=True,

@@ -92,11 +92,12 @@ def eval_batch_count(n_rows: int, mbs: int, dp: int) -> int:
     return -(-(-(-n_rows // dp)) // mbs)
 
 
-def eval_micro_batches(data, mbs: int, dp: int, dp_rank: int):
+def eval_micro_batches(data, mbs: int, dp: int, dp_rank: int, count: int | None = None):
     """This rank's share of the eval split (rows r, r + dp, ...) in micro-batches of mbs rows; the last
-    ones are filled up with rows that carry no loss, so every rank runs eval_batch_count of them."""
+    ones are filled up with rows that carry no loss, so every rank runs eval_batch_count of them (or
+    `count`, when a schedule needs more: the extra ones are filler alone)."""
     mine = list(range(dp_rank, len(data), dp))
-    for k in range(eval_batch_count(len(data), mbs, dp)):
+    for k in range(count or eval_batch_count(len(data), mbs, dp)):
         idx = mine[k * mbs: (k + 1) * mbs]
         if len(idx) == mbs:
             yield data.batch(idx)

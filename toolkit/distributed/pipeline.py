@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
-                    lora=None, seed: int = 0):
+                    lora=None, seed: int = 0, schedule: str = "1f1b"):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
     with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); the run's
     manifest entries: pp, parts, hf_names, tied (+ lora, tp), for checkpoint.manifest.save_meta).
@@ -33,7 +33,8 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     model: a HF model in memory, or a local HF directory (str/Path: loaded per stage).
     config: the run's HF config; checked against the directory's (num_labels) when given.
     lora: LoraSettings (needs config); a model in memory must be the HF model inside lora.apply's
-    PeftModel. seed: the adapters' (lora.init_adapters)."""
+    PeftModel. seed: the adapters' (lora.init_adapters). schedule "dualpipev": a DualPipeVModule cut into 2 pp
+    stages by the same partitioner (toolkit.distributed.dualpipev), rank r holding stages r and 2 pp - 1 - r."""
     import torch
 
     import models
@@ -47,13 +48,18 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
                                   adapt=adapt, dtype=param_dtype(cfg))  # no fp32 copy of a bf16 run's weights
     if is_dir and config is not None:
         _check_labels(str(model), spec.config, config)
-    if topo.pp > spec.num_layers:
-        raise ConfigError(f"pp {topo.pp} is more stages than the model's {spec.num_layers} pipeline layers "
-                          f"(embedding, blocks, head); use pp <= {spec.num_layers}")
-    parts, fallback = choose_parts(spec, topo.pp, cfg, seq_len)
+    dual = schedule == "dualpipev"
+    stages = topo.pp * (2 if dual else 1)
+    if stages > spec.num_layers:
+        raise ConfigError(f"pp {topo.pp} is {stages} stages{' under --schedule dualpipev' if dual else ''}, more than "
+                          f"the model's {spec.num_layers} pipeline layers (embedding, blocks, head); use pp <= "
+                          f"{spec.num_layers // (2 if dual else 1)}")
+    parts, fallback = choose_parts(spec, stages, cfg, seq_len)
     if fallback and _is_rank0():
         log.warning("dstk: %s", fallback)
     record = {"pp": topo.pp, "parts": parts, "hf_names": hf_name_map(spec, adapters), "tied": dict(spec.tied)}
+    if dual:
+        record["schedule"] = schedule
     if lora is not None:
         record["lora"] = manifest_entry(lora, adapters)
         _check_every_stage_trains(record, spec)
@@ -64,7 +70,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())  # its prints
     plan = _tp_plan(spec.config, task, cfg, topo.tp) if topo.tp > 1 else None  # refused before anything is built
     with torch.no_grad(), quiet:
-        module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts, on_host=True,
+        module = models.build_pipeline_module(spec, topology=_topology(topo), parts=parts, on_host=True, dual=dual,
                                               activation_checkpoint_interval=checkpoint_interval(cfg))
         _finish_on_host(module, spec, record, cfg, plan, topo.tp)
         place(module)  # the stage as it trains (cast, sharded) to its device: nothing bigger goes there first

@@ -306,7 +306,7 @@ def make_model(args, config, topo, cfg: dict):
         if settings is not None:
             source = lora.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
-                           lora=settings, seed=args.seed)
+                           lora=settings, seed=args.seed, schedule=args.schedule)
 
 
 def train_step(job: Job, it) -> float:
@@ -378,16 +378,24 @@ def eval_loss(job: Job) -> float | None:
     if len(job.eval_set) == 0:
         return None
     count = data.eval_batch_count(len(job.eval_set), job.train.mbs, job.dp)
+    # DualPipeV: eval_batch calls of exactly gas micro-batches, the last filled up with filler (no loss).
+    # DeepSpeed 0.19.8's DualPipeVEngine finds a micro-batch's phase-1 buffer at buffer + gas
+    # (dualpipev.py:186-188, _phase1_buffer) while its eval schedule numbers them buffer + num_micro_batches:
+    # any other count leaves the turn-around's inputs where the phase-1 forward does not look (None.clone()).
+    chunk = job.engine.micro_batches if (job.record or {}).get("schedule") == "dualpipev" else count
+    count = -(-count // chunk) * chunk
     weights = []  # targets per micro-batch, in the order the engine pulls them
 
     def batches():
-        for batch in data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank):
+        for batch in data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank, count):
             weights.append(data.loss_weight(batch[1]))
             yield stage_batch(job, batch)
 
     if job.pipeline:
-        losses = job.engine.eval_batch(batches(), reduce_output=None, bcast_loss=False, num_micro_batches=count)
-        losses = [float(x) for x in losses] if job.engine.is_last_stage() else []  # only the last stage has them
+        stream, losses = batches(), []
+        for _ in range(count // chunk):
+            chunk_losses = job.engine.eval_batch(stream, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
+            losses += [float(x) for x in chunk_losses] if job.engine.is_last_stage() else []  # the loss stage's only
     else:
         job.engine.eval()
         with torch.no_grad():

@@ -30,6 +30,7 @@ class TrainArgs:
     hub_ids: dict | None = None  # {"--model": "org/name", ...}: the ids local_inputs replaced by their folders
     task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
     pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
+    schedule: str = "1f1b"  # pipeline schedule at pp > 1: "1f1b" or "dualpipev" (toolkit.distributed.dualpipev)
     seq_len: int = 128
     steps: int | None = None  # optimizer steps; default: one epoch
     eval_every: int = 0  # 0: only at the end
@@ -182,6 +183,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     rank (`--check`)."""
     from toolkit.data.source import check_path
     from toolkit.checkpoint import run_folder
+    from toolkit.distributed import dualpipev
     from toolkit.train import hf, lora
 
     from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to
@@ -191,6 +193,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     check_deepspeed_monitors(cfg, args.config)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
+    dualpipev.check(args.schedule, cfg, pp, world_size)
     local = local_inputs(args)
     if local is not None:
         check_model(local, cfg, world_size)
