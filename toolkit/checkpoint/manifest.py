@@ -271,16 +271,20 @@ def hf_name_of(stage_name: str, manifest: dict) -> str | None:
 
 
 def stage_of(manifest: dict, index: int) -> int | None:
-    """The pipeline stage holding layer `index` (the manifest's parts: stage s holds parts[s]..parts[s+1])."""
+    """The pipeline stage holding layer `index` (the manifest's parts: stage s holds parts[s]..parts[s+1]);
+    under "schedule" dualpipev the parts cut 2 pp stages and stage s is on pipeline rank min(s, 2 pp - 1 - s)."""
     parts = manifest.get("parts") or []
-    return next((s for s in range(len(parts) - 1) if parts[s] <= index < parts[s + 1]), None)
+    stage = next((s for s in range(len(parts) - 1) if parts[s] <= index < parts[s + 1]), None)
+    if stage is not None and manifest.get("schedule") == "dualpipev":
+        return min(stage, len(parts) - 2 - stage)
+    return stage
 
 
 RUN_KEYS = ("model", "tokenizer", "task", "seq_len", "lora", "data")  # what a resume must match
 # the layout: what may change on resume (toolkit.checkpoint.portable)
-LAYOUT_KEYS = ("pp", "dp", "tp", "sp", "zero_stage")
+LAYOUT_KEYS = ("pp", "dp", "tp", "sp", "zero_stage", "schedule")
 # what a manifest without the key means (an older dstk; sp was recorded only above 1 before)
-LAYOUT_DEFAULTS = {"tp": 1, "sp": 1}
+LAYOUT_DEFAULTS = {"tp": 1, "sp": 1, "schedule": "1f1b"}
 
 
 def layout_of(record: dict) -> dict:

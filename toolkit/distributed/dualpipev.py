@@ -67,3 +67,11 @@ def _micro_batches(cfg: dict, pp: int, world_size: int | None) -> int | None:
     except ConfigError:  # the config's own checks say what is wrong with its batch
         return None
 
+
+
+def check_layers(schedule: str, pp: int, model: str, layers: int) -> None:
+    """DualPipeV cuts `layers` pipeline layers (embedding, blocks, norm, head) into 2 pp stages of one or more."""
+    if schedule == "dualpipev" and pp > 1 and 2 * pp > layers:
+        raise ConfigError(f"--schedule dualpipev at pp {pp} cuts --model {model} into 2 x pp = {2 * pp} stages, but it "
+                          f"has {layers} pipeline layers (embedding, blocks, norm, head); use --pp {layers // 2} or "
+                          "fewer, or --schedule 1f1b")

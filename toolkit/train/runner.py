@@ -145,10 +145,26 @@ def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
     hf.check_model_name(args.model)
     hf.check_tokenizer(args.model, args.tokenizer)
     check_recorded_parts(cfg, args.config, args.model, args.task)
+    _check_dualpipev_layers(args, cfg)
     if world_size is not None and args.qlora:  # known: the ranks run here (launch.sh on a login node passes none)
         from toolkit.train.lora import check_qlora_here
 
         check_qlora_here(args.model)
+
+
+def _check_dualpipev_layers(args: TrainArgs, cfg: dict) -> None:
+    """--schedule dualpipev: 2 pp stages need 2 pp pipeline layers (counted from config.json alone)."""
+    from toolkit.distributed.dualpipev import check_layers
+    from toolkit.plan.arch import load_arch
+
+    pp = args.pp or (cfg.get("pipeline") or {}).get("stages") or 1
+    if args.schedule != "dualpipev" or not isinstance(pp, int) or pp < 2:
+        return
+    try:
+        layers = load_arch(args.model).num_pipeline_layers
+    except ConfigError:  # a structure the planner does not read: the build checks the stages itself
+        return
+    check_layers(args.schedule, pp, args.model, layers)
 
 
 def check_sequence_parallel(args: TrainArgs, cfg: dict, pp: int = 1) -> None:

@@ -1,0 +1,106 @@
+"""--schedule dualpipev on real ranks (forked, gloo, tests/ranks.py): DeepSpeed's DualPipeVEngine trains what
+its 1F1B PipelineEngine trains, exports the same model and resumes; and the refusals at `dstk train --check`.
+
+tiny-gpt2 (7 pipeline layers) at pp 2 cuts 4 stages: rank 0 holds the embedding (+ block 0) and the norm
+and tied head, so the tied wte is one module there. small-gpt2 (9 layers) at pp 4 cuts 8 stages.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.configs import run_config
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
+STEPS, SEQ = 5, 32
+
+
+def train(tmp: Path, name: str, procs: int, pp: int, gas: int, *flags, model: str = "tiny-gpt2",
+          steps: int = STEPS, out: Path | None = None) -> Path:
+    """`dstk train` on `procs` forked ranks -> its --out."""
+    from tests.ranks import run_train
+
+    cfg = tmp / f"{name}.json"
+    cfg.write_text(json.dumps(run_config(2, gas, pp, clip=1.0)))
+    out = out or tmp / name
+    rc, log = run_train(["--config", cfg, "--model", model, "--data", CORPUS, "--seq-len", SEQ, "--no-progress",
+                         "--steps", steps, "--eval-fraction", "0.005", "--out", out, *flags], procs)
+    assert rc == 0, log[-3000:]
+    return out
+
+
+def losses(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "step" in r}
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def far(got: dict, ref: dict, rel: float) -> dict:
+    return {s: (got.get(s), ref[s]) for s in ref if got.get(s) is None or abs(got[s] - ref[s]) > rel * abs(ref[s])}
+
+
+def weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dualpipev")
+    runs = {"1f1b": train(tmp, "1f1b", 2, 2, 4), "dualpipev": train(tmp, "dpv", 2, 2, 4, "--schedule", "dualpipev")}
+    return tmp, runs
+
+
+@pytest.mark.distributed
+def test_pp2_dualpipev_trains_1f1bs_losses_and_eval_loss(pp2):
+    _, runs = pp2
+    ref, got = losses(runs["1f1b"]), losses(runs["dualpipev"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert not far(got, ref, 1e-4), far(got, ref, 1e-4)
+    assert abs(summary(runs["dualpipev"])["eval_loss"] - summary(runs["1f1b"])["eval_loss"]) < 1e-4
+    manifest = json.loads((runs["dualpipev"] / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert manifest["schedule"] == "dualpipev" and len(manifest["parts"]) == 2 * 2 + 1, manifest["parts"]
+
+
+@pytest.mark.distributed
+def test_pp2_dualpipev_exports_1f1bs_model(pp2):
+    _, runs = pp2
+    ref, got = weights(runs["1f1b"] / "hf"), weights(runs["dualpipev"] / "hf")
+    assert ref and sorted(got) == sorted(ref)
+    worst = {k: float((got[k] - ref[k]).abs().max()) for k in ref}
+    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.distributed
+def test_dualpipev_resumes_its_own_checkpoint_and_a_1f1b_one(pp2):
+    """3 steps then --resume to 5 give the uninterrupted run's losses: on its own layout (DeepSpeed's load of
+    both phases' layer files and each rank's optimizer) and from a 1F1B checkpoint (another stage layout:
+    through toolkit.checkpoint.portable, by HF name)."""
+    tmp, runs = pp2
+    ref = losses(runs["dualpipev"])
+    own = train(tmp, "dpv_part", 2, 2, 4, "--schedule", "dualpipev", "--no-export", steps=3)
+    train(tmp, "dpv_part", 2, 2, 4, "--schedule", "dualpipev", "--no-export", "--resume", out=own)
+    assert not far(losses(own), ref, 1e-5), far(losses(own), ref, 1e-5)
+    moved = train(tmp, "moved", 2, 2, 4, "--no-export", steps=3)  # written by 1F1B
+    train(tmp, "moved", 2, 2, 4, "--schedule", "dualpipev", "--no-export", "--resume", out=moved)
+    assert not far(losses(moved), ref, 1e-4), far(losses(moved), ref, 1e-4)
+    saved = json.loads((moved / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert saved.get("schedule") == "dualpipev", saved.get("schedule")
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+def test_pp4_dualpipev_on_4_ranks_trains_1f1bs_losses(tmp_path):
+    ref = losses(train(tmp_path, "1f1b4", 4, 4, 8, "--no-export", model="small-gpt2"))
+    got = losses(train(tmp_path, "dpv4", 4, 4, 8, "--no-export", "--schedule", "dualpipev", model="small-gpt2"))
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert not far(got, ref, 1e-4), far(got, ref, 1e-4)
