@@ -1,4 +1,5 @@
-"""`dstk schedule`: draw DeepSpeed's 1F1B TrainSchedule, one row per stage, and its bubble."""
+"""`dstk schedule`: draw DeepSpeed's 1F1B TrainSchedule, one row per stage, and its bubble; with
+--schedule dualpipev, DeepSpeed's DualPipeVSchedule timed next to 1F1B's for the same pp and gas."""
 
 
 import click
@@ -14,18 +15,23 @@ from toolkit.cli import echo_json
 @click.option("--png", type=click.Path(dir_okay=False), metavar="FILE.png",
               help="Also render the timeline to FILE.png (needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline as JSON instead of ASCII.")
-def schedule(pp, gas, micro_batches, png, as_json):
+@click.option("--schedule", "kind", type=click.Choice(["1f1b", "dualpipev"]), default="1f1b", show_default=True,
+              help="dualpipev: DeepSpeed's DualPipeV instruction stream next to 1F1B's, timed (needs --gas >= 2 x pp).")
+def schedule(pp, gas, micro_batches, png, as_json, kind):
     """Draw DeepSpeed's own 1F1B schedule for P stages and M micro-batches.
 
     \b
     dstk schedule --pp 4 --gas 8
     dstk schedule --pp 4 --gas 8 --png schedule.png
+    dstk schedule --pp 4 --gas 8 --schedule dualpipev
     """
     from toolkit.plan.schedule import check_png_path, render_ascii, render_png, train_timeline
 
     gas = _one_gas(gas, micro_batches)
     if png:
         check_png_path(png)  # before DeepSpeed is imported and the timeline computed
+    if kind == "dualpipev":
+        return _dualpipev(pp, gas, png, as_json)
     timeline = train_timeline(pp, gas)
     if png:
         render_png(timeline, png)
@@ -42,3 +48,14 @@ def _one_gas(gas, micro_batches):
         raise click.UsageError(f"--gas {gas} and --micro-batches {micro_batches} disagree; --micro-batches is "
                                "the old name of --gas: give --gas alone")
     return gas if gas is not None else micro_batches
+
+
+def _dualpipev(pp: int, gas: int, png, as_json: bool) -> None:
+    from toolkit.plan import dualpipev
+
+    timed = dualpipev.timelines(pp, gas)
+    if png:
+        dualpipev.render_png(timed, png)
+    echo_json({name: t.to_dict() for name, t in timed.items()}) if as_json else click.echo(dualpipev.render_ascii(timed))
+    if png:
+        click.echo(f"wrote {png}", err=True)
