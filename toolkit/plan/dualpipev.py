@@ -167,7 +167,7 @@ def render_ascii(t: dict) -> str:
 
 def render_png(t: dict, path: str) -> None:
     """Both timelines as bars on one time axis (matplotlib), written atomically."""
-    from toolkit.plan.schedule import _save_atomically, check_png_path
+    from toolkit.plan.schedule import save_atomically, check_png_path
 
     check_png_path(path)
     try:
@@ -193,5 +193,5 @@ def render_png(t: dict, path: str) -> None:
         ax.set_title(f"{name} pp={pp} m={timed.micro_batches}: {timed.makespan} units, bubble {timed.bubble:.1%}")
     axes[-1].set_xlabel("time (units of one DualPipeV stage forward; backward = 2)")
     fig.tight_layout()
-    _save_atomically(fig, path)
+    save_atomically(fig, path)
     plt.close(fig)

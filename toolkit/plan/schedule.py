@@ -144,11 +144,11 @@ def render_png(t: Timeline, path: str) -> None:
     ax.set_title(f"1F1B pp={t.pp} m={t.micro_batches}: bubble {t.bubble:.1%} "
                  f"(formula {t.expected_bubble:.1%})")
     fig.tight_layout()
-    _save_atomically(fig, path)
+    save_atomically(fig, path)
     plt.close(fig)
 
 
-def _save_atomically(fig, path: str) -> None:
+def save_atomically(fig, path: str) -> None:
     import tempfile
 
     from toolkit.files import as_umask

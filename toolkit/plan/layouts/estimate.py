@@ -42,7 +42,7 @@ allocator's fragmentation, toolkit.plan.layouts.planner).
 
 from dataclasses import dataclass, field
 
-from toolkit.plan.memory.rank import activation_bytes, in_flight, model_state_bytes
+from toolkit.plan.memory.rank import activation_bytes, in_flight, in_flight_dualpipev, model_state_bytes
 from toolkit.plan.memory.overhead import Fixed, fixed_bytes
 from toolkit.plan.memory.precision import weight_bytes
 from toolkit.distributed.topology import bubble_fraction
@@ -63,6 +63,7 @@ class Layout:
     checkpointing: bool = False
     tp: int = 1  # tensor-parallel size (AutoTP); world = pp * dp * sp * tp
     sp: int = 1  # Ulysses sequence-parallel size (pp = tp = 1): each rank holds seq / sp tokens
+    schedule: str = "1f1b"  # or "dualpipev" (pp > 1): 2 pp stages, rank r holds stages r and 2 pp - 1 - r
 
     @property
     def zero_ranks(self) -> int:
@@ -75,6 +76,7 @@ class Layout:
                 (["act-ckpt"] if self.checkpointing else [])
         tp = f" tp={self.tp}" if self.tp > 1 else ""
         tp += f" sp={self.sp}" if self.sp > 1 else ""
+        tp += " dualpipev" if self.schedule == "dualpipev" else ""
         return " ".join([f"pp={self.pp} dp={self.dp}{tp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
 
 
@@ -175,6 +177,22 @@ def stage_params(model: Model, parts: list, s: int) -> int:
     return total
 
 
+def rank_params(model: Model, parts: list, stages: list) -> int:
+    """Parameters a pipeline rank stores for its `stages`; DualPipeV's rank 0 holds the embedding and the tied
+    head as one module (runtime/pipe/dualpipev.py), so the head's copy is not counted twice."""
+    total = sum(stage_params(model, parts, s) for s in stages)
+    if len(stages) > 1 and parts[stages[0]] == 0 and parts[stages[1] + 1] == len(model.params):
+        total -= model.tied[-1]
+    return total
+
+
+def rank_trainable(model: Model, parts: list, stages: list) -> int:
+    """Parameters of a rank's `stages` that train: all it stores, or with LoRA its adapters."""
+    if model.trainable is None:
+        return rank_params(model, parts, stages)
+    return sum(stage_trainable(model, parts, s) for s in stages)
+
+
 def stage_trainable(model: Model, parts: list, s: int) -> int:
     """Parameters of stage s that train: all it stores, or with LoRA its adapters (never tied copies)."""
     if model.trainable is None:
@@ -182,31 +200,50 @@ def stage_trainable(model: Model, parts: list, s: int) -> int:
     return sum(model.trainable[parts[s]:parts[s + 1]])
 
 
+def rank_stages(lay: Layout) -> list:
+    """The stages each pipeline rank holds: [s] under 1F1B, [r, 2 pp - 1 - r] under DualPipeV."""
+    if lay.schedule == "dualpipev":
+        return [[r, 2 * lay.pp - 1 - r] for r in range(lay.pp)]
+    return [[s] for s in range(lay.pp)]
+
+
+def dualpipev_bubble(pp: int, micro_batches: int) -> float:
+    """Idle share of DeepSpeed 0.19.8's DualPipeVSchedule with a backward taking 2 forwards (weight gradients
+    inside it): every rank idles 4 pp - 5 stage-forwards of 6 m + 4 pp - 5 (toolkit.plan.dualpipev times the
+    instruction stream; tests/unit/test_plan_dualpipev.py checks the two agree)."""
+    return (4 * pp - 5) / (6 * micro_batches + 4 * pp - 5)
+
+
 def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
     # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
     masks = model.masks or [0] * len(model.act)
     per_layer = [(a - m) * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a, m in zip(model.act, masks)]
     ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
-    acts = activation_bytes(per_layer, parts, lay.pp, lay.gas, ckpt)
+    stages, dual = len(parts) - 1, lay.schedule == "dualpipev"
+    flights = [in_flight_dualpipev(lay.pp, s) if dual else in_flight(lay.pp, lay.gas, s) for s in range(stages)]
+    acts = activation_bytes(per_layer, parts, stages, lay.gas, ckpt, flights)
     stage_act = model.stage_act if lay.sp == 1 else 0
-    acts = [a + stage_act * lay.mbs * in_flight(lay.pp, lay.gas, s) for s, a in enumerate(acts)]
-    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs // lay.sp for s in range(lay.pp)]
+    acts = [a + stage_act * lay.mbs * flights[s] for s, a in enumerate(acts)]
+    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs // lay.sp for s in range(stages)]
     acts = [a + p for a, p in zip(acts, peaks)]  # the loss's peak: once, the last stage runs one loss at a time
     totals = []
-    for s in range(lay.pp):
-        states = model_state_bytes(stage_params(model, parts, s), lay.zero_ranks, lay.zero, precision, optimizer,
+    for r, held in enumerate(rank_stages(lay)):
+        states = model_state_bytes(rank_params(model, parts, held), lay.zero_ranks, lay.zero, precision, optimizer,
                                    lay.offload, pipeline=lay.pp > 1,
                                    overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
                                    fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
-                                   trainable=stage_trainable(model, parts, s))
-        totals.append((states.peak + int(acts[s]), s, states))
+                                   trainable=rank_trainable(model, parts, held))
+        totals.append((states.peak + int(sum(acts[s] for s in held)), r, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
+    held = rank_stages(lay)[heaviest]
     w = weight_bytes(precision)
     working = 2 * max(model.params) * w if lay.zero == 3 else 0
-    est = Estimate(lay, heaviest, parts, states, int(acts[heaviest]), working, hw.capacity, hw.host_capacity,
-                   bubble_fraction(lay.pp, lay.gas), 0,
-                   2 * model.boundary * lay.mbs * lay.gas // lay.sp if lay.pp > 1 else 0,  # sp: slices travel
-                   loss_peak=peaks[heaviest], fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp))
+    bubble = dualpipev_bubble(lay.pp, lay.gas) if dual else bubble_fraction(lay.pp, lay.gas)
+    # sp: slices travel; DualPipeV: both phases cross each link
+    sends = 2 * model.boundary * lay.mbs * lay.gas * (2 if dual else 1) // lay.sp
+    est = Estimate(lay, heaviest, parts, states, int(sum(acts[s] for s in held)), working, hw.capacity,
+                   hw.host_capacity, bubble, 0, sends if lay.pp > 1 else 0,
+                   loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp))
     _times(est, model, hw, precision)
     return est
 
@@ -218,21 +255,23 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     tokens = lay.mbs * model.tokens // lay.sp  # sp: each rank computes its seq / sp tokens (attention: heads / sp)
     rate = hw.flops * tokens / (tokens + HALF_TOKENS)
     slot = 0.0
-    for s in range(lay.pp):
-        lo, hi = parts[s], parts[s + 1]
-        flops = sum(model.flops[lo:hi]) + (sum(model.fwd_flops[lo:hi]) if lay.checkpointing else 0)
+    for held in rank_stages(lay):  # a slot: one micro-batch through every stage of the slowest rank
+        flops = sum(sum(model.flops[parts[s]:parts[s + 1]]) + (sum(model.fwd_flops[parts[s]:parts[s + 1]])
+                                                               if lay.checkpointing else 0) for s in held)
         slot = max(slot, flops * lay.mbs / lay.sp / rate)
     pp_bw = hw.network if _crosses(lay.dp * lay.sp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / lay.sp / (pp_bw * 1e9) if lay.pp > 1 else 0.0
-    heaviest = max(stage_params(model, parts, s) for s in range(lay.pp))
-    trained = max(stage_trainable(model, parts, s) for s in range(lay.pp))
+    heaviest = max(rank_params(model, parts, held) for held in rank_stages(lay))
+    trained = max(rank_trainable(model, parts, held) for held in rank_stages(lay))
     est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
     # a dp group spans dp * tp consecutive ranks (its members stride by tp)
     dp_bw = hw.network if _crosses(lay.zero_ranks * lay.tp, lay.pp, hw.gpus_per_node) else hw.nvlink
     est.tp_comm_bytes = int((model.tp_comm + lay.checkpointing * model.tp_recompute) * lay.mbs * lay.gas)
     est.sp_comm_bytes = int(sp_comm_bytes(model.attn_bytes, lay))
     sp_bw = hw.network if lay.sp > hw.gpus_per_node else hw.nvlink  # an sp group: sp consecutive ranks
-    est.times = {"compute": lay.gas * slot, "bubble": (lay.pp - 1) * (slot + send), "pp_comm": lay.gas * send,
+    # DualPipeV: each micro-batch crosses every link twice (out and back); a rank idles (4 pp - 5) / 6 slots
+    idle, crossings = ((4 * lay.pp - 5) / 6, 2) if lay.schedule == "dualpipev" else (lay.pp - 1, 1)
+    est.times = {"compute": lay.gas * slot, "bubble": idle * (slot + send), "pp_comm": lay.gas * send * crossings,
                  "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
                  "offload": _offload_time(lay, trained, heaviest, w, hw),
                  "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9), "sp_comm": est.sp_comm_bytes / (sp_bw * 1e9)}

@@ -82,7 +82,7 @@ class PlanResult:
         seen, out = set(), []
         for e in self.fitting:
             lay = e.layout
-            family = (lay.pp, lay.tp, lay.sp, lay.zero, lay.offload, lay.checkpointing)
+            family = (lay.pp, lay.tp, lay.sp, lay.zero, lay.offload, lay.checkpointing, lay.schedule)
             if family not in seen and len(out) < self.request.top:
                 seen.add(family)
                 out.append(e)
@@ -131,7 +131,7 @@ def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
     problems = autotp_problems(arch, layout.tp)
     if problems:
         raise ConfigError(problems[0])
-    parts = partition_layers(costs, layout.pp, "compute")
+    parts = partition_layers(costs, layout.pp * (2 if layout.schedule == "dualpipev" else 1), "compute")
     model = _stage_tp_comm(model_of(costs, arch, seq, req, layout.tp, pipeline=layout.pp > 1), costs, parts)
     return predict(model, parts, layout, _hardware(req, gpu), req.precision, req.optimizer)
 
@@ -264,8 +264,6 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     Searches are bounded by the model (pp <= its layers), the node (tp <= its GPUs) and MAX_MBS, never
     by --gbs or the world size. tp > 1 also inside pipeline stages (3D: dstk train shards each stage's
     blocks over its tp group; tp groups are tp consecutive ranks, so inside one node)."""
-    from toolkit.plan.cost.partition import partition_layers
-
     world = req.gpus_per_node * req.nodes
     pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
     combos = [(pp, tp, 1) for pp in pps for tp in tps if world % (pp * tp) == 0]
@@ -279,14 +277,28 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
                           f"world {world} and {arch.layers} blocks the choices are {dps}: use --gbs "
                           f"{_round_up(req.gbs, world // pps[-1])} or a multiple of {world // pps[-1]}")
     for pp, tp, sp in usable:
-        parts = partition_layers(costs, pp, "compute")
         dp = world // (pp * tp * sp)
-        # flash under sp finds packed documents from position ids at batch size 1 only (dstk train refuses more)
-        for mbs in _divisors_up_to(req.gbs // dp, 1 if sp > 1 and req.attention.startswith("flash") else MAX_MBS):
-            for zero in (range(2) if pp > 1 else range(4)):
-                for offload in _offloads(zero, req.offload):
-                    for ckpt in ((False, True) if req.checkpointing else (False,)):
-                        yield parts, Layout(pp, dp, zero, mbs, req.gbs // (dp * mbs), offload, ckpt, tp, sp)
+        for schedule, parts in _schedules(costs, pp, tp, sp):
+            # flash under sp finds packed documents from position ids at batch size 1 only (dstk train refuses more)
+            for mbs in _divisors_up_to(req.gbs // dp, 1 if sp > 1 and req.attention.startswith("flash") else MAX_MBS):
+                gas = req.gbs // (dp * mbs)
+                if schedule == "dualpipev" and gas < 2 * pp:  # DualPipeVSchedule's floor
+                    continue
+                for zero in (range(2) if pp > 1 else range(4)):
+                    for offload in _offloads(zero, req.offload):
+                        for ckpt in ((False, True) if req.checkpointing else (False,)):
+                            yield parts, Layout(pp, dp, zero, mbs, gas, offload, ckpt, tp, sp, schedule)
+
+
+def _schedules(costs: list, pp: int, tp: int, sp: int) -> list:
+    """(schedule, parts): 1F1B on pp stages; with pp > 1 (tp = sp = 1, 2 pp layers at least) also DualPipeV on
+    2 pp stages from the same partitioner (dstk train --schedule dualpipev builds those)."""
+    from toolkit.plan.cost.partition import partition_layers
+
+    found = [("1f1b", partition_layers(costs, pp, "compute"))]
+    if pp > 1 and tp == 1 and sp == 1 and 2 * pp <= len(costs):
+        found.append(("dualpipev", partition_layers(costs, 2 * pp, "compute")))
+    return found
 
 
 def sp_candidates(arch, seq: int, world: int) -> list:

@@ -41,6 +41,8 @@ def _describe(e: Estimate, label: str) -> list:
     states = (f"params {fb(s.params)}, grads {fb(s.grads)}, master {fb(s.master)}, optimizer {fb(s.optimizer)}"
               + (f", buckets {fb(s.buffers)}" if s.buffers else ""))
     stage = f" (stage {e.stage} of {e.layout.pp})" if e.layout.pp > 1 else ""
+    if e.layout.schedule == "dualpipev":
+        stage = f" (rank {e.stage} of {e.layout.pp}: stages {e.stage} and {2 * e.layout.pp - 1 - e.stage} of {2 * e.layout.pp})"
     loss = f" (loss peak {fb(e.loss_peak)})" if e.loss_peak else ""
     fixed = (f", fixed {fb(e.fixed.total)} (CUDA context {fb(e.fixed.cuda_context)}, NCCL {e.fixed.communicators} "
              f"x {fb(e.fixed.nccl // e.fixed.communicators)})" if e.fixed.communicators else
@@ -51,7 +53,8 @@ def _describe(e: Estimate, label: str) -> list:
     if s.cpu:
         memory += f"; host {fb(s.cpu)} offloaded"
     comm = (f"   bubble {e.bubble:.1%}, dp comm {fb(e.dp_comm_bytes)}/step/GPU, "
-            f"pipeline send/recv {fb(e.pp_comm_bytes)}/step/boundary")
+            f"pipeline send/recv {fb(e.pp_comm_bytes)}/step/boundary"
+            + (" (DualPipeV: out and back, 2x 1F1B's)" if e.layout.schedule == "dualpipev" else ""))
     if e.layout.tp > 1:
         comm += f", tp comm {fb(e.tp_comm_bytes)}/step/GPU (within a node)"
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if v)

@@ -134,19 +134,28 @@ def in_flight(pp: int, micro_batches: int, stage: int) -> int:
     return max(2, min(pp - stage, micro_batches))
 
 
+def in_flight_dualpipev(pp: int, stage: int) -> int:
+    """Micro-batches stage `stage` (of 2 pp) keeps for backward under DeepSpeed's DualPipeVSchedule: 2 pp - stage
+    (rank r: 2 pp - r in its phase-0 stage r, r + 1 in its phase-1 stage 2 pp - 1 - r; at most 2 pp + 1 together,
+    read from the instruction stream in tests/unit/test_plan_dualpipev.py)."""
+    return 2 * pp - stage
+
+
 def activation_bytes(per_layer: list[int], pp_layers: list[int], pp: int, micro_batches: int,
-                     checkpoint_bytes: list[int] | None = None) -> list[int]:
+                     checkpoint_bytes: list[int] | None = None, flights: list[int] | None = None) -> list[int]:
     """Activation bytes per stage: the stage's per-micro-batch activations times `in_flight`.
     `per_layer` holds one micro-batch's bytes per layer; `pp_layers` the stage boundaries (length
     pp+1, as partition `parts`). With activation checkpointing (`checkpoint_bytes` = bytes each layer's
-    input takes), a stage keeps only the inputs per micro-batch in flight plus one layer recomputed."""
+    input takes), a stage keeps only the inputs per micro-batch in flight plus one layer recomputed.
+    flights: micro-batches in flight per stage, when not 1F1B's (DualPipeV: in_flight_dualpipev)."""
+    flights = flights or [in_flight(pp, micro_batches, s) for s in range(pp)]
     out = []
     for s in range(pp):
         layers = range(pp_layers[s], pp_layers[s + 1])
         if checkpoint_bytes is None:
-            out.append(sum(per_layer[i] for i in layers) * in_flight(pp, micro_batches, s))
+            out.append(sum(per_layer[i] for i in layers) * flights[s])
         else:
-            kept = sum(checkpoint_bytes[i] for i in layers) * in_flight(pp, micro_batches, s)
+            kept = sum(checkpoint_bytes[i] for i in layers) * flights[s]
             out.append(kept + max((per_layer[i] for i in layers), default=0))
     return out
 
