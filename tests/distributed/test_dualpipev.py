@@ -104,3 +104,37 @@ def test_pp4_dualpipev_on_4_ranks_trains_1f1bs_losses(tmp_path):
     got = losses(train(tmp_path, "dpv4", 4, 4, 8, "--no-export", "--schedule", "dualpipev", model="small-gpt2"))
     assert sorted(got) == list(range(1, STEPS + 1))
     assert not far(got, ref, 1e-4), far(got, ref, 1e-4)
+
+
+@pytest.mark.distributed
+def test_reshard_moves_a_run_between_1f1b_and_dualpipev(pp2):
+    """`dstk reshard --schedule` writes the portable state; the run continues there with the other schedule."""
+    from tests.invoke import invoke_dstk
+
+    tmp, runs = pp2
+    for name, flags, target, ref in (("from_1f1b", (), "dualpipev", runs["dualpipev"]),
+                                     ("from_dpv", ("--schedule", "dualpipev"), "1f1b", runs["1f1b"])):
+        part = train(tmp, name, 2, 2, 4, "--no-export", *flags, steps=3)
+        moved = tmp / f"{name}_resharded"
+        done = invoke_dstk(["reshard", str(part), str(moved), "--schedule", target, "--json"])
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["to"]["schedule"] == target
+        again = ("--schedule", "dualpipev") if target == "dualpipev" else ()
+        train(tmp, name, 2, 2, 4, "--no-export", "--resume", *again, out=moved)
+        got = {s: loss for s, loss in losses(moved).items()}
+        assert sorted(got) == [4, 5], got  # the resharded folder logs the steps it trained
+        assert not far(got, {s: losses(ref)[s] for s in (4, 5)}, 1e-4), (name, got)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("args, said", [(["--pp", "4"], "2 x pp = 8 stages, more than the model's 7 pipeline layers"),
+                                        (["--pp", "1"], "needs --pp 2 or more")])
+def test_reshard_refuses_a_dualpipev_layout_it_cannot_build(pp2, args, said):
+    from tests.invoke import invoke_dstk
+
+    tmp, runs = pp2
+    out = tmp / f"refused_{args[1]}"
+    ran = invoke_dstk(["reshard", str(runs["1f1b"]), str(out), *args, "--schedule", "dualpipev"])
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
+    assert said in ran.stderr and ran.stderr.count("rror:") == 1, ran.stderr
+    assert not out.exists()

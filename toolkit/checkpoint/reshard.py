@@ -18,7 +18,7 @@ from toolkit.checkpoint.manifest import META, check_resumable, layout_of, read_m
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 
 
-def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None) -> dict:
+def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None, schedule=None) -> dict:
     """Write OUT (a run folder) from checkpoint `tag` of CKPT for layout pp x dp x sp x ZeRO (None: unchanged);
     returns what was done (the --json summary). No parameter depends on sp (Ulysses splits the sequence, not the
     weights): an sp move is a move of the ZeRO partitions (over a stage's dp x sp ranks) and of dp."""
@@ -33,8 +33,8 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
         raise ConfigError(f"{ckpt_dir} is a tensor-parallel run (tp {manifest['tp']}): its tensors are tp shards, "
                           "which only `dstk export` merges today; export it and start a new run from the HF directory")
     source = layout_of(manifest)
-    target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("zero_stage", zero))
-                           if v is not None}}
+    target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("zero_stage", zero),
+                                             ("schedule", schedule)) if v is not None}}
     _check_target(ckpt_dir, manifest, target, _pipeline_layers(ckpt_dir, manifest))
     check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
@@ -59,7 +59,8 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
             "tensors": len(state.weights), "bytes": size, "optimizer_step": state.optimizer_step,
             "resume": f"dstk train ... --out {out} --resume (with a config for pp {target['pp']}, "
                       f"dp {target['dp']}, ZeRO {target['zero_stage']}"
-                      + (f', "sequence_parallel_size": {target["sp"]}' if target["sp"] > 1 else "") + ")"}
+                      + (f', "sequence_parallel_size": {target["sp"]}' if target["sp"] > 1 else "") + ")"
+                      + (" --schedule dualpipev" if target["schedule"] == "dualpipev" else "")}
 
 
 def _check_target(ckpt_dir: Path, manifest: dict, target: dict, layers) -> None:
@@ -76,10 +77,24 @@ def _check_target(ckpt_dir: Path, manifest: dict, target: dict, layers) -> None:
                           "use --zero 1, or --pp 1")
     if layers is not None and pp > layers:
         raise ConfigError(f"--pp {pp} is more stages than the model's {layers} pipeline layers; use --pp <= {layers}")
+    if target["schedule"] == "dualpipev":
+        _check_dualpipev(pp, sp, layers)
     if sp > 1:
         problems = _ulysses_problems(ckpt_dir, manifest, sp)
         if problems:
             raise ConfigError(f"--sp {sp}: " + "; ".join(problems))
+
+
+def _check_dualpipev(pp: int, sp: int, layers) -> None:
+    """--schedule dualpipev: 2 pp stages of this model, as `dstk train --schedule dualpipev` builds them."""
+    if pp < 2:
+        raise ConfigError(f"--schedule dualpipev needs --pp 2 or more (two stages per pipeline rank), got --pp {pp}")
+    if sp > 1:
+        raise ConfigError(f"--schedule dualpipev with --sp {sp}: dstk does not run Ulysses inside DualPipeV stages; "
+                          "use --sp 1, or --schedule 1f1b")
+    if layers is not None and 2 * pp > layers:
+        raise ConfigError(f"--schedule dualpipev at --pp {pp} cuts 2 x pp = {2 * pp} stages, more than the model's "
+                          f"{layers} pipeline layers; use --pp {layers // 2} or fewer")
 
 
 def _pipeline_layers(ckpt_dir: Path, manifest: dict):

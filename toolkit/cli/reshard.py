@@ -1,4 +1,4 @@
-"""`dstk reshard CHECKPOINT_DIR OUT_DIR --pp N [--dp M --sp S --zero Z]`: a checkpoint ready for another
+"""`dstk reshard CHECKPOINT_DIR OUT_DIR --pp N [--dp M --sp S --zero Z --schedule S]`: a checkpoint ready for another
 layout."""
 
 
@@ -15,9 +15,11 @@ from toolkit.cli import echo_json
 @click.option("--sp", type=int, metavar="S", help="Sequence-parallel (Ulysses) size of that layout, pp 1 only "
               "(default: unchanged).")
 @click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-3 (0-1 with pp > 1; default: unchanged).")
+@click.option("--schedule", type=click.Choice(["1f1b", "dualpipev"]), help="Pipeline schedule of that layout "
+              "(dualpipev: 2 pp stages, `dstk train --schedule dualpipev`; default: unchanged).")
 @click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
-def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, tag, as_json):
+def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, schedule, tag, as_json):
     """Make a run's checkpoint resumable on another layout (pp, dp, sp, ZeRO stage), offline.
 
     OUT_DIR becomes a run folder holding the checkpoint's weights, Adam moments, optimizer step, LR
@@ -29,10 +31,11 @@ def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, tag, as_json):
     dstk reshard runs/big runs/big_pp2 --pp 2 --dp 4
     dstk reshard runs/big/checkpoints runs/big_z0 --zero 0 --tag global_step500 --json
     dstk reshard runs/long runs/long_sp1 --sp 1 --dp 8
+    dstk reshard runs/big runs/big_dpv --pp 4 --schedule dualpipev
     """
     from toolkit.checkpoint.reshard import reshard_checkpoint
 
-    done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero, sp)
+    done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero, sp, schedule)
     if as_json:
         echo_json(done, indent=1)
         return
@@ -43,4 +46,5 @@ def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, tag, as_json):
 
 
 def _layout(layout: dict) -> str:
-    return f"pp {layout['pp']} dp {layout['dp']} sp {layout['sp']} ZeRO {layout['zero_stage']}"
+    return (f"pp {layout['pp']} dp {layout['dp']} sp {layout['sp']} ZeRO {layout['zero_stage']}"
+            + (" dualpipev" if layout.get("schedule") == "dualpipev" else ""))
