@@ -5,5 +5,6 @@
     topology.py         world = pp x dp x tp, rank <-> coordinates, the one batch arithmetic
     pipeline.py         pp > 1: the HF model as a PipelineModule on dstk's partition; layer -> HF names
     tensor_parallel.py  tp inside pipeline stages (3D), which DeepSpeed 0.19 does not offer
+    dualpipev.py        --schedule dualpipev: what DeepSpeed's DualPipeV needs, refused before launch
 Nothing here imports torch at import time.
 """

@@ -167,17 +167,9 @@ def render_ascii(t: dict) -> str:
 
 def render_png(t: dict, path: str) -> None:
     """Both timelines as bars on one time axis (matplotlib), written atomically."""
-    from toolkit.plan.schedule import save_atomically, check_png_path
+    from toolkit.plan.schedule import pyplot, save_atomically
 
-    check_png_path(path)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--png needs matplotlib, which is not installed: pip install matplotlib "
-                          "(or drop --png for the ASCII picture)") from None
+    plt = pyplot(path)
     pp = t["dualpipev"].pp
     fig, axes = plt.subplots(2, 1, sharex=True, figsize=(max(8, t["1f1b"].makespan * 0.2), 1.2 * pp + 2))
     colors = {("F", 0): "#8ecae6", ("B", 0): "#219ebc", ("F", 1): "#ffb703", ("B", 1): "#fb8500"}

@@ -118,9 +118,8 @@ def check_png_path(path: str) -> None:
         raise ConfigError(f"--png {path}: directory {directory} does not exist; create it first (mkdir -p {directory})")
 
 
-def render_png(t: Timeline, path: str) -> None:
-    """Draw the timeline with matplotlib (forward light, backward dark, idle blank), written
-    atomically (temp file + rename): a failure leaves no half-written PNG."""
+def pyplot(path: str):
+    """matplotlib.pyplot on the Agg backend, once --png `path` is checked; refused without matplotlib."""
     check_png_path(path)
     try:
         import matplotlib
@@ -130,6 +129,13 @@ def render_png(t: Timeline, path: str) -> None:
     except ImportError:
         raise ConfigError("--png needs matplotlib, which is not installed: pip install matplotlib "
                           "(or drop --png for the ASCII picture)") from None
+    return plt
+
+
+def render_png(t: Timeline, path: str) -> None:
+    """Draw the timeline with matplotlib (forward light, backward dark, idle blank), written
+    atomically (temp file + rename): a failure leaves no half-written PNG."""
+    plt = pyplot(path)
     fig, ax = plt.subplots(figsize=(max(6, t.steps * 0.35), 0.6 * t.pp + 1.2))
     colors = {"F": "#8ecae6", "B": "#219ebc"}
     for s, row in enumerate(t.rows):
