@@ -64,4 +64,6 @@ def plan(as_json, emit_config, force, **kwargs):
     if emit_config:
         click.echo(f"wrote {emit_config} ({result.best[0].layout.describe()})" if result.fitting
                    else f"not writing {emit_config}: no layout fits", err=True)
+        if result.fitting and result.best[0].layout.schedule == "dualpipev":
+            click.echo("train it with `dstk train --schedule dualpipev` (the config holds no schedule)", err=True)
     return 0 if result.fitting else 1
