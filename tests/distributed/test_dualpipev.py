@@ -107,6 +107,7 @@ def test_pp4_dualpipev_on_4_ranks_trains_1f1bs_losses(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.heavy  # 4 runs and 2 reshards: 18-36 s on 2 shared cores
 def test_reshard_moves_a_run_between_1f1b_and_dualpipev(pp2):
     """`dstk reshard --schedule` writes the portable state; the run continues there with the other schedule."""
     from tests.invoke import invoke_dstk

@@ -27,6 +27,8 @@ def test_a_dualpipev_run_that_fits_passes_the_check(tmp_path):
      ["2 x pp = 4 micro-batches", "is 3"]),  # derived: 12 / (2 x dp 2)
     (ds_config(2, 4), (), ["needs pipeline stages: pp is 1", "--pp 2"]),
     (ds_config(2, 8, pp=2, tp=2), (), ['"autotp_size": 2', "pipe_partitioned", "tp 1 or --schedule 1f1b"]),
+    (ds_config(2, 8, pp=2, sequence_parallel_size=2), ("--attention", "sdpa"),
+     ['"sequence_parallel_size": 2', "sequence_parallel_size 1 or --schedule 1f1b"]),
     (ds_config(2, 8, pp=4), (), ["2 x pp = 8 stages", "7 pipeline layers", "--pp 3 or fewer"]),
 ])
 def test_what_dualpipev_cannot_run_is_refused_at_check(tmp_path, cfg, args, said):
