@@ -18,12 +18,12 @@ STEPS, SEQ = 5, 32
 
 
 def train(tmp: Path, name: str, procs: int, pp: int, gas: int, *flags, model: str = "tiny-gpt2",
-          steps: int = STEPS, out: Path | None = None) -> Path:
-    """`dstk train` on `procs` forked ranks -> its --out."""
+          steps: int = STEPS, out: Path | None = None, **pipeline) -> Path:
+    """`dstk train` on `procs` forked ranks -> its --out (`pipeline`: more keys of the config's pipeline section)."""
     from tests.ranks import run_train
 
     cfg = tmp / f"{name}.json"
-    cfg.write_text(json.dumps(run_config(2, gas, pp, clip=1.0)))
+    cfg.write_text(json.dumps(run_config(2, gas, pp, clip=1.0, **pipeline)))
     out = out or tmp / name
     rc, log = run_train(["--config", cfg, "--model", model, "--data", CORPUS, "--seq-len", SEQ, "--no-progress",
                          "--steps", steps, "--eval-fraction", "0.005", "--out", out, *flags], procs)
@@ -56,7 +56,8 @@ def weights(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dualpipev")
-    runs = {"1f1b": train(tmp, "1f1b", 2, 2, 4), "dualpipev": train(tmp, "dpv", 2, 2, 4, "--schedule", "dualpipev")}
+    runs = {"1f1b": train(tmp, "1f1b", 2, 2, 4, "--eval-every", "2"),
+            "dualpipev": train(tmp, "dpv", 2, 2, 4, "--eval-every", "2", "--schedule", "dualpipev")}
     return tmp, runs
 
 
@@ -67,6 +68,9 @@ def test_pp2_dualpipev_trains_1f1bs_losses_and_eval_loss(pp2):
     assert sorted(got) == list(range(1, STEPS + 1))
     assert not far(got, ref, 1e-4), far(got, ref, 1e-4)
     assert abs(summary(runs["dualpipev"])["eval_loss"] - summary(runs["1f1b"])["eval_loss"]) < 1e-4
+    mid = [{r["step"]: r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in r and "step" in r} for out in (runs["1f1b"], runs["dualpipev"])]
+    assert sorted(mid[1]) == [2, 4] and not far(mid[1], mid[0], 1e-5), mid  # eval_batch between train_batches
     manifest = json.loads((runs["dualpipev"] / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert manifest["schedule"] == "dualpipev" and len(manifest["parts"]) == 2 * 2 + 1, manifest["parts"]
 
@@ -143,10 +147,12 @@ def test_reshard_refuses_a_dualpipev_layout_it_cannot_build(pp2, args, said):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", [pytest.param("tiny-llama", marks=pytest.mark.heavy),
-                                  pytest.param("minilm-classification", marks=pytest.mark.heavy), "tiny-gpt2-lora"])
+                                  pytest.param("minilm-classification", marks=pytest.mark.heavy), "tiny-gpt2-lora",
+                                  "tiny-gpt2-checkpointing"])
 def test_other_wrapped_models_train_1f1bs_losses(tmp_path, case):
     """A Llama-style decoder (untied head, rotary recomputed per stage), BERT as a classifier (all-MiniLM-L6-v2's
-    real weights; the padding mask travels as int64 ids) and LoRA on a frozen tied embedding. BERT's dropout is
+    real weights; the padding mask travels as int64 ids), LoRA on a frozen tied embedding and activation
+    checkpointing (DualPipeVModule picks the checkpointable layers per phase). BERT's dropout is
     turned off: DualPipeV runs a rank's passes in another order than 1F1B, so its dropout masks are other
     draws of the same stream (with dropout 0.1 the step-1 losses differ by 6e-3)."""
     extra, model = [], "tiny-llama"
@@ -159,9 +165,11 @@ def test_other_wrapped_models_train_1f1bs_losses(tmp_path, case):
         extra = ["--task", "classification", "--data", weather_rows(tmp_path / "cls.jsonl")]
     elif case == "tiny-gpt2-lora":
         model, extra = "tiny-gpt2", ["--lora", "--lora-r", "4"]
-    ref = losses(train(tmp_path, "1f1b", 2, 2, 4, "--no-export", *extra, model=model, steps=3))
+    pipeline = {"activation_checkpoint_interval": 1} if case == "tiny-gpt2-checkpointing" else {}
+    model = "tiny-gpt2" if pipeline else model
+    ref = losses(train(tmp_path, "1f1b", 2, 2, 4, "--no-export", *extra, model=model, steps=3, **pipeline))
     got = losses(train(tmp_path, "dpv", 2, 2, 4, "--no-export", "--schedule", "dualpipev", *extra, model=model,
-                       steps=3))
+                       steps=3, **pipeline))
     assert sorted(got) == [1, 2, 3] and not far(got, ref, 1e-4), far(got, ref, 1e-4)
 
 
