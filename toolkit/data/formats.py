@@ -12,9 +12,14 @@ no loss is taken. An encoder works on a batch of rows (datasets .map(batched=Tru
 and refuses a malformed row with the file and its row number.
 """
 
+import itertools
 import json
 
+import numpy as np
+import pyarrow as pa
+
 from models import task_named
+import toolkit.data.tokens as tokens
 from toolkit.errors import ConfigError, UnusableInput
 
 IGNORE_INDEX = -100  # label value the loss skips (HF and torch cross_entropy convention)
@@ -61,70 +66,105 @@ def _need(columns: set, keys, fmt: str) -> None:
 
 
 class Encoder:
-    """A picklable batched map function (datasets may run it in num_proc worker processes)."""
+    """A picklable batched map function over Arrow batches (datasets' .map(batched=True, with_indices=True)
+    on a dataset formatted "arrow"; it may run in num_proc worker processes). Each batch is tokenized by
+    one call of the fast tokenizer (tokens.encode, `threads` at once); only chat rows are rendered one by
+    one (their Jinja template is Python)."""
 
     def __init__(self, fmt: str, tokenizer, source: str, train_on: str = "assistant", text_field: str = "text",
-                 strip: bool = False):
+                 strip: bool = False, threads: int = 1):
         self.fmt, self.tok, self.source, self.train_on, self.text_field = fmt, tokenizer, source, train_on, text_field
         self.strip = strip  # plain-text files: a paragraph without its surrounding blank lines
+        self.threads = threads
         self.eos = _eos(tokenizer)
 
-    def __call__(self, batch: dict, indices: list) -> dict:
-        """Columns input_ids, labels (or label), length (tokens) and trained (tokens with a loss)."""
-        if self.fmt == "classification":
-            out = self._classification(batch, indices)
-            return {**out, "length": [len(i) for i in out["input_ids"]], "trained": [1] * len(indices)}
-        out = {"input_ids": [], "labels": [], "length": [], "trained": []}
-        for k, row in enumerate(indices):
-            record = {key: values[k] for key, values in batch.items()}
-            if self.strip:
-                record[self.text_field] = record[self.text_field].strip()
-                if not record[self.text_field]:
-                    continue  # whitespace between paragraphs
-            ids, labels = self.encode(record, row + 1)
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["length"].append(len(ids))
-            out["trained"].append(sum(t != IGNORE_INDEX for t in labels[1:]))
-        return out
+    def __call__(self, batch: pa.Table, indices: list) -> pa.Table:
+        """Columns input_ids, labels (not for text: its labels are its ids) or label, length (tokens) and
+        trained (tokens with a loss)."""
+        return pa.table(self.columns(batch, indices))
 
-    def encode(self, record: dict, row: int) -> tuple[list, list]:
-        """(input_ids, labels) of one row; `row` counts from 1 for messages."""
+    def columns(self, batch: pa.Table, indices: list) -> dict:
         if self.fmt == "text":
-            ids = self._ids(self._str(record, self.text_field, row)) + self.eos
-            return ids, list(ids)
+            return self._text(batch, indices)
+        if self.fmt == "classification":
+            return self._classification(batch, indices)
         if self.fmt == "prompt-completion":
-            answer_key = "completion" if "completion" in record else "response"
-            prompt = self._ids(self._str(record, "prompt", row))
-            answer = self._ids(self._str(record, answer_key, row)) + self.eos
-            masked = prompt if self.train_on == "all" else [IGNORE_INDEX] * len(prompt)
-            return prompt + answer, masked + answer
-        messages = to_messages(self.fmt, record, row, self.source)
-        ids, trained = render_chat(messages, self.tok, self.source, row)
-        return ids, [t if (m or self.train_on == "all") else IGNORE_INDEX for t, m in zip(ids, trained)]
+            ids, labels = self._prompt_completion(batch, indices)
+        else:
+            ids, labels = self._chat(batch.to_pydict(), indices)
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat_labels, offsets = _flat(labels, lengths)
+        seen = np.concatenate([[0], np.cumsum(flat_labels != IGNORE_INDEX)])
+        trained = seen[offsets[1:]] - seen[np.minimum(offsets[:-1] + 1, offsets[1:])]  # not a first token's
+        return {"input_ids": tokens.list_array(ids), "labels": tokens.from_flat(flat_labels, offsets),
+                "length": lengths, "trained": trained}
 
-    def _classification(self, batch: dict, indices: list) -> dict:
-        out = {"input_ids": [], "label": []}
-        for k, row in enumerate(indices):
-            record = {key: values[k] for key, values in batch.items()}
-            label = record.get("label")
+    def _text(self, batch, indices: list) -> dict:
+        texts = self._strings(batch, self.text_field, indices)
+        if self.strip:  # whitespace between paragraphs is no document
+            texts = [t for t in (t.strip() for t in texts) if t]
+        values, offsets = _flat([e.ids for e in tokens.encode(self.tok, texts, self.threads)])
+        if self.eos:
+            values, offsets = tokens.append(values, offsets, self.eos[0])
+        lengths = np.diff(offsets)
+        return {"input_ids": tokens.from_flat(values, offsets), "length": lengths,
+                "trained": np.maximum(lengths - 1, 0)}
+
+    def _prompt_completion(self, batch, indices: list) -> tuple[list, list]:
+        answer_key = "completion" if "completion" in batch.column_names else "response"
+        prompts = tokens.encode(self.tok, self._strings(batch, "prompt", indices), self.threads)
+        answers = tokens.encode(self.tok, self._strings(batch, answer_key, indices), self.threads)
+        ids, labels = [], []
+        for prompt, answer in zip(prompts, answers):
+            prompt, answer = prompt.ids, answer.ids + self.eos
+            ids.append(prompt + answer)
+            labels.append((prompt if self.train_on == "all" else [IGNORE_INDEX] * len(prompt)) + answer)
+        return ids, labels
+
+    def _chat(self, batch: dict, indices: list) -> tuple[list, list]:
+        """Rendered row by row (Jinja), tokenized in one batch; tokens marked by their character offsets."""
+        rendered = [chat_spans(to_messages(self.fmt, {k: v[n] for k, v in batch.items()}, row + 1, self.source),
+                               self.tok, self.source, row + 1) for n, row in enumerate(indices)]
+        if tokens.backend(self.tok) is None:  # slow tokenizers: no offsets, the pieces one by one
+            out = [tokens_by_piece(full, spans, self.tok) for full, spans in rendered]
+        else:
+            encoded = tokens.encode(self.tok, [full for full, _ in rendered], self.threads, offsets=True)
+            out = [(e.ids, marks(e.offsets, spans)) for e, (_, spans) in zip(encoded, rendered)]
+        every = self.train_on == "all"
+        return [ids for ids, _ in out], [ids if every else np.where(m, ids, IGNORE_INDEX).tolist() for ids, m in out]
+
+    def _classification(self, batch, indices: list) -> dict:
+        texts = self._strings(batch, self.text_field, indices)
+        labels = batch.column("label").to_pylist() if "label" in batch.column_names else [None] * len(indices)
+        for label, row in zip(labels, indices):
             if not isinstance(label, int) or isinstance(label, bool) or label < 0:
                 raise ConfigError(f"{self.source} row {row + 1}: 'label' is {json.dumps(label)[:40]}; classification "
                                   "rows need an integer 'label' >= 0 (a class index)")
-            out["input_ids"].append(self._ids(self._str(record, self.text_field, row + 1), special=True))
-            out["label"].append(label)
-        return out
+        ids = [e.ids for e in tokens.encode(self.tok, texts, self.threads, special=True)]
+        return {"input_ids": tokens.list_array(ids), "label": labels, "length": [len(i) for i in ids],
+                "trained": [1] * len(ids)}
 
-    def _ids(self, text: str, special: bool = False) -> list:
-        return self.tok(text, add_special_tokens=special)["input_ids"]
+    def _strings(self, batch, key: str, indices: list) -> list:
+        """Column `key` of an Arrow batch as Python strings; a row that holds no string is refused."""
+        column = batch.column(key) if key in batch.column_names else None
+        if column is not None and column.null_count == 0 and (pa.types.is_string(column.type)
+                                                               or pa.types.is_large_string(column.type)):
+            return column.to_pylist()
+        values = column.to_pylist() if column is not None else [None] * len(indices)
+        bad = next(k for k, v in enumerate(values) if not isinstance(v, str))
+        raise ConfigError(f"{self.source} row {indices[bad] + 1}: {key!r} is {_kind(values[bad])}, not a string; fix "
+                          "the row" + (", or point --text-field at the field that holds the text"
+                                       if key == self.text_field else ""))
 
-    def _str(self, record: dict, key: str, row: int) -> str:
-        value = record.get(key)
-        if not isinstance(value, str):
-            raise ConfigError(f"{self.source} row {row}: {key!r} is {_kind(value)}, not a string; fix the row"
-                              + (", or point --text-field at the field that holds the text" if key == self.text_field
-                                 else ""))
-        return value
+
+def _flat(rows: list, lengths=None) -> tuple[np.ndarray, np.ndarray]:
+    """(flat int32 values, offsets from 0) of a list of id lists (or arrays)."""
+    if lengths is None:
+        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(rows), np.int32, int(offsets[-1]))
+    return values, offsets
 
 
 def _kind(value) -> str:
@@ -196,11 +236,20 @@ def check_template_syntax(template: str, path: str) -> None:
 
 
 def render_chat(messages: list, tok, source: str = "", row: int = 0) -> tuple[list, list]:
-    """render_chat_tokens, with a template's own error named by the row that raised it."""
+    """(input_ids, is_assistant per token) of one conversation rendered with the chat template."""
+    full, spans = chat_spans(messages, tok, source, row)
+    if tokens.backend(tok) is None:
+        return tokens_by_piece(full, spans, tok)
+    encoded = tokens.encode(tok, [full], offsets=True)[0]
+    return encoded.ids, marks(encoded.offsets, spans).tolist()
+
+
+def chat_spans(messages: list, tok, source: str = "", row: int = 0) -> tuple[str, list]:
+    """_chat_spans, with a template's own error named by the row that raised it."""
     from jinja2 import TemplateError
 
     try:
-        return render_chat_tokens(messages, tok, source, row)
+        return _chat_spans(messages, tok, source, row)
     except ConfigError:  # dstk's own refusal (UnusableInput included), already naming the row
         raise
     except TemplateError as exc:
@@ -212,13 +261,12 @@ def render_chat(messages: list, tok, source: str = "", row: int = 0) -> tuple[li
                             "row or the template (--chat-template FILE)") from None
 
 
-def render_chat_tokens(messages: list, tok, source: str = "", row: int = 0) -> tuple[list, list]:
-    """(input_ids, is_assistant per token) of a conversation rendered with the chat template.
+def _chat_spans(messages: list, tok, source: str = "", row: int = 0) -> tuple[str, list]:
+    """(the conversation rendered with the chat template, [(start, end)] characters of each assistant turn).
 
     An assistant turn's characters run from the end of render(messages[:i], add_generation_prompt)
     to the end of render(messages[:i+1]) (its content and end-of-turn marker); both renders must be
-    prefixes of the whole conversation's, else the template rewrites earlier turns and is refused.
-    Tokens are marked by their character offsets in the one tokenization of the whole text."""
+    prefixes of the whole conversation's, else the template rewrites earlier turns and is refused."""
     full = tok.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):
@@ -232,17 +280,28 @@ def render_chat_tokens(messages: list, tok, source: str = "", row: int = 0) -> t
                               "the assistant's tokens cannot be found; pass --chat-template FILE with a template "
                               "that keeps earlier turns as they are, or --train-on all")
         spans.append((len(start), len(end)))
-    if getattr(tok, "is_fast", False):
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        marks = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
-        return enc["input_ids"], marks
-    ids, marks, cut = [], [], 0
-    for a, b in spans + [(len(full), len(full))]:  # slow tokenizers: tokenize the pieces one by one
+    return full, spans
+
+
+def marks(offsets: list, spans: list) -> np.ndarray:
+    """Per token (its (start, end) characters): does it start inside one of `spans` (sorted, disjoint)?"""
+    starts = np.fromiter((s for s, _ in offsets), np.int64, len(offsets))
+    if not spans:
+        return np.zeros(len(starts), bool)
+    lo, hi = np.asarray(spans, np.int64).T
+    k = np.searchsorted(lo, starts, side="right") - 1
+    return (k >= 0) & (starts < hi[np.maximum(k, 0)])
+
+
+def tokens_by_piece(full: str, spans: list, tok) -> tuple[list, list]:
+    """Slow tokenizers (no character offsets): the text between and inside the spans tokenized piece by piece."""
+    ids, flags, cut = [], [], 0
+    for a, b in spans + [(len(full), len(full))]:
         for text, mark in ((full[cut:a], False), (full[a:b], True)):
             piece = tok(text, add_special_tokens=False)["input_ids"] if text else []
-            ids, marks = ids + piece, marks + [mark] * len(piece)
+            ids, flags = ids + piece, flags + [mark] * len(piece)
         cut = b
-    return ids, marks
+    return ids, flags
 
 
 def _render(tok, messages: list, generation_prompt: bool) -> str:

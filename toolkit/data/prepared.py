@@ -29,8 +29,9 @@ from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_te
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
            "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
-VERSION = 1  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+VERSION = 2  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
+TOKENIZE_BATCH = 2000  # documents per tokenizer call (the rows do not depend on it)
 
 
 @dataclass
@@ -109,15 +110,29 @@ def _packing(opts: DataOptions, fmt: str) -> bool:
 
 
 def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source):
-    """One row of (input_ids, labels | label, length, trained) per document, cached."""
+    """One row of (input_ids, labels | label, length, trained) per document, cached. Text-like formats are
+    tokenized in this process by `workers` tokenizer threads; chat formats (rendered row by row in Python)
+    by `workers` processes."""
+    threads, processes = workers(opts, fmt, len(ds))
     encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
-                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES)
+                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=threads)
     key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None, opts.text_field,
                        tokenizer_fingerprint(tokenizer))
-    workers = opts.workers or (1 if len(ds) < 20_000 else min(8, os.cpu_count() or 1))
-    return ds.map(encoder, batched=True, with_indices=True, remove_columns=ds.column_names,
-                  num_proc=workers if workers > 1 else None, new_fingerprint=key,
-                  cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}")
+    return ds.with_format("arrow").map(
+        encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
+        num_proc=processes if processes > 1 else None, new_fingerprint=key,
+        cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}"
+    ).with_format(None)
+
+
+def workers(opts: DataOptions, fmt: str, rows: int) -> tuple[int, int]:
+    """(tokenizer threads per process, processes): --data-workers, else the cores (at most 8); chat formats
+    spread over processes (their templates hold the GIL), one for small data."""
+    cores = opts.workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                                os.cpu_count() or 1)
+    if fmt in CHAT_FORMATS:
+        return 1, cores if opts.workers or rows >= 20_000 else 1
+    return cores, 1
 
 
 def split_documents(tokens, eval_fraction: float, seed: int):
@@ -135,11 +150,11 @@ def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str
     packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
                               split_long=packing and fmt == "text")
     key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
-    keep = ["input_ids", "label" if classification else "labels"]
-    return docs.select_columns(keep).map(
+    keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
+    return docs.select_columns(keep).with_format("arrow").map(
         packer, batched=True, batch_size=pack.BATCH, remove_columns=keep, new_fingerprint=key,
         features=pack.features(opts.seq_len, classification), cache_file_name=_cache_file(opts, f"rows-{key}"),
-        desc=f"{'Packing' if packing else 'Padding'} {name} rows")
+        desc=f"{'Packing' if packing else 'Padding'} {name} rows").with_format(None)
 
 
 def _stats(splits: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
