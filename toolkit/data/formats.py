@@ -123,8 +123,9 @@ class Encoder:
 
     def _chat(self, batch: dict, indices: list) -> tuple[list, list]:
         """Rendered row by row (Jinja), tokenized in one batch; tokens marked by their character offsets."""
+        render = renderer(self.tok)
         rendered = [chat_spans(to_messages(self.fmt, {k: v[n] for k, v in batch.items()}, row + 1, self.source),
-                               self.tok, self.source, row + 1) for n, row in enumerate(indices)]
+                               self.tok, self.source, row + 1, render) for n, row in enumerate(indices)]
         if tokens.backend(self.tok) is None:  # slow tokenizers: no offsets, the pieces one by one
             out = [tokens_by_piece(full, spans, self.tok) for full, spans in rendered]
         else:
@@ -244,12 +245,12 @@ def render_chat(messages: list, tok, source: str = "", row: int = 0) -> tuple[li
     return encoded.ids, marks(encoded.offsets, spans).tolist()
 
 
-def chat_spans(messages: list, tok, source: str = "", row: int = 0) -> tuple[str, list]:
+def chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None) -> tuple[str, list]:
     """_chat_spans, with a template's own error named by the row that raised it."""
     from jinja2 import TemplateError
 
     try:
-        return _chat_spans(messages, tok, source, row)
+        return _chat_spans(messages, tok, source, row, render)
     except ConfigError:  # dstk's own refusal (UnusableInput included), already naming the row
         raise
     except TemplateError as exc:
@@ -261,19 +262,20 @@ def chat_spans(messages: list, tok, source: str = "", row: int = 0) -> tuple[str
                             "row or the template (--chat-template FILE)") from None
 
 
-def _chat_spans(messages: list, tok, source: str = "", row: int = 0) -> tuple[str, list]:
+def _chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None) -> tuple[str, list]:
     """(the conversation rendered with the chat template, [(start, end)] characters of each assistant turn).
 
     An assistant turn's characters run from the end of render(messages[:i], add_generation_prompt)
     to the end of render(messages[:i+1]) (its content and end-of-turn marker); both renders must be
     prefixes of the whole conversation's, else the template rewrites earlier turns and is refused."""
-    full = tok.apply_chat_template(messages, tokenize=False)
+    render = render or renderer(tok)
+    full = render(messages, generation_prompt=False)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = _render(tok, messages[:i], generation_prompt=True) if i else ""
-        end = _render(tok, messages[: i + 1], generation_prompt=False)
+        start = render(messages[:i], generation_prompt=True) if i else ""
+        end = render(messages[: i + 1], generation_prompt=False)
         if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
             raise ConfigError(f"{source} row {row}: the chat template renders turn {i + 1} differently once later "
                               "turns follow (the text of a conversation's start is not a prefix of the whole), so "
@@ -285,7 +287,7 @@ def _chat_spans(messages: list, tok, source: str = "", row: int = 0) -> tuple[st
 
 def marks(offsets: list, spans: list) -> np.ndarray:
     """Per token (its (start, end) characters): does it start inside one of `spans` (sorted, disjoint)?"""
-    starts = np.fromiter((s for s, _ in offsets), np.int64, len(offsets))
+    starts = np.asarray(offsets, np.int64).reshape(-1, 2)[:, 0]
     if not spans:
         return np.zeros(len(starts), bool)
     lo, hi = np.asarray(spans, np.int64).T
@@ -304,5 +306,36 @@ def tokens_by_piece(full: str, spans: list, tok) -> tuple[list, list]:
     return ids, flags
 
 
-def _render(tok, messages: list, generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def renderer(tok):
+    """render(messages, generation_prompt) -> tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=
+    generation_prompt) for checked messages (plain {role, content} strings): the compiled template rendered with
+    the special tokens, as apply_chat_template renders it after copying and normalising every message (which
+    costs more than the render itself), where the two agree on a probe conversation; else apply_chat_template."""
+    special = tok.special_tokens_map
+    text = tok.get_chat_template() if isinstance(getattr(tok, "chat_template", None), (str, dict)) else None
+    key = (text, json.dumps(special, sort_keys=True, default=str))
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(text)
+            same = all(compiled.render(messages=PROBE[:n], tools=None, documents=None, add_generation_prompt=g,
+                                       **special)
+                       == tok.apply_chat_template(PROBE[:n], tokenize=False, add_generation_prompt=g)
+                       for n in (2, 3, 5) for g in (False, True))
+            _TEMPLATES[key] = compiled if same else None
+        except Exception:  # noqa: BLE001 - transformers' own path renders it (and names the error per row)
+            pass
+    compiled = _TEMPLATES[key]
+    if compiled is None:
+        return lambda messages, generation_prompt: tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return lambda messages, generation_prompt: compiled.render(
+        messages=messages, tools=None, documents=None, add_generation_prompt=generation_prompt, **special)
+
+
+_TEMPLATES: dict = {}
+PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}]

@@ -158,12 +158,15 @@ def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str
 
 
 def _stats(splits: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
+    """Documents longer than seq_len and documents with no token to train on, counted in Arrow."""
+    import pyarrow.compute as pc
+
     long = untrained = 0
     for docs in splits:
         if len(docs):
-            cols = docs.with_format("numpy", columns=["length", "trained"])[:]
-            long += int((cols["length"] > opts.seq_len).sum())
-            untrained += int((cols["trained"] == 0).sum())
+            table = docs.with_format("arrow")[:]  # the rows selected (the indices mapping applied)
+            long += pc.sum(pc.greater(table["length"], opts.seq_len)).as_py() or 0
+            untrained += pc.sum(pc.equal(table["trained"], 0)).as_py() or 0
     policy = ("dropped (--drop-long)" if opts.drop_long else "cut into pieces of --seq-len" if packing and fmt == "text"
               else "truncated (--drop-long drops them)")
     return {"long": long, "long_policy": policy, "untrained": untrained}

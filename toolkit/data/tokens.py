@@ -1,8 +1,8 @@
 """A batch of strings -> token ids, at the tokenizer's own speed; ragged ids <-> Arrow list arrays.
 
-    encode(tok, texts, threads)   the fast tokenizer's encode_batch on `threads` slices of the batch at once
-                                  (it releases the GIL, so the threads run in parallel even where
-                                  TOKENIZERS_PARALLELISM=false turns its own thread pool off)
+    encode(tok, texts, threads)   the fast tokenizer's encode_batch: its own thread pool, or where
+                                  TOKENIZERS_PARALLELISM=false turns that off (dstk's ranks), `threads` slices
+                                  of the batch at once (it releases the GIL: the threads run in parallel)
     ragged / list_array           list-of-lists <-> (flat int32 values, int64 offsets) <-> pyarrow ListArray
 
 Everything after the tokenizer works on whole batches in NumPy or Arrow: no loop over tokens in Python.
@@ -10,32 +10,54 @@ Everything after the tokenizer works on whole batches in NumPy or Arrow: no loop
 
 from concurrent.futures import ThreadPoolExecutor
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+_PLAIN: dict = {}  # id(backend) -> (backend, a copy without truncation and padding)
 _POOLS: dict = {}  # threads -> ThreadPoolExecutor, one per process (datasets' workers fork their own)
 
 
 def backend(tok):
-    """The `tokenizers.Tokenizer` behind a fast HF tokenizer, else None (slow tokenizers)."""
-    return getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    """The `tokenizers.Tokenizer` behind a fast HF tokenizer, else None (slow tokenizers); without the truncation
+    or padding a tokenizer.json may carry (the HF tokenizer turns them off for a call like dstk's, too)."""
+    engine = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if engine is None or (engine.truncation is None and engine.padding is None):
+        return engine
+    if id(engine) not in _PLAIN:
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(engine.to_str())
+        plain.no_truncation()
+        plain.no_padding()
+        _PLAIN[id(engine)] = (engine, plain)  # the original kept alive: its id stays its own
+    return _PLAIN[id(engine)][1]
 
 
 def encode(tok, texts: list, threads: int = 1, special: bool = False, offsets: bool = False) -> list:
-    """tokenizers.Encoding objects (fast tokenizers) of `texts`, the batch cut into `threads` slices
-    encoded at once; a slow tokenizer's {"input_ids", "offset_mapping"?} per text, one batched call."""
+    """tokenizers.Encoding objects (fast tokenizers) of `texts`: one batched call where the tokenizer's own
+    threads are on, else the batch cut into `threads` slices encoded at once; slow tokenizers: objects
+    with .ids, one batched call."""
     engine = backend(tok)
     if engine is None:
-        out = tok(texts, add_special_tokens=special, return_offsets_mapping=offsets)
+        out = tok(texts, add_special_tokens=special)
         return [_Slow(ids) for ids in out["input_ids"]]
     call = engine.encode_batch if offsets else engine.encode_batch_fast  # _fast: no character offsets
-    if threads <= 1 or len(texts) < 2 * threads:
+    if threads <= 1 or len(texts) < 2 * threads or own_threads():
         return call(texts, add_special_tokens=special)
     step = -(-len(texts) // threads)
     pool = _POOLS.get(threads) or _POOLS.setdefault(threads, ThreadPoolExecutor(threads, "dstk-tokenize"))
     parts = pool.map(lambda i: call(texts[i: i + step], add_special_tokens=special), range(0, len(texts), step))
     return [e for part in parts for e in part]
+
+
+def own_threads() -> bool:
+    """Does the tokenizer spread a batch over its own thread pool here? (tokenizers' rule for the variable; it
+    turns it off in processes forked after the pool was used)"""
+    value = os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower()
+    return value not in ("", "off", "false", "f", "no", "n", "0")
 
 
 class _Slow:
