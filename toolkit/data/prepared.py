@@ -116,8 +116,9 @@ def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source):
     threads, processes = workers(opts, fmt, len(ds))
     encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
                       strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=threads)
-    key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None, opts.text_field,
-                       tokenizer_fingerprint(tokenizer))
+    key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None,
+                       opts.text_field if fmt in ("text", "classification") else None,
+                       tokenizer_fingerprint(tokenizer, chat=fmt in CHAT_FORMATS))
     return ds.with_format("arrow").map(
         encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
         num_proc=processes if processes > 1 else None, new_fingerprint=key,
@@ -179,11 +180,17 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """What makes a tokenizer's ids: its vocabulary and rules, special tokens and chat template."""
+def tokenizer_fingerprint(tokenizer, chat: bool = False) -> str:
+    """What makes a tokenizer's ids: its vocabulary and rules (tokenizer.json less its truncation and padding,
+    which dstk's calls do not use), its special tokens and, for chat formats, its chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.chat_template], default=str)
+    if backend is not None:
+        body = json.loads(backend.to_str())
+        body = json.dumps({k: v for k, v in body.items() if k not in ("truncation", "padding")}, sort_keys=True)
+    else:
+        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map,
+                        tokenizer.chat_template if chat else None], default=str)
     return hashlib.sha256((body + extra).encode()).hexdigest()
 
 
