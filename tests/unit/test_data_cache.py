@@ -148,3 +148,37 @@ def test_batched_ids_equal_the_tokenizers_own_call_per_document(bpe_dir, files):
     texts = [json.loads(line)["text"] for line in open(files / "mixed.jsonl")]
     assert [e.ids for e in tokens.encode(tok, texts, threads=3)] == [tok(t, add_special_tokens=False)["input_ids"]
                                                                      for t in texts]
+
+
+def test_tokenizing_reports_rows_per_second_and_an_eta_in_a_log_and_nothing_when_warm(tmp_path, bpe_dir, files,
+                                                                                        capsys, monkeypatch):
+    monkeypatch.setenv("DSTK_PROGRESS_SECONDS", "0")  # a line per batch (a log file: stderr is no terminal)
+    monkeypatch.setattr(data.prepared, "TOKENIZE_BATCH", 40)  # 120 rows: 3 batches
+    prepare(files / "mixed.jsonl", load(bpe_dir), tmp_path / "cache", format="text")
+    lines = capsys.readouterr().err.splitlines()
+    progress = [line for line in lines if line.startswith("preparing --data: tokenizing mixed.jsonl: ")]
+    assert len(progress) == 4 and "\r" not in "".join(progress), lines
+    assert [line.split(": ")[2].split(" rows")[0] for line in progress[:3]] == ["40 / 120", "80 / 120", "120 / 120"]
+    assert all("rows/s" in line and "M tokens/s" in line and "ETA " in line for line in progress[:3])
+    assert progress[3].startswith("preparing --data: tokenizing mixed.jsonl: 120 rows, ")
+    prepare(files / "mixed.jsonl", load(bpe_dir), tmp_path / "cache", format="text")
+    assert "preparing --data" not in capsys.readouterr().err  # a warm cache tokenizes nothing
+
+
+def test_on_a_terminal_the_line_is_rewritten_in_place():
+    import io
+
+    from toolkit.data.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    progress = Progress("preparing --data: tokenizing x", 1000, stream=out)
+    progress.last -= 1  # half a second has passed
+    progress.update(250, 5000)
+    progress.close()
+    text = out.getvalue()
+    assert text.startswith("\rpreparing --data: tokenizing x: 250 / 1,000 rows (25.0%)") and text.endswith("\n")
+    assert text.count("\n") == 1 and "ETA" in text

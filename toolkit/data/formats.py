@@ -77,13 +77,19 @@ class Encoder:
         self.strip = strip  # plain-text files: a paragraph without its surrounding blank lines
         self.threads = threads
         self.eos = _eos(tokenizer)
+        self.progress = None  # a toolkit.data.progress.Progress, told of each batch (in-process only)
 
-    def __call__(self, batch: pa.Table, indices: list) -> pa.Table:
+    def __call__(self, batch, indices: list) -> pa.Table:
         """Columns input_ids, labels (not for text: its labels are its ids) or label, length (tokens) and
         trained (tokens with a loss)."""
-        return pa.table(self.columns(batch, indices))
+        out = pa.table(self.columns(batch, indices))
+        if self.progress is not None:
+            self.progress.update(len(indices), len(out["input_ids"].combine_chunks().values))
+        return out
 
-    def columns(self, batch: pa.Table, indices: list) -> dict:
+    def columns(self, batch, indices: list) -> dict:
+        """batch: an Arrow table where every column is a plain Arrow value, else datasets' decoded dict (its
+        Json columns, e.g. chat messages whose turns differ in keys, are JSON strings in Arrow)."""
         if self.fmt == "text":
             return self._text(batch, indices)
         if self.fmt == "classification":
@@ -91,7 +97,7 @@ class Encoder:
         if self.fmt == "prompt-completion":
             ids, labels = self._prompt_completion(batch, indices)
         else:
-            ids, labels = self._chat(batch.to_pydict(), indices)
+            ids, labels = self._chat(batch.to_pydict() if isinstance(batch, pa.Table) else batch, indices)
         lengths = np.fromiter(map(len, ids), np.int64, len(ids))
         flat_labels, offsets = _flat(labels, lengths)
         seen = np.concatenate([[0], np.cumsum(flat_labels != IGNORE_INDEX)])
@@ -111,7 +117,7 @@ class Encoder:
                 "trained": np.maximum(lengths - 1, 0)}
 
     def _prompt_completion(self, batch, indices: list) -> tuple[list, list]:
-        answer_key = "completion" if "completion" in batch.column_names else "response"
+        answer_key = "completion" if "completion" in _names(batch) else "response"
         prompts = tokens.encode(self.tok, self._strings(batch, "prompt", indices), self.threads)
         answers = tokens.encode(self.tok, self._strings(batch, answer_key, indices), self.threads)
         ids, labels = [], []
@@ -136,7 +142,7 @@ class Encoder:
 
     def _classification(self, batch, indices: list) -> dict:
         texts = self._strings(batch, self.text_field, indices)
-        labels = batch.column("label").to_pylist() if "label" in batch.column_names else [None] * len(indices)
+        labels = _column(batch, "label", len(indices))
         for label, row in zip(labels, indices):
             if not isinstance(label, int) or isinstance(label, bool) or label < 0:
                 raise ConfigError(f"{self.source} row {row + 1}: 'label' is {json.dumps(label)[:40]}; classification "
@@ -147,15 +153,28 @@ class Encoder:
 
     def _strings(self, batch, key: str, indices: list) -> list:
         """Column `key` of an Arrow batch as Python strings; a row that holds no string is refused."""
-        column = batch.column(key) if key in batch.column_names else None
+        column = batch.column(key) if isinstance(batch, pa.Table) and key in batch.column_names else None
         if column is not None and column.null_count == 0 and (pa.types.is_string(column.type)
                                                                or pa.types.is_large_string(column.type)):
             return column.to_pylist()
-        values = column.to_pylist() if column is not None else [None] * len(indices)
-        bad = next(k for k, v in enumerate(values) if not isinstance(v, str))
+        values = _column(batch, key, len(indices))
+        bad = next((k for k, v in enumerate(values) if not isinstance(v, str)), None)
+        if bad is None:
+            return values
         raise ConfigError(f"{self.source} row {indices[bad] + 1}: {key!r} is {_kind(values[bad])}, not a string; fix "
                           "the row" + (", or point --text-field at the field that holds the text"
                                        if key == self.text_field else ""))
+
+
+def _names(batch) -> list:
+    return batch.column_names if isinstance(batch, pa.Table) else list(batch)
+
+
+def _column(batch, key: str, rows: int) -> list:
+    """Column `key` of a batch (an Arrow table, or datasets' decoded dict of lists) as Python values."""
+    if key not in _names(batch):
+        return [None] * rows
+    return batch.column(key).to_pylist() if isinstance(batch, pa.Table) else list(batch[key])
 
 
 def _flat(rows: list, lengths=None) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from toolkit.data import pack
 from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
                                         eval_micro_batches, loss_weight)
 from toolkit.data.formats import IGNORE_INDEX, Encoder, check_chat_template, infer_format
+from toolkit.data.progress import Progress
 from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_text, load
 
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
@@ -67,8 +68,9 @@ class Prepared:
                 f"{i['long_policy']}; {i['untrained']} without a token to train on, dropped")
 
 
-def prepare(opts: DataOptions, tokenizer) -> Prepared:
-    """Load, tokenize, split and pack (or pad) --data; cached by fingerprint."""
+def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
+    """Load, tokenize, split and pack (or pad) --data; cached by fingerprint. Tokenizing reports its progress
+    on stderr (toolkit.data.progress) unless `quiet`."""
     if opts.max_positions is not None and opts.seq_len > opts.max_positions:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's {opts.max_positions} positions "
                           f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
@@ -79,11 +81,12 @@ def prepare(opts: DataOptions, tokenizer) -> Prepared:
     if fmt in CHAT_FORMATS:
         check_chat_template(tokenizer)
     packing = _packing(opts, fmt)
-    tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path)
+    tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path, quiet)
     if opts.eval_data:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
         infer_format(held.column_names, opts.task, fmt, opts.text_field)  # the same format's columns
-        train_docs, eval_docs, split = tokens, _tokenize(held, fmt, opts, tokenizer, opts.eval_data), "--eval-data"
+        train_docs, eval_docs, split = tokens, _tokenize(held, fmt, opts, tokenizer, opts.eval_data,
+                                                                      quiet), "--eval-data"
     else:
         train_docs, eval_docs = split_documents(tokens, opts.eval_fraction, opts.seed)
         split = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}"
@@ -109,21 +112,35 @@ def _packing(opts: DataOptions, fmt: str) -> bool:
     return fmt == "text" if opts.packing is None else opts.packing
 
 
-def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source):
+def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = False):
     """One row of (input_ids, labels | label, length, trained) per document, cached. Text-like formats are
-    tokenized in this process by `workers` tokenizer threads; chat formats (rendered row by row in Python)
-    by `workers` processes."""
+    tokenized in this process by `workers` tokenizer threads, with dstk's progress line; chat formats
+    (rendered row by row in Python) by `workers` processes, with datasets' progress bar."""
+    import datasets
+
     threads, processes = workers(opts, fmt, len(ds))
     encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
                       strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=threads)
     key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None,
                        opts.text_field if fmt in ("text", "classification") else None,
                        tokenizer_fingerprint(tokenizer, chat=fmt in CHAT_FORMATS))
-    return ds.with_format("arrow").map(
-        encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
-        num_proc=processes if processes > 1 else None, new_fingerprint=key,
-        cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}"
-    ).with_format(None)
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    if processes == 1 and not quiet:
+        encoder.progress = Progress(f"preparing --data: tokenizing {Path(str(source)).name}", len(ds))
+    if processes == 1 or quiet:
+        datasets.disable_progress_bars()
+    try:
+        plain = all(isinstance(f, datasets.Value) for f in ds.features.values())  # else decoded by datasets
+        tokens = ds.with_format("arrow" if plain else None).map(
+            encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
+            num_proc=processes if processes > 1 else None, new_fingerprint=key,
+            cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}")
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if encoder.progress is not None and encoder.progress.rows:
+        encoder.progress.close()
+    return tokens.with_format(None)
 
 
 def workers(opts: DataOptions, fmt: str, rows: int) -> tuple[int, int]:
@@ -207,8 +224,8 @@ def _cache_file(opts: DataOptions, name: str) -> str:
 
 
 def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
-    """prepare() on one rank first (it builds the caches, with progress bars), then on the others (cache hits,
-    quiet): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
+    """prepare() on one rank first (it builds the caches, with its progress line), then on the others (cache
+    hits, quiet; they wait for it in a group with no timeout): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
     the same cache files at once would race), else each node's local rank 0 (process_group.once_per_node).
     A refusal there is raised on every rank, same message."""
     import datasets
@@ -221,6 +238,6 @@ def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
         return result
     datasets.disable_progress_bars()
     try:
-        return prepare(opts, tokenizer)
+        return prepare(opts, tokenizer, quiet=True)
     finally:
         datasets.enable_progress_bars()
