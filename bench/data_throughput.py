@@ -94,11 +94,20 @@ def measure_raw(kind: str, data: str, tokenizer: str) -> dict:
     else:
         texts = [tok.apply_chat_template(m, tokenize=False) for m in table.column("messages").to_pylist()]
     engine = tok.backend_tokenizer
-    start, tokens = time.perf_counter(), 0
+    start, cpu, tokens = time.perf_counter(), cpu_seconds(), 0
     for i in range(0, len(texts), BATCH):
         ids = [e.ids for e in engine.encode_batch_fast(texts[i: i + BATCH], add_special_tokens=False)]
         tokens += sum(map(len, ids))
-    return {"seconds": time.perf_counter() - start, "tokens": tokens, "documents": len(texts)}
+    return {"seconds": time.perf_counter() - start, "cpu_seconds": cpu_seconds() - cpu, "tokens": tokens,
+            "documents": len(texts)}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all its threads) and its waited-for children."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
 
 
 def measure_dstk(data: str, tokenizer: str, cache: str) -> dict:
@@ -111,11 +120,12 @@ def measure_dstk(data: str, tokenizer: str, cache: str) -> dict:
     datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(tokenizer)
     opts = dstk.DataOptions(path=data, seq_len=SEQ, cache_dir=cache, workers=cores())
-    start = time.perf_counter()
-    prepared = dstk.prepare(opts, tok)
-    cold = time.perf_counter() - start
-    dstk.prepare(opts, tok)
-    return {"seconds": cold, "warm_seconds": time.perf_counter() - start - cold, "rows": len(prepared.train),
+    start, cpu = time.perf_counter(), cpu_seconds()
+    prepared = dstk.prepare(opts, tok, quiet=True)
+    cold, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    dstk.prepare(opts, tok, quiet=True)
+    return {"seconds": cold, "cpu_seconds": cpu, "warm_seconds": time.perf_counter() - start - cold,
+            "rows": len(prepared.train),
             "format": prepared.info["format"], "workers": cores()}
 
 
@@ -158,19 +168,21 @@ def summarize(results: list[dict]) -> dict:
             ok = [r for r in mine if r["side"] == side and r["status"] == "ok"]
             row[side] = {"runs": sum(r["side"] == side for r in mine), "ok": len(ok),
                          "seconds": statistics.median(r["seconds"] for r in ok) if ok else None,
+                         "cpu_seconds": statistics.median(r["cpu_seconds"] for r in ok) if ok else None,
                          "all_seconds": [round(r["seconds"], 2) for r in ok]}
             row[side]["tokens_per_s"] = tokens / row[side]["seconds"] if ok and tokens else None
         warm = [r["warm_seconds"] for r in mine if r["side"] == "dstk" and r["status"] == "ok"]
         row["dstk"]["warm_seconds"] = statistics.median(warm) if warm else None
         both = row["raw"]["seconds"] and row["dstk"]["seconds"]
         row["ratio"] = row["raw"]["seconds"] / row["dstk"]["seconds"] if both else None
+        row["cpu_ratio"] = row["raw"]["cpu_seconds"] / row["dstk"]["cpu_seconds"] if both else None
         out[kind] = row
     return out
 
 
 def table(summary: dict) -> list[str]:
     lines = ["| data | tokens | raw tokenizer tokens/s | dstk cold prepare tokens/s | dstk / raw | raw s (runs) | "
-             "dstk s (runs) | dstk warm s |", "|---|---:|---:|---:|---:|---|---|---:|"]
+             "dstk s (runs) | dstk / raw, CPU seconds | dstk warm s |", "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for kind, row in summary.items():
         def rate(side):
             got = row[side]
@@ -178,8 +190,9 @@ def table(summary: dict) -> list[str]:
                 "" if got["ok"] == got["runs"] else f" ({got['ok']} of {got['runs']} ok)")
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
         warm = "-" if row["dstk"]["warm_seconds"] is None else f"{row['dstk']['warm_seconds']:.1f}"
+        cpu = "-" if row["cpu_ratio"] is None else f"{row['cpu_ratio']:.3f}"
         lines.append(f"| {kind} | {row['tokens'] or 0:,} | {rate('raw')} | {rate('dstk')} | {ratio} | "
-                     f"{row['raw']['all_seconds']} | {row['dstk']['all_seconds']} | {warm} |")
+                     f"{row['raw']['all_seconds']} | {row['dstk']['all_seconds']} | {cpu} | {warm} |")
     return lines
 
 
@@ -225,7 +238,10 @@ def markdown(summary: dict, meta: dict, results: list[dict]) -> list[str]:
              "raw: `encode_batch_fast` of the fast tokenizer over batches of 2,000 texts already in memory (chat: "
              "rendered with the template beforehand, untimed), its own threads on, the ids taken out (`.ids`). dstk: `toolkit.data.prepare` on "
              "an empty cache, timed whole (JSON -> Arrow, chat template rendering, tokenizing, eval split, "
-             "packing, cache writes); tokens/s of both on the raw token count. Warm: prepare again on that cache.",
+             "packing, cache writes); tokens/s of both on the raw token count. dstk / raw = throughput ratio = raw seconds / dstk "
+             "seconds (wall); beside it the same ratio of CPU seconds (user + system, all threads and worker "
+             "processes), which the other loads of a shared machine disturb less. Warm: prepare again on that "
+             "cache.",
              "", f"1-minute load average before/after: {meta['load_average_1min'][0]:.1f} / "
              f"{meta['load_average_1min'][1]:.1f} on {meta['cores']} CPUs (shared, noisy)."]
     for r in results:

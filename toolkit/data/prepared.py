@@ -85,8 +85,8 @@ def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
     if opts.eval_data:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
         infer_format(held.column_names, opts.task, fmt, opts.text_field)  # the same format's columns
-        train_docs, eval_docs, split = tokens, _tokenize(held, fmt, opts, tokenizer, opts.eval_data,
-                                                                      quiet), "--eval-data"
+        held = _tokenize(held, fmt, opts, tokenizer, opts.eval_data, quiet)
+        train_docs, eval_docs, split = tokens, held, "--eval-data"
     else:
         train_docs, eval_docs = split_documents(tokens, opts.eval_fraction, opts.seed)
         split = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}"
@@ -97,7 +97,7 @@ def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
                           "a token with a loss within --seq-len); check --format, --train-on and --seq-len")
     info = {"how": how, "format": fmt, "packing": packing, "seq_len": opts.seq_len, "documents": len(tokens),
             "train_documents": len(train_docs), "eval_documents": len(eval_docs), "split": split,
-            "train_rows": len(train), "eval_rows": len(eval_), **_stats([train_docs, eval_docs], opts, packing, fmt)}
+            "train_rows": len(train), "eval_rows": len(eval_), **_stats([tokens, held] if opts.eval_data else [tokens], opts, packing, fmt)}
     if fmt == "classification":  # the head's size: the largest class index seen, + 1
         info["num_labels"] = max(int(d.with_format("numpy", columns=["label"])[:]["label"].max()) for d in (train, eval_)
                                  if len(d)) + 1
@@ -175,16 +175,16 @@ def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str
         desc=f"{'Packing' if packing else 'Padding'} {name} rows").with_format(None)
 
 
-def _stats(splits: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
-    """Documents longer than seq_len and documents with no token to train on, counted in Arrow."""
+def _stats(tokenized: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
+    """Documents longer than seq_len and documents with no token to train on (train and eval: every tokenized
+    document), counted in Arrow on the whole columns."""
     import pyarrow.compute as pc
 
     long = untrained = 0
-    for docs in splits:
+    for docs in tokenized:
         if len(docs):
-            table = docs.with_format("arrow")[:]  # the rows selected (the indices mapping applied)
-            long += pc.sum(pc.greater(table["length"], opts.seq_len)).as_py() or 0
-            untrained += pc.sum(pc.equal(table["trained"], 0)).as_py() or 0
+            long += pc.sum(pc.greater(docs.data.column("length"), opts.seq_len)).as_py() or 0
+            untrained += pc.sum(pc.equal(docs.data.column("trained"), 0)).as_py() or 0
     policy = ("dropped (--drop-long)" if opts.drop_long else "cut into pieces of --seq-len" if packing and fmt == "text"
               else "truncated (--drop-long drops them)")
     return {"long": long, "long_policy": policy, "untrained": untrained}
