@@ -107,11 +107,14 @@ process_group.shutdown()
 
 def test_ranks_wait_for_a_slow_tokenizer_past_the_groups_timeout(tmp_path):
     """Local rank 0 tokenizes --data (4 s, twice the 2 s timeout of this world) while rank 1 waits for it in
-    toolkit.data's exchange: nobody times out, and rank 1 reads the same rows from the cache."""
+    toolkit.data's exchange: nobody times out, rank 1 reads the same rows from the cache (it never tokenizes),
+    and the preparing rank alone says what it did (toolkit.data.progress)."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_DATA)
     rc, log = run_ranks([script, Path(__file__).parents[2] / "toolkit" / "corpus" / "corpus.txt", tmp_path / "cache"], 2,
                         timeout=120)
     assert rc == 0, log[-3000:]
-    rows = sorted(line for line in log.splitlines() if line.startswith("rank "))
+    rows = sorted(line for line in log.splitlines() if line.startswith("rank ") and " rows " in line)
     assert len(rows) == 2 and rows[0].split()[-1] == rows[1].split()[-1], log[-3000:]
+    assert log.count("tokenizing slowly") == 1 and "rank 0 tokenizing slowly" in log, log[-3000:]
+    assert log.count("preparing --data: tokenizing corpus.txt: 700 rows, ") == 1, log[-3000:]
