@@ -1,12 +1,13 @@
 """--data -> memory-mapped rows of seq_len tokens, split by document, sharded per data-parallel rank.
 
-    load (source.py) -> tokenize (formats.py, datasets .map num_proc, cached by fingerprint)
-    -> split by document (--eval-fraction, or --eval-data) -> pack or pad (pack.py, cached)
+    load (source.py) -> tokenize (formats.py: a batch per call of the fast tokenizer, its threads; tokens.py)
+    -> split by document (--eval-fraction, or --eval-data) -> pack or pad (pack.py: NumPy over whole batches)
 
 Every step is a HF `datasets` map whose Arrow output is cached under --data-cache (default
-HF_DATASETS_CACHE) with a fingerprint of the file, the tokenizer and the options: a second run with
-the same inputs reads the cache. Local rank 0 of each node builds it; the others wait, then
-memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
+HF_DATASETS_CACHE) with a fingerprint of what changes tokens (the file, the tokenizer's files, the chat
+template, the format, seq-len, packing, train-on) and nothing else: a second run with the same inputs
+reads the cache. One rank per node (per shared file system) builds it, saying how far it is
+(progress.py); the others wait for it with no timeout, then memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
 
 Batches and their order: toolkit.data.batches (re-exported here, and by the package: `from toolkit import data`).
 """
@@ -50,7 +51,7 @@ class DataOptions:
     seed: int = 1234
     encoding: str = "utf-8"
     cache_dir: str | None = None  # None: HF_DATASETS_CACHE
-    workers: int | None = None  # tokenizing processes; None: 1 for small data, else up to 8
+    workers: int | None = None  # tokenizing threads (chat formats: processes); None: the cores, at most 8
     max_positions: int | None = None  # the model's, checked against seq_len
 
 
