@@ -385,6 +385,7 @@ def parse_args(argv=None):
     p.add_argument("--throughput", action="store_true",
                    help="cold-cache preparation against the raw tokenizer instead (bench/data_throughput.py)")
     p.add_argument("--chat-mb", type=float, default=50, help="--throughput: MB of chat rows (default 50)")
+    p.add_argument("--no-record", action="store_true", help="--throughput: write nothing to bench/results (tests)")
     p.add_argument("--measure", choices=("old", "new"), help=argparse.SUPPRESS)  # the in-process child
     p.add_argument("--measure-throughput", choices=("raw", "dstk"), help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=("text", "chat"), help=argparse.SUPPRESS)

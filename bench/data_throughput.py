@@ -220,10 +220,11 @@ def main(args) -> int:
             "seq_len": SEQ, "vocab": VOCAB, "platform": common.machine()["platform"],
             "load_average_1min": [load_before, os.getloadavg()[0]]}
     status = "ok" if all(r["status"] == "ok" for r in results) else "failed"
-    common.write_result("data_throughput", {"status": status, "meta": meta, "summary": summary, "runs": results})
     lines = markdown(summary, meta, results)
-    common.write_markdown("data_throughput", "Data preparation vs the raw tokenizer (`bench/data_pipeline.py "
-                          "--throughput`)", lines)
+    if not args.no_record:
+        common.write_result("data_throughput", {"status": status, "meta": meta, "summary": summary, "runs": results})
+        common.write_markdown("data_throughput", "Data preparation vs the raw tokenizer (`bench/data_pipeline.py "
+                              "--throughput`)", lines)
     print("\n".join(lines))
     return 0 if status == "ok" else 1
 
