@@ -6,7 +6,7 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-ORDER = ["cli_startup", "launch_time", "partition", "wrapper_overhead", "train", "lora", "plan", "data_pipeline", "gpu"]
+ORDER = ["cli_startup", "launch_time", "partition", "wrapper_overhead", "train", "lora", "plan", "data_pipeline", "data_throughput", "gpu"]
 INTRO = """# Benchmarks
 
 Every figure comes from a script in `bench/` (the command is given with each table) and is also

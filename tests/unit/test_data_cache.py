@@ -182,3 +182,19 @@ def test_on_a_terminal_the_line_is_rewritten_in_place():
     text = out.getvalue()
     assert text.startswith("\rpreparing --data: tokenizing x: 250 / 1,000 rows (25.0%)") and text.endswith("\n")
     assert text.count("\n") == 1 and "ETA" in text
+
+
+def test_a_text_file_is_read_through_once_per_version_not_on_every_rank_and_start(tmp_path, bpe_dir, monkeypatch):
+    from toolkit.data import source
+
+    path = tmp_path / "corpus.txt"
+    path.write_text(open(CORPUS, encoding="utf-8").read())
+    reads = []
+    check = source.check_text
+    monkeypatch.setattr(source, "check_text", lambda *a, **k: reads.append(k.get("limit")) or check(*a, **k))
+    for _ in range(2):  # the preparing rank, then a waiting rank (or a warm start)
+        prepare(path, load(bpe_dir), tmp_path / "cache")
+    assert reads.count(None) == 1  # the whole file once (each start still looks at its first MiB)
+    path.write_text(path.read_text() + "\n\nOne more paragraph.\n")  # a new version is read through again
+    prepare(path, load(bpe_dir), tmp_path / "cache")
+    assert reads.count(None) == 2
