@@ -14,6 +14,7 @@ and refuses a malformed row with the file and its row number.
 
 import itertools
 import json
+from operator import itemgetter
 
 import numpy as np
 import pyarrow as pa
@@ -294,7 +295,7 @@ def _chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None
         if message["role"] != "assistant":
             continue
         start = render(messages[:i], generation_prompt=True) if i else ""
-        end = render(messages[: i + 1], generation_prompt=False)
+        end = full if i == len(messages) - 1 else render(messages[: i + 1], generation_prompt=False)
         if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
             raise ConfigError(f"{source} row {row}: the chat template renders turn {i + 1} differently once later "
                               "turns follow (the text of a conversation's start is not a prefix of the whole), so "
@@ -306,7 +307,7 @@ def _chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None
 
 def marks(offsets: list, spans: list) -> np.ndarray:
     """Per token (its (start, end) characters): does it start inside one of `spans` (sorted, disjoint)?"""
-    starts = np.asarray(offsets, np.int64).reshape(-1, 2)[:, 0]
+    starts = np.fromiter(map(itemgetter(0), offsets), np.int64, len(offsets))  # C-level map: no Python loop body
     if not spans:
         return np.zeros(len(starts), bool)
     lo, hi = np.asarray(spans, np.int64).T
