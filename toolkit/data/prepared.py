@@ -24,7 +24,8 @@ from toolkit.errors import ConfigError
 from toolkit.data import pack
 from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
                                         eval_micro_batches, loss_weight)
-from toolkit.data.formats import IGNORE_INDEX, Encoder, check_chat_template, infer_format
+from toolkit.data.chat import check_chat_template
+from toolkit.data.formats import IGNORE_INDEX, Encoder, infer_format
 from toolkit.data.progress import Progress
 from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_text, load
 
