@@ -4,6 +4,8 @@ tokenization tokens/s, side by side from one run that alternates them (old, new 
     .venv/bin/python bench/data_pipeline.py --mb 200 --repeats 1   # the size: ~25 min on 2 CPUs, ~20 GB RAM
     .venv/bin/python bench/data_pipeline.py --quick                # 20 MB, 3 repeats: ~10 min (tests, run_all)
     .venv/bin/python bench/data_pipeline.py --quick --dry-run      # print the commands, run nothing
+    .venv/bin/python bench/data_pipeline.py --throughput --mb 200 --chat-mb 50   # cold prepare vs the raw tokenizer
+                                                                   # (bench/data_throughput.py says how)
 
 Data: --mb MB (10^6 bytes) of JSON lines {"text": ...}, generated into a temporary folder from --seed
 (documents of lognormal length, ~185 words on average, drawn from a fixed vocabulary with a few non-ASCII
@@ -380,7 +382,14 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed (default 1800)")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (logs, data), not a temporary folder")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--throughput", action="store_true",
+                   help="cold-cache preparation against the raw tokenizer instead (bench/data_throughput.py)")
+    p.add_argument("--chat-mb", type=float, default=50, help="--throughput: MB of chat rows (default 50)")
+    p.add_argument("--no-record", action="store_true", help="--throughput: write nothing to bench/results (tests)")
     p.add_argument("--measure", choices=("old", "new"), help=argparse.SUPPRESS)  # the in-process child
+    p.add_argument("--measure-throughput", choices=("raw", "dstk"), help=argparse.SUPPRESS)
+    p.add_argument("--kind", choices=("text", "chat"), help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -395,6 +404,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.measure:
         return measure_child(args)
+    if args.measure_throughput or args.throughput:
+        sys.path.insert(0, str(BENCH))
+        import data_throughput
+
+        args.measure = args.measure_throughput
+        return data_throughput.measure_child(args) if args.measure else data_throughput.main(args)
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
         return bench(args, Path(args.keep))

@@ -118,3 +118,56 @@ def test_markdown_names_every_failure(tmp_path):
     assert "20.0 MB of synthetic JSON lines (`--mb 20`, seed 0): 15,000 documents, 19,900,000 tokens" in text
     assert "**FAILED**: new-warm run 2: exit code 1" in text and "MemoryError" in text
     assert "**FAILED**: new tokenization 2: timed out" in text
+
+
+import data_throughput as throughput  # noqa: E402
+
+
+def test_chat_generator_size_and_determinism(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    meta = throughput.generate_chat(a, 0.05, seed=3)
+    assert throughput.generate_chat(b, 0.05, seed=3) == meta and a.read_bytes() == b.read_bytes()
+    rows = [json.loads(line)["messages"] for line in a.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == meta["rows"] and 0.05e6 <= meta["bytes"] == a.stat().st_size
+    assert all([m["role"] for m in r if m["role"] != "system"] == ["user", "assistant"] * (len(r) // 2) for r in rows)
+    assert {len(r) for r in rows} >= {2, 4, 6}
+
+
+def measured(side, kind, n, seconds, cpu, status="ok", tokens=1_000_000):
+    return {"side": side, "kind": kind, "repeat": n, "status": status, "seconds": seconds, "cpu_seconds": cpu,
+            "tokens": tokens, "documents": 10, "warm_seconds": 1.0, "reason": "exit code 1", "log_tail": "boom"}
+
+
+def test_throughput_medians_ratios_and_failed_runs_kept():
+    runs = [measured("raw", "text", 0, 10.0, 18.0), measured("dstk", "text", 0, 12.0, 20.0),
+            measured("raw", "text", 1, 20.0, 19.0), measured("dstk", "text", 1, 10.0, 21.0),
+            measured("raw", "text", 2, 11.0, 18.5), measured("dstk", "text", 2, None, None, status="failed"),
+            measured("raw", "chat", 0, None, None, status="failed")]
+    out = throughput.summarize(runs)
+    text = out["text"]
+    assert text["raw"]["seconds"] == 11.0 and text["dstk"]["seconds"] == 11.0 and text["dstk"]["ok"] == 2
+    assert text["ratio"] == pytest.approx(1.0) and text["cpu_ratio"] == pytest.approx(18.5 / 20.5)
+    assert text["raw"]["tokens_per_s"] == pytest.approx(1e6 / 11)
+    assert out["chat"]["ratio"] is None and out["chat"]["raw"]["ok"] == 0
+    lines = throughput.table(out)
+    assert lines[2].startswith("| text | 1,000,000 | 90,909 | 90,909 (2 of 3 ok) | 1.000 |")
+    assert lines[3].startswith("| chat | 0 | failed | failed | - |")
+    meta = {"data": {"text": {"bytes": 2e6, "documents": 10}, "chat": {"bytes": 1e6, "rows": 5}}, "vocab": 32000,
+            "seq_len": 2048, "cores": 2, "repeats": 3, "load_average_1min": [1.0, 2.0]}
+    text_md = "\n".join(throughput.markdown(out, meta, runs))
+    assert "**FAILED**: dstk text run 3: exit code 1" in text_md and "boom" in text_md
+
+
+@pytest.mark.heavy
+def test_a_tiny_throughput_run_end_to_end(tmp_path):
+    """The whole --throughput path on a tiny corpus: tokenizer training, raw and dstk children, the report."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "data_pipeline.py"), "--throughput", "--mb", "0.3",
+                           "--chat-mb", "0.1", "--repeats", "1", "--keep", str(tmp_path), "--no-record"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["side"], r["kind"]) for r in runs] == [("raw", "text"), ("dstk", "text"), ("raw", "chat"),
+                                                      ("dstk", "chat")]
+    assert all(r["status"] == "ok" and r["seconds"] > 0 for r in runs)
+    assert runs[1]["format"] == "text" and runs[3]["format"] == "chat"
+    assert "| text | " in proc.stdout and "| chat | " in proc.stdout

@@ -80,17 +80,24 @@ process_group.init(cpu=True, timeout=datetime.timedelta(seconds=2))
 tokenizer = hf.byte_tokenizer()
 
 
-class Slow(type(tokenizer)):  # a tokenizer slower than the group's timeout: 4 s at its first batch
+class Slow:  # the tokenizers.Tokenizer behind it, slower than the group's timeout: 4 s at its first batch
     slept = False
 
-    def __call__(self, *args, **kwargs):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode_batch_fast(self, *args, **kwargs):
         if not Slow.slept:
             Slow.slept = True
+            print(f"rank {dist.get_rank()} tokenizing slowly", flush=True)
             time.sleep(4)
-        return super().__call__(*args, **kwargs)
+        return self.inner.encode_batch_fast(*args, **kwargs)
 
 
-tokenizer.__class__ = Slow
+tokenizer._tokenizer = Slow(tokenizer._tokenizer)
 opts = data.DataOptions(path=sys.argv[1], seq_len=32, cache_dir=sys.argv[2])
 prepared = data.prepare_once_per_node(opts, tokenizer)
 print(f"rank {dist.get_rank()} rows {len(prepared.train)}", flush=True)
@@ -100,11 +107,14 @@ process_group.shutdown()
 
 def test_ranks_wait_for_a_slow_tokenizer_past_the_groups_timeout(tmp_path):
     """Local rank 0 tokenizes --data (4 s, twice the 2 s timeout of this world) while rank 1 waits for it in
-    toolkit.data's exchange: nobody times out, and rank 1 reads the same rows from the cache."""
+    toolkit.data's exchange: nobody times out, rank 1 reads the same rows from the cache (it never tokenizes),
+    and the preparing rank alone says what it did (toolkit.data.progress)."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_DATA)
     rc, log = run_ranks([script, Path(__file__).parents[2] / "toolkit" / "corpus" / "corpus.txt", tmp_path / "cache"], 2,
                         timeout=120)
     assert rc == 0, log[-3000:]
-    rows = sorted(line for line in log.splitlines() if line.startswith("rank "))
+    rows = sorted(line for line in log.splitlines() if line.startswith("rank ") and " rows " in line)
     assert len(rows) == 2 and rows[0].split()[-1] == rows[1].split()[-1], log[-3000:]
+    assert log.count("tokenizing slowly") == 1 and "rank 0 tokenizing slowly" in log, log[-3000:]
+    assert log.count("preparing --data: tokenizing corpus.txt: 700 rows, ") == 1, log[-3000:]

@@ -7,7 +7,7 @@ import pytest
 
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit import data
-from toolkit.data.formats import render_chat
+from toolkit.data.chat import render_chat
 from toolkit.train.hf import byte_tokenizer
 
 # ChatML with HF's generation markers, so apply_chat_template(return_assistant_tokens_mask=True) can check us

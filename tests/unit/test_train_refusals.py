@@ -218,7 +218,7 @@ def test_a_chat_template_with_a_jinja_syntax_error_is_refused_naming_file_and_li
 
 
 def test_a_chat_template_that_raises_on_a_row_is_named_with_the_row(tmp_path):
-    from toolkit.data.formats import render_chat
+    from toolkit.data.chat import render_chat
     from toolkit.errors import UnusableInput
     from toolkit.train import hf
 
@@ -393,7 +393,7 @@ def test_a_damaged_tokenizer_file_is_refused_by_check(tmp_path, saved_llama):
 
 
 def test_a_chat_template_raising_a_python_error_on_a_row_is_named_with_the_row():
-    from toolkit.data.formats import render_chat
+    from toolkit.data.chat import render_chat
     from toolkit.errors import UnusableInput
     from toolkit.train import hf
 

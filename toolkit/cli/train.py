@@ -37,7 +37,7 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--eval-data", metavar="FILE|DIR", help="Evaluate on this data instead of --eval-fraction of --data.")
 @click.option("--data-cache", metavar="DIR", help="Cache of tokenized rows (default: HF_DATASETS_CACHE).")
 @click.option("--data-workers", type=click.IntRange(min=1), metavar="N",
-              help="Tokenizing processes per node (default: 1 for small data, else up to 8).")
+              help="Tokenizing threads per node (chat formats: processes); default: the cores, at most 8.")
 @click.option("--config", "--deepspeed-config", "--deepspeed_config", "config", required=True, metavar="JSON",
               help="DeepSpeed config (from `dstk generate-config`).")
 @click.option("--out", default="runs/dstk", show_default=True, metavar="DIR",

@@ -1,4 +1,4 @@
-"""Documents (variable-length input_ids + labels) -> rows of exactly seq_len tokens.
+"""Documents (variable-length input_ids + labels) -> rows of exactly seq_len tokens, a batch at a time in NumPy.
 
 Each row carries three int32 lists of seq_len: input_ids, doc_ids (0 padding, 1..k the k-th
 document in the row: the contract with models/spec.py attention_inputs) and labels (-100: no loss).
@@ -8,8 +8,13 @@ is padded and closed. Labels are -100 on each document's first token, so no toke
 document's first one (the causal loss shifts: position t predicts labels[t + 1]). Without packing
 every document is a row of its own, padded. A document longer than seq_len is truncated (default),
 dropped (--drop-long), or for packed text cut into seq_len pieces, each a document of its own.
+Text documents carry no labels column: their labels are their ids.
 """
 
+import numpy as np
+import pyarrow as pa
+
+import toolkit.data.tokens as tokens
 from toolkit.data.formats import IGNORE_INDEX
 
 BATCH = 1000  # documents per packing batch; fixed, so the rows never depend on the machine
@@ -25,56 +30,74 @@ def features(seq_len: int, classification: bool = False):
 
 
 class Packer:
-    """A batched datasets map function: documents in, fixed-length rows out (picklable)."""
+    """A batched datasets map function over Arrow batches: documents in, fixed-length rows out (picklable)."""
 
     def __init__(self, seq_len: int, pad_id: int, packing: bool, drop_long: bool, split_long: bool):
         self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
         self.drop_long, self.split_long = drop_long, split_long
 
-    def __call__(self, batch: dict) -> dict:
-        out = {"input_ids": [], "doc_ids": [], "labels": []}
-        if "label" in batch:  # classification: one padded row per document, never packed
-            out = {"input_ids": [], "doc_ids": [], "label": []}
-            for ids, label in zip(batch["input_ids"], batch["label"]):
-                if len(ids) > self.seq_len and self.drop_long:
-                    continue
-                self._emit(out, [ids[: self.seq_len]], [[0] * min(len(ids), self.seq_len)])
-                out["label"].append(label)
-            return out
-        row_ids, row_labels = [], []
-        for ids, labels in zip(batch["input_ids"], batch["labels"]):
-            for piece_ids, piece_labels in self.fit(ids, labels):
-                if not self.packing or sum(map(len, row_ids)) + len(piece_ids) > self.seq_len:
-                    self._emit(out, row_ids, row_labels)
-                    row_ids, row_labels = [], []
-                row_ids.append(piece_ids)
-                row_labels.append([IGNORE_INDEX] + piece_labels[1:])
-        self._emit(out, row_ids, row_labels)
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return pa.table(self.columns(batch))
+
+    def columns(self, batch: pa.Table) -> dict:
+        ids, offsets = tokens.ragged(batch.column("input_ids"))
+        if "label" in batch.column_names:  # classification: one padded row per document, never packed
+            keep = np.diff(offsets) <= self.seq_len if self.drop_long else np.ones(len(offsets) - 1, bool)
+            start, length = offsets[:-1][keep], np.minimum(np.diff(offsets), self.seq_len)[keep]
+            rows = self.rows(ids, None, start, length, np.arange(len(start)))
+            return {**rows, "label": batch.column("label").combine_chunks().filter(pa.array(keep))}
+        labels = tokens.ragged(batch.column("labels"))[0] if "labels" in batch.column_names else ids
+        start, length = self.pieces(offsets, labels)
+        return self.rows(ids, labels, start, length, self.row_of(length))
+
+    def pieces(self, offsets: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, length) of the pieces the documents become: each itself, truncated, split, or none
+        (dropped, or nothing to train on), in document order."""
+        n, length = self.seq_len, np.diff(offsets)
+        long = length > n
+        count = np.where(long, 0 if self.drop_long else -(-length // n) if self.split_long else 1, 1)
+        doc = np.repeat(np.arange(len(length)), count)
+        k = np.arange(len(doc)) - np.repeat(np.cumsum(count) - count, count)  # the piece's index in its document
+        start = offsets[:-1][doc] + k * n
+        size = np.minimum(n, length[doc] - k * n)
+        seen = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)])
+        trained = seen[start + size] - seen[np.minimum(start + 1, start + size)]  # labels after the first token
+        keep = (size > 1) & (trained > 0)
+        return start[keep], size[keep]
+
+    def row_of(self, length: np.ndarray) -> np.ndarray:
+        """The row of each piece: next fit (a loop over pieces, not tokens), or one row each without packing."""
+        if not self.packing:
+            return np.arange(len(length))
+        row, used, out = -1, self.seq_len + 1, np.empty(len(length), np.int64)
+        for k, size in enumerate(length.tolist()):
+            if used + size > self.seq_len:
+                row, used = row + 1, 0
+            out[k], used = row, used + size
         return out
 
-    def fit(self, ids: list, labels: list) -> list:
-        """The (ids, labels) pieces one document becomes: itself, truncated, split, or none (dropped,
-        or nothing to train on)."""
-        n = self.seq_len
-        if len(ids) <= n:
-            pieces = [(ids, labels)]
-        elif self.drop_long:
-            pieces = []
-        elif self.split_long:
-            pieces = [(ids[i: i + n], labels[i: i + n]) for i in range(0, len(ids), n)]
-        else:
-            pieces = [(ids[:n], labels[:n])]
-        return [(i, y) for i, y in pieces if len(i) > 1 and any(t != IGNORE_INDEX for t in y[1:])]
+    def rows(self, ids, labels, start, length, row) -> dict:
+        """Fixed-size rows holding the pieces (start, length) at `row`, in order, padded."""
+        n, count = self.seq_len, int(row[-1]) + 1 if len(row) else 0
+        first = np.flatnonzero(np.diff(row, prepend=-1))  # each row's first piece
+        place = np.zeros(len(row), np.int64)  # each piece's offset within its row
+        ends = np.cumsum(length)
+        if len(row):
+            place = ends - length - np.repeat(ends[first] - length[first], np.diff(np.append(first, len(row))))
+        piece = np.repeat(np.arange(len(row)), length)  # per token of the output
+        within = np.arange(int(ends[-1]) if len(row) else 0) - np.repeat(ends - length, length)
+        src, dest = start[piece] + within, (row * n + place)[piece] + within
+        out_ids = np.full(count * n, self.pad_id, np.int32)
+        out_ids[dest] = ids[src]
+        doc_ids = np.zeros(count * n, np.int32)
+        doc_ids[dest] = (np.arange(len(row)) - np.repeat(first, np.diff(np.append(first, len(row)))) + 1)[piece]
+        out = {"input_ids": _rows(out_ids, n), "doc_ids": _rows(doc_ids, n)}
+        if labels is not None:
+            out_labels = np.full(count * n, IGNORE_INDEX, np.int32)
+            out_labels[dest] = np.where(within == 0, IGNORE_INDEX, labels[src])
+            out["labels"] = _rows(out_labels, n)
+        return out
 
-    def _emit(self, out: dict, docs: list, labels: list) -> None:
-        """One row from the documents gathered, padded to seq_len; nothing when there are none."""
-        if not docs:
-            return
-        ids = [t for d in docs for t in d]
-        doc_ids = [k for k, d in enumerate(docs, 1) for _ in d]
-        pad = self.seq_len - len(ids)
-        out["input_ids"].append(ids + [self.pad_id] * pad)
-        out["doc_ids"].append(doc_ids + [0] * pad)
-        if "labels" in out:
-            out["labels"].append([t for y in labels for t in y] + [IGNORE_INDEX] * pad)
 
+def _rows(values: np.ndarray, n: int) -> pa.FixedSizeListArray:
+    return pa.FixedSizeListArray.from_arrays(pa.array(values), n)

@@ -1,12 +1,13 @@
 """--data -> memory-mapped rows of seq_len tokens, split by document, sharded per data-parallel rank.
 
-    load (source.py) -> tokenize (formats.py, datasets .map num_proc, cached by fingerprint)
-    -> split by document (--eval-fraction, or --eval-data) -> pack or pad (pack.py, cached)
+    load (source.py) -> tokenize (formats.py: a batch per call of the fast tokenizer, its threads; tokens.py)
+    -> split by document (--eval-fraction, or --eval-data) -> pack or pad (pack.py: NumPy over whole batches)
 
 Every step is a HF `datasets` map whose Arrow output is cached under --data-cache (default
-HF_DATASETS_CACHE) with a fingerprint of the file, the tokenizer and the options: a second run with
-the same inputs reads the cache. Local rank 0 of each node builds it; the others wait, then
-memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
+HF_DATASETS_CACHE) with a fingerprint of what changes tokens (the file, the tokenizer's files, the chat
+template, the format, seq-len, packing, train-on) and nothing else: a second run with the same inputs
+reads the cache. One rank per node (per shared file system) builds it, saying how far it is
+(progress.py); the others wait for it with no timeout, then memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
 
 Batches and their order: toolkit.data.batches (re-exported here, and by the package: `from toolkit import data`).
 """
@@ -23,14 +24,17 @@ from toolkit.errors import ConfigError
 from toolkit.data import pack
 from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
                                         eval_micro_batches, loss_weight)
-from toolkit.data.formats import IGNORE_INDEX, Encoder, check_chat_template, infer_format
+from toolkit.data.chat import check_chat_template
+from toolkit.data.formats import IGNORE_INDEX, Encoder, infer_format
+from toolkit.data.progress import Progress
 from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_text, load
 
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
            "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
-VERSION = 1  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+VERSION = 2  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
+TOKENIZE_BATCH = 2000  # documents per tokenizer call (the rows do not depend on it)
 
 
 @dataclass
@@ -48,7 +52,7 @@ class DataOptions:
     seed: int = 1234
     encoding: str = "utf-8"
     cache_dir: str | None = None  # None: HF_DATASETS_CACHE
-    workers: int | None = None  # tokenizing processes; None: 1 for small data, else up to 8
+    workers: int | None = None  # tokenizing threads (chat formats: processes); None: the cores, at most 8
     max_positions: int | None = None  # the model's, checked against seq_len
 
 
@@ -66,8 +70,9 @@ class Prepared:
                 f"{i['long_policy']}; {i['untrained']} without a token to train on, dropped")
 
 
-def prepare(opts: DataOptions, tokenizer) -> Prepared:
-    """Load, tokenize, split and pack (or pad) --data; cached by fingerprint."""
+def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
+    """Load, tokenize, split and pack (or pad) --data; cached by fingerprint. Tokenizing reports its progress
+    on stderr (toolkit.data.progress) unless `quiet`."""
     if opts.max_positions is not None and opts.seq_len > opts.max_positions:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's {opts.max_positions} positions "
                           f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
@@ -78,11 +83,12 @@ def prepare(opts: DataOptions, tokenizer) -> Prepared:
     if fmt in CHAT_FORMATS:
         check_chat_template(tokenizer)
     packing = _packing(opts, fmt)
-    tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path)
+    tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path, quiet)
     if opts.eval_data:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
         infer_format(held.column_names, opts.task, fmt, opts.text_field)  # the same format's columns
-        train_docs, eval_docs, split = tokens, _tokenize(held, fmt, opts, tokenizer, opts.eval_data), "--eval-data"
+        held = _tokenize(held, fmt, opts, tokenizer, opts.eval_data, quiet)
+        train_docs, eval_docs, split = tokens, held, "--eval-data"
     else:
         train_docs, eval_docs = split_documents(tokens, opts.eval_fraction, opts.seed)
         split = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}"
@@ -93,7 +99,7 @@ def prepare(opts: DataOptions, tokenizer) -> Prepared:
                           "a token with a loss within --seq-len); check --format, --train-on and --seq-len")
     info = {"how": how, "format": fmt, "packing": packing, "seq_len": opts.seq_len, "documents": len(tokens),
             "train_documents": len(train_docs), "eval_documents": len(eval_docs), "split": split,
-            "train_rows": len(train), "eval_rows": len(eval_), **_stats([train_docs, eval_docs], opts, packing, fmt)}
+            "train_rows": len(train), "eval_rows": len(eval_), **_stats([tokens, held] if opts.eval_data else [tokens], opts, packing, fmt)}
     if fmt == "classification":  # the head's size: the largest class index seen, + 1
         info["num_labels"] = max(int(d.with_format("numpy", columns=["label"])[:]["label"].max()) for d in (train, eval_)
                                  if len(d)) + 1
@@ -108,16 +114,45 @@ def _packing(opts: DataOptions, fmt: str) -> bool:
     return fmt == "text" if opts.packing is None else opts.packing
 
 
-def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source):
-    """One row of (input_ids, labels | label, length, trained) per document, cached."""
+def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = False):
+    """One row of (input_ids, labels | label, length, trained) per document, cached. Text-like formats are
+    tokenized in this process by `workers` tokenizer threads, with dstk's progress line; chat formats
+    (rendered row by row in Python) by `workers` processes, with datasets' progress bar."""
+    import datasets
+
+    threads, processes = workers(opts, fmt, len(ds))
     encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
-                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES)
-    key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None, opts.text_field,
-                       tokenizer_fingerprint(tokenizer))
-    workers = opts.workers or (1 if len(ds) < 20_000 else min(8, os.cpu_count() or 1))
-    return ds.map(encoder, batched=True, with_indices=True, remove_columns=ds.column_names,
-                  num_proc=workers if workers > 1 else None, new_fingerprint=key,
-                  cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}")
+                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=threads)
+    key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None,
+                       opts.text_field if fmt in ("text", "classification") else None,
+                       tokenizer_fingerprint(tokenizer, chat=fmt in CHAT_FORMATS))
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    if processes == 1 and not quiet:
+        encoder.progress = Progress(f"preparing --data: tokenizing {Path(str(source)).name}", len(ds))
+    if processes == 1 or quiet:
+        datasets.disable_progress_bars()
+    try:
+        plain = all(isinstance(f, datasets.Value) for f in ds.features.values())  # else decoded by datasets
+        tokens = ds.with_format("arrow" if plain else None).map(
+            encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
+            num_proc=processes if processes > 1 else None, new_fingerprint=key,
+            cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}")
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if encoder.progress is not None and encoder.progress.rows:
+        encoder.progress.close()
+    return tokens.with_format(None)
+
+
+def workers(opts: DataOptions, fmt: str, rows: int) -> tuple[int, int]:
+    """(tokenizer threads per process, processes): --data-workers, else the cores (at most 8); chat formats
+    spread over processes (their templates hold the GIL), one for small data."""
+    cores = opts.workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                                os.cpu_count() or 1)
+    if fmt in CHAT_FORMATS:
+        return 1, cores if opts.workers or rows >= 20_000 else 1
+    return cores, 1
 
 
 def split_documents(tokens, eval_fraction: float, seed: int):
@@ -135,20 +170,23 @@ def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str
     packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
                               split_long=packing and fmt == "text")
     key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
-    keep = ["input_ids", "label" if classification else "labels"]
-    return docs.select_columns(keep).map(
+    keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
+    return docs.select_columns(keep).with_format("arrow").map(
         packer, batched=True, batch_size=pack.BATCH, remove_columns=keep, new_fingerprint=key,
         features=pack.features(opts.seq_len, classification), cache_file_name=_cache_file(opts, f"rows-{key}"),
-        desc=f"{'Packing' if packing else 'Padding'} {name} rows")
+        desc=f"{'Packing' if packing else 'Padding'} {name} rows").with_format(None)
 
 
-def _stats(splits: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
+def _stats(tokenized: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
+    """Documents longer than seq_len and documents with no token to train on (train and eval: every tokenized
+    document), counted in Arrow on the whole columns."""
+    import pyarrow.compute as pc
+
     long = untrained = 0
-    for docs in splits:
+    for docs in tokenized:
         if len(docs):
-            cols = docs.with_format("numpy", columns=["length", "trained"])[:]
-            long += int((cols["length"] > opts.seq_len).sum())
-            untrained += int((cols["trained"] == 0).sum())
+            long += pc.sum(pc.greater(docs.data.column("length"), opts.seq_len)).as_py() or 0
+            untrained += pc.sum(pc.equal(docs.data.column("trained"), 0)).as_py() or 0
     policy = ("dropped (--drop-long)" if opts.drop_long else "cut into pieces of --seq-len" if packing and fmt == "text"
               else "truncated (--drop-long drops them)")
     return {"long": long, "long_policy": policy, "untrained": untrained}
@@ -161,11 +199,17 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """What makes a tokenizer's ids: its vocabulary and rules, special tokens and chat template."""
+def tokenizer_fingerprint(tokenizer, chat: bool = False) -> str:
+    """What makes a tokenizer's ids: its vocabulary and rules (tokenizer.json less its truncation and padding,
+    which dstk's calls do not use), its special tokens and, for chat formats, its chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.chat_template], default=str)
+    if backend is not None:
+        body = json.loads(backend.to_str())
+        body = json.dumps({k: v for k, v in body.items() if k not in ("truncation", "padding")}, sort_keys=True)
+    else:
+        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map,
+                        tokenizer.chat_template if chat else None], default=str)
     return hashlib.sha256((body + extra).encode()).hexdigest()
 
 
@@ -182,8 +226,8 @@ def _cache_file(opts: DataOptions, name: str) -> str:
 
 
 def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
-    """prepare() on one rank first (it builds the caches, with progress bars), then on the others (cache hits,
-    quiet): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
+    """prepare() on one rank first (it builds the caches, with its progress line), then on the others (cache
+    hits, quiet; they wait for it in a group with no timeout): global rank 0 where the cache folder is one for every node (a shared file system: nodes writing
     the same cache files at once would race), else each node's local rank 0 (process_group.once_per_node).
     A refusal there is raised on every rank, same message."""
     import datasets
@@ -196,6 +240,6 @@ def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
         return result
     datasets.disable_progress_bars()
     try:
-        return prepare(opts, tokenizer)
+        return prepare(opts, tokenizer, quiet=True)
     finally:
         datasets.enable_progress_bars()

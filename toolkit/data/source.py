@@ -152,7 +152,7 @@ def load(path, encoding: str = "utf-8", cache_dir: str | None = None, flag: str 
     builder = BUILDERS[path.suffix.lower()]
     kwargs = {}
     if builder == "text":
-        check_text(path, encoding)
+        check_once(path, encoding, cache_dir)
         kwargs = {"sample_by": "paragraph", "encoding": encoding}
     elif builder == "csv":
         kwargs = {"encoding": encoding}
@@ -167,6 +167,23 @@ def load(path, encoding: str = "utf-8", cache_dir: str | None = None, flag: str 
     if len(ds) == 0:
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
     return ds
+
+
+def check_once(path: Path, encoding: str, cache_dir: str | None) -> None:
+    """check_text on the whole file, once per version of it (path, size, mtime, encoding): a marker in the cache
+    folder spares the ranks that wait for the preparing one, and every warm start, another full read."""
+    import hashlib
+
+    import datasets
+
+    stat = path.stat()
+    key = hashlib.sha256(json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, encoding]).encode())
+    marker = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "dstk" / f"checked-{key.hexdigest()[:32]}"
+    if marker.exists():
+        return
+    check_text(path, encoding)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
 
 
 def diagnose_jsonl(path: Path) -> None:

@@ -10,7 +10,7 @@ it needs no download and saves/loads like any HF tokenizer.
 import json
 from pathlib import Path
 
-from toolkit.data.formats import check_template_syntax
+from toolkit.data.chat import check_template_syntax
 from toolkit.errors import ConfigError
 
 EOT = "<|endoftext|>"

@@ -1,0 +1,91 @@
+"""A batch of strings -> token ids, at the tokenizer's own speed; ragged ids <-> Arrow list arrays.
+
+    encode(tok, texts, threads)   the fast tokenizer's encode_batch: its own thread pool, or where
+                                  TOKENIZERS_PARALLELISM=false turns that off (dstk's ranks), `threads` slices
+                                  of the batch at once (it releases the GIL: the threads run in parallel)
+    ragged / list_array           list-of-lists <-> (flat int32 values, int64 offsets) <-> pyarrow ListArray
+
+Everything after the tokenizer works on whole batches in NumPy or Arrow: no loop over tokens in Python.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_PLAIN: dict = {}  # id(backend) -> (backend, a copy without truncation and padding)
+_POOLS: dict = {}  # threads -> ThreadPoolExecutor, one per process (datasets' workers fork their own)
+
+
+def backend(tok):
+    """The `tokenizers.Tokenizer` behind a fast HF tokenizer, else None (slow tokenizers); without the truncation
+    or padding a tokenizer.json may carry (the HF tokenizer turns them off for a call like dstk's, too)."""
+    engine = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if engine is None or (engine.truncation is None and engine.padding is None):
+        return engine
+    if id(engine) not in _PLAIN:
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(engine.to_str())
+        plain.no_truncation()
+        plain.no_padding()
+        _PLAIN[id(engine)] = (engine, plain)  # the original kept alive: its id stays its own
+    return _PLAIN[id(engine)][1]
+
+
+def encode(tok, texts: list, threads: int = 1, special: bool = False, offsets: bool = False) -> list:
+    """tokenizers.Encoding objects (fast tokenizers) of `texts`: one batched call where the tokenizer's own
+    threads are on, else the batch cut into `threads` slices encoded at once; slow tokenizers: objects
+    with .ids, one batched call."""
+    engine = backend(tok)
+    if engine is None:
+        out = tok(texts, add_special_tokens=special)
+        return [_Slow(ids) for ids in out["input_ids"]]
+    call = engine.encode_batch if offsets else engine.encode_batch_fast  # _fast: no character offsets
+    if threads <= 1 or len(texts) < 2 * threads or own_threads():
+        return call(texts, add_special_tokens=special)
+    step = -(-len(texts) // threads)
+    pool = _POOLS.get(threads) or _POOLS.setdefault(threads, ThreadPoolExecutor(threads, "dstk-tokenize"))
+    parts = pool.map(lambda i: call(texts[i: i + step], add_special_tokens=special), range(0, len(texts), step))
+    return [e for part in parts for e in part]
+
+
+def own_threads() -> bool:
+    """Does the tokenizer spread a batch over its own thread pool here? (tokenizers' rule for the variable; it
+    turns it off in processes forked after the pool was used)"""
+    value = os.environ.get("TOKENIZERS_PARALLELISM", "true").strip().lower()
+    return value not in ("", "off", "false", "f", "no", "n", "0")
+
+
+class _Slow:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+def list_array(rows: list, dtype=pa.int32()) -> pa.ListArray:
+    """A list of int lists as an Arrow ListArray (pyarrow converts it in C)."""
+    return pa.array(rows, type=pa.list_(dtype))
+
+
+def from_flat(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
+    """The ListArray of `values` cut at `offsets` (len(rows) + 1 of them, from 0)."""
+    return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), pa.array(values))
+
+
+def ragged(column) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, offsets from 0) of an Arrow list column (a ChunkedArray or a ListArray, sliced or not)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return column.flatten().to_numpy(zero_copy_only=False), offsets
+
+
+def append(values: np.ndarray, offsets: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """`token` appended to every row of a ragged array (the end-of-text after each document)."""
+    out = np.insert(values, offsets[1:], token)
+    return out, offsets + np.arange(len(offsets))
