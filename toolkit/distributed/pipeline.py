@@ -51,9 +51,10 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     dual = schedule == "dualpipev"
     stages = topo.pp * (2 if dual else 1)
     if stages > spec.num_layers:
-        raise ConfigError(f"pp {topo.pp} is {stages} stages{' under --schedule dualpipev' if dual else ''}, more than "
-                          f"the model's {spec.num_layers} pipeline layers (embedding, blocks, head); use pp <= "
-                          f"{spec.num_layers // (2 if dual else 1)}")
+        what = (f"pp {topo.pp} under --schedule dualpipev is {stages} stages, more" if dual
+                else f"pp {topo.pp} is more stages")
+        raise ConfigError(f"{what} than the model's {spec.num_layers} pipeline layers (embedding, blocks, head); use "
+                          f"pp <= {spec.num_layers // (2 if dual else 1)}")
     parts, fallback = choose_parts(spec, stages, cfg, seq_len)
     if fallback and _is_rank0():
         log.warning("dstk: %s", fallback)

@@ -269,7 +269,8 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     combos = [(pp, tp, 1) for pp in pps for tp in tps if world % (pp * tp) == 0]
     sps = sp_candidates(arch, req.seq_len or min(2048, arch.max_positions), world)
     # sp inside stages too, where the pipeline's embedding adds no learned positions (dstk train's rule)
-    combos += [(pp, 1, sp) for pp in pps for sp in sps if world % (pp * sp) == 0 and (pp == 1 or not arch.learned_positions)]
+    combos += [(pp, 1, sp) for pp in pps for sp in sps
+               if world % (pp * sp) == 0 and (pp == 1 or not arch.learned_positions)]
     usable = [(pp, tp, sp) for pp, tp, sp in combos if req.gbs % (world // (pp * tp * sp)) == 0]
     if not usable:
         dps = ", ".join(f"dp={world // pp} (pp={pp})" for pp in pps)
