@@ -45,3 +45,20 @@ def test_sp_inside_pipeline_stages_passes_the_check(tmp_path):
     result, heavy = check(tmp_path, "tiny-llama", ds_config(2, 2, pp=2, **SP2), 4, "--seq-len", "32")
     assert result.returncode == 0 and "fit to train" in result.stdout, result.stderr[-3000:]
     assert not {"torch", "deepspeed", "transformers"} & set(heavy), heavy
+
+
+def test_an_moe_router_aux_loss_is_refused_under_sp(tmp_path):
+    """A slice's router shares are not the sequence's: the aux loss would not be one process's."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from toolkit.train.hf import byte_tokenizer
+
+    model = tmp_path / "moe"
+    MixtralForCausalLM(MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=128, vocab_size=257, max_position_embeddings=256,
+                                     num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=True)).save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    result, _ = check(tmp_path, str(model), ds_config(1, 1, **SP2), 2, "--seq-len", "32")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "output_router_logits is true" in result.stderr and "set output_router_logits false" in result.stderr
