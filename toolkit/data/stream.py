@@ -14,10 +14,6 @@ used rows, so it sees the micro-batches the uninterrupted run saw after that ste
 
 from pathlib import Path
 
-import torch
-
-from toolkit.data import pack
-from toolkit.data.formats import Encoder, infer_format
 from toolkit.data.source import BUILDERS, TEXT_SUFFIXES, check_path
 from toolkit.errors import ConfigError, UnusableInput
 
@@ -42,6 +38,9 @@ def check_streamable(data: str, eval_fraction: float, eval_data: str | None, ste
 def open_stream(opts):
     """(the rows of --data as an IterableDataset, their format)."""
     import datasets
+
+    from toolkit.data.formats import infer_format
+
     path = check_path(opts.path, encoding=opts.encoding)
     builder = BUILDERS[path.suffix.lower()]
     kwargs = {"sample_by": "paragraph", "encoding": opts.encoding} if builder == "text" else {}
@@ -60,6 +59,8 @@ class StreamBatches:
     steps_per_epoch = None  # unknown: --streaming needs --steps
 
     def __init__(self, opts, tokenizer, mbs: int, gas: int, dp: int, dp_rank: int, packing: bool | None = None):
+        from toolkit.data import pack
+        from toolkit.data.formats import Encoder
         from toolkit.data.prepared import _packing, check_seq_len, pad_id
 
         check_seq_len(opts)
@@ -84,6 +85,8 @@ class StreamBatches:
         Tables of pack.BATCH rows (the last one shorter): the file's first docs * dp rows are skipped unread."""
         import numpy as np
 
+        from toolkit.data import pack
+
         for rows in self.rows.skip(docs * self.dp).with_format("arrow").iter(batch_size=pack.BATCH * self.dp):
             yield rows.take(np.arange(self.dp_rank, rows.num_rows, self.dp))
 
@@ -91,6 +94,8 @@ class StreamBatches:
         """(pass, docs before the batch, docs after it, first unused row, the batch's packed rows as a pyarrow
         Table) from self.position on, endless."""
         import pyarrow as pa
+
+        from toolkit.data import pack
 
         p = self.position
         epoch, docs, first = p["pass"], p["docs"], p["rows"]
@@ -111,6 +116,8 @@ class StreamBatches:
     def micro_batches(self, start_step: int = 0):
         """Endless ((input_ids, doc_ids), labels) micro-batches from self.position (start_step: the resumed
         step, whose position resume_from set). A micro-batch may take rows of two packing batches."""
+        import torch
+
         pending = []  # this micro-batch's rows so far: {column: (seq_len,) or () int64}
         for epoch, docs, after, first, table in self.packed():
             n = table.num_rows
@@ -134,6 +141,8 @@ def _values(column):
 
 def _batch(rows: list):
     """((input_ids, doc_ids), labels) of mbs rows: (mbs, seq_len) int64 each; labels (mbs,) for a classifier."""
+    import torch
+
     ids, docs = (torch.stack([r[k] for r in rows]) for k in ("input_ids", "doc_ids"))
     labels = torch.stack([r["labels"] for r in rows]) if "labels" in rows[0] else torch.cat([r["label"] for r in rows])
     return (ids, docs), labels
