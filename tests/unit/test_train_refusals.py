@@ -421,3 +421,12 @@ def test_streaming_refuses_a_file_it_cannot_stream(tmp_path):
     rows.write_text("text\nhello there\n")
     refused(train_cli(tmp_path, "--streaming", "--steps", "4", "--eval-fraction", "0", "--check", data=rows), 1,
             "--streaming reads .jsonl/.json, .txt/.text/.md and .parquet files", "'.csv'", "drop --streaming")
+
+
+def test_streaming_is_a_recipe_key_too(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: tiny-gpt2\ndata: {CORPUS}\nconfig: {train_config(tmp_path)}\nout: {tmp_path / 'run'}\n"
+                      "streaming: true\neval_fraction: 0\n")
+    refused(train_entry(["--recipe", str(recipe), "--check"]), 1, "--streaming without --steps", "pass --steps N")
+    ok = train_entry(["--recipe", str(recipe), "--steps", "2", "--check"])
+    assert ok.returncode == 0 and "fit to train" in ok.stdout, ok.stderr[-2000:]
