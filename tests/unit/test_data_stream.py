@@ -22,8 +22,8 @@ def corpus(tmp_path_factory):
     return path
 
 
-def opts(path, **kw):
-    return data.DataOptions(path=str(path), seq_len=16, eval_fraction=0.0, cache_dir=str(path.parent / "cache"), **kw)
+def opts(path, seq_len=16, **kw):
+    return data.DataOptions(path=str(path), seq_len=seq_len, eval_fraction=0.0, cache_dir=str(path.parent / "cache"), **kw)
 
 
 def take(sampler, n):
@@ -65,14 +65,40 @@ def test_dp_ranks_read_distinct_rows_and_every_rank_of_a_replica_the_same(corpus
     assert not rows0 & rows1
 
 
-def test_one_rank_streams_the_prepared_paths_rows_in_file_order(corpus):
+def _parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.parquet", "docs.txt", "pairs.jsonl", "chat.jsonl"])
+def test_one_rank_streams_the_prepared_paths_rows_in_file_order(corpus, name):
     """dp 1: the same encoder and packer over the same documents in the same batches: the rows the prepared
-    (cached) path builds, in its file order."""
+    (cached) path builds, in its file order (text in .jsonl, .parquet and .txt; prompt-completion, padded)."""
+    docs = [json.loads(line) for line in corpus.read_text().splitlines()]
+    path = corpus.parent / name
+    if name == "docs.parquet":
+        _parquet(path, docs)
+    elif name == "docs.txt":
+        path.write_text("\n\n".join(d["text"] for d in docs) + "\n")
+    elif name == "pairs.jsonl":
+        path.write_text("".join(json.dumps({"prompt": d["text"], "completion": " ok"}) + "\n" for d in docs[:1500]))
+    elif name == "chat.jsonl":
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": d["text"][:6]},
+                                                         {"role": "assistant", "content": "ok"}]}) + "\n"
+                                for d in docs[:1200]))
     tok = byte_tokenizer()
-    prepared = data.prepare(opts(corpus), tok, quiet=True).train
+    tok.chat_template = CHATML if name == "chat.jsonl" else tok.chat_template
+    seq_len = 64 if name == "chat.jsonl" else 16  # a chat row's template alone is ~40 bytes
+    prepared = data.prepare(opts(path, seq_len), tok, quiet=True).train
     n = len(prepared)
-    streamed = take(StreamBatches(opts(corpus), tok, 1, 1, 1, 0), n)
-    assert n > 1000 and same(streamed, [prepared.batch([i]) for i in range(n)])
+    streamed = take(StreamBatches(opts(path, seq_len), tok, 1, 1, 1, 0), n)
+    assert n > 800 and same(streamed, [prepared.batch([i]) for i in range(n)])  # pairs: 872 with a completion token
 
 
 def test_a_position_of_another_dp_layout_is_refused(corpus):

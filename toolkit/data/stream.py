@@ -61,11 +61,14 @@ class StreamBatches:
     def __init__(self, opts, tokenizer, mbs: int, gas: int, dp: int, dp_rank: int, packing: bool | None = None):
         from toolkit.data import pack
         from toolkit.data.formats import Encoder
-        from toolkit.data.prepared import _packing, check_seq_len, pad_id
+        from toolkit.data.chat import check_chat_template
+        from toolkit.data.prepared import CHAT_FORMATS, _packing, check_seq_len, pad_id
 
         check_seq_len(opts)
         self.mbs, self.gas, self.dp, self.dp_rank = mbs, gas, dp, dp_rank
         self.rows, fmt = open_stream(opts)
+        if fmt in CHAT_FORMATS:
+            check_chat_template(tokenizer)
         self.encoder = Encoder(fmt, tokenizer, str(opts.path), opts.train_on, opts.text_field,
                                strip=Path(str(opts.path)).suffix.lower() in TEXT_SUFFIXES)
         packing = _packing(opts, fmt)
