@@ -408,6 +408,8 @@ def test_a_chat_template_raising_a_python_error_on_a_row_is_named_with_the_row()
                         "pass --eval-data FILE, or --eval-fraction 0"]),
     (["--eval-fraction", "0"], ["--streaming without --steps: the length of an epoch of a stream is unknown",
                                 "pass --steps N"]),
+    (["--eval-fraction", "0", "--steps", "4", "--task", "classification"],
+     ["--streaming with --task classification: the head's size", "drop --streaming"]),
 ])
 def test_streaming_refuses_what_a_stream_cannot_give_at_check(tmp_path, args, fragments):
     refused(train_cli(tmp_path, "--streaming", *args, "--check"), 1, *fragments)

@@ -20,8 +20,12 @@ from toolkit.errors import ConfigError, UnusableInput
 STREAM_BUILDERS = ("text", "json", "parquet")  # what datasets streams from a local file as the prepared path reads it
 
 
-def check_streamable(data: str, eval_fraction: float, eval_data: str | None, steps: int | None) -> None:
+def check_streamable(data: str, eval_fraction: float, eval_data: str | None, steps: int | None,
+                     task: str = "causal-lm") -> None:
     """What --streaming cannot do, refused before any rank starts (train --check), each with its fix."""
+    if task == "sequence-classification":
+        raise ConfigError("--streaming with --task classification: the head's size (the number of labels) comes "
+                          "from reading every row first; drop --streaming")
     path = Path(data)
     if path.is_dir() or BUILDERS.get(path.suffix.lower()) not in STREAM_BUILDERS:
         raise ConfigError(f"--streaming reads .jsonl/.json, .txt/.text/.md and .parquet files; --data {path} is "
@@ -58,7 +62,7 @@ class StreamBatches:
 
     steps_per_epoch = None  # unknown: --streaming needs --steps
 
-    def __init__(self, opts, tokenizer, mbs: int, gas: int, dp: int, dp_rank: int, packing: bool | None = None):
+    def __init__(self, opts, tokenizer, mbs: int, gas: int, dp: int, dp_rank: int):
         from toolkit.data import pack
         from toolkit.data.formats import Encoder
         from toolkit.data.chat import check_chat_template

@@ -62,7 +62,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     if args.streaming:
         from toolkit.data.stream import StreamBatches
 
-        sampler = StreamBatches(data_options(args, hf.max_positions(config)), tokenizer, batch.mbs, batch.gas, topo.dp, dp_rank)
+        opts = data_options(args, hf.max_positions(config))
+        sampler = StreamBatches(opts, tokenizer, batch.mbs, batch.gas, topo.dp, dp_rank)
     else:
         sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = RunFolder(args.out).checkpoints

@@ -221,7 +221,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     if args.streaming:
         from toolkit.data.stream import check_streamable
 
-        check_streamable(args.data, args.eval_fraction, args.eval_data, args.steps)
+        check_streamable(args.data, args.eval_fraction, args.eval_data, args.steps, args.task)
     if args.eval_data:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
