@@ -27,14 +27,14 @@ def losses(out: Path) -> dict:
 @pytest.mark.parametrize("pp, dp_ranks", [(1, [0, 1]), (2, [0, 0])])
 def test_streaming_resume_equals_an_uninterrupted_run(tmp_path, pp, dp_ranks):
     """2 ranks (dp 2, or pp 2 x dp 1: both stages read the replica's rows), 2 micro-batches of 2 rows a step: 8 steps
-    straight through, and 3 steps then --resume to 8, give the same losses at every step (1e-6 relative); each rank
-    saved its own place in its share of the stream."""
+    straight through, and a run killed after step 4 (saved at 3, mid-run) then --resume to 8, give the same losses
+    at every step (1e-6 relative); each rank saved its own place in its share of the stream."""
     cfg = write_config(tmp_path / "cfg.json", run_config(2, 2, pp, clip=1.0))
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     rc, log = launch(cfg, whole, 2, "--steps", 8, model_args=STREAM)
     assert rc == 0, log[-3000:]
-    rc, log = launch(cfg, parts, 2, "--steps", 3, model_args=STREAM)
-    assert rc == 0, log[-3000:]
+    rc, log = launch(cfg, parts, 2, "--steps", 8, "--save-every", 3, "--crash-at-step", 4, model_args=STREAM)
+    assert rc != 0 and max(losses(parts)) == 4, log[-3000:]  # the last rank killed itself after step 4
     tag = parts / "checkpoints" / "global_step3"
     positions = [json.loads((tag / f"data_position_{r}.json").read_text()) for r in (0, 1)]
     assert [p["dp_rank"] for p in positions] == dp_ranks
