@@ -46,6 +46,11 @@ def test_train_check_of_a_model_directory_imports_no_heavy_package(tmp_path, sav
                                    str(saved_models.get("tiny-llama")), "--data", str(corpus), "--out", str(tmp_path / "run")])
     assert result.returncode == 0 and "are fit to train on 1 process(es)" in result.stdout, result.stderr[-2000:]
     assert heavy == []
+    result, heavy = run_cli_fresh(["train", "--check", "--world-size", "1", "--config", str(cfg), "--model",
+                                   str(saved_models.get("tiny-llama")), "--data", str(corpus), "--out", str(tmp_path / "run"),
+                                   "--streaming", "--steps", "4", "--eval-fraction", "0"])
+    assert result.returncode == 0 and "are fit to train on 1 process(es)" in result.stdout, result.stderr[-2000:]
+    assert heavy == []  # --streaming's checks (toolkit.data.stream.check_streamable) too
 
 
 # tests/unit/test_schema.py

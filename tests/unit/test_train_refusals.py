@@ -401,3 +401,34 @@ def test_a_chat_template_raising_a_python_error_on_a_row_is_named_with_the_row()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ 1 / 0 }}{% endfor %}"
     with pytest.raises(UnusableInput, match=r"chat.jsonl row 3: the chat template failed: ZeroDivisionError"):
         render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tok, "chat.jsonl", 3)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--steps", "4"], ["--eval-fraction 0.05 with --streaming: a stream has no held-out split",
+                        "pass --eval-data FILE, or --eval-fraction 0"]),
+    (["--eval-fraction", "0"], ["--streaming without --steps: the length of an epoch of a stream is unknown",
+                                "pass --steps N"]),
+    (["--eval-fraction", "0", "--steps", "4", "--task", "classification"],
+     ["--streaming with --task classification: the head's size", "drop --streaming"]),
+])
+def test_streaming_refuses_what_a_stream_cannot_give_at_check(tmp_path, args, fragments):
+    refused(train_cli(tmp_path, "--streaming", *args, "--check"), 1, *fragments)
+    assert not (tmp_path / "run").exists()
+    ok = train_cli(tmp_path, "--streaming", "--steps", "4", "--eval-fraction", "0", "--check")
+    assert ok.returncode == 0 and "fit to train" in ok.stdout, ok.stderr[-2000:]
+
+
+def test_streaming_refuses_a_file_it_cannot_stream(tmp_path):
+    rows = tmp_path / "rows.csv"
+    rows.write_text("text\nhello there\n")
+    refused(train_cli(tmp_path, "--streaming", "--steps", "4", "--eval-fraction", "0", "--check", data=rows), 1,
+            "--streaming reads .jsonl/.json, .txt/.text/.md and .parquet files", "'.csv'", "drop --streaming")
+
+
+def test_streaming_is_a_recipe_key_too(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: tiny-gpt2\ndata: {CORPUS}\nconfig: {train_config(tmp_path)}\nout: {tmp_path / 'run'}\n"
+                      "streaming: true\neval_fraction: 0\n")
+    refused(train_entry(["--recipe", str(recipe), "--check"]), 1, "--streaming without --steps", "pass --steps N")
+    ok = train_entry(["--recipe", str(recipe), "--steps", "2", "--check"])
+    assert ok.returncode == 0 and "fit to train" in ok.stdout, ok.stderr[-2000:]

@@ -30,12 +30,14 @@ OLD_MANIFEST, OLD_TAG_MANIFEST = "layout.json", "dstk-layout.json"  # their name
 TAG_FILES = "dstk-files.json"  # a tag's files and their sizes once every rank saved: what makes it whole
 
 
-def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=None, manifest=None) -> str:
+def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=None, manifest=None,
+         data_position: dict | None = None) -> str:
     """Save every rank's part under tag global_step<step>, then point `latest` at it. frozen=False
     leaves frozen parameters out (a LoRA run's base: its --model directory holds it unchanged).
     param_names: this rank's optimizer parameters by name, per group, in the order the optimizer got
     them (saved with the rank's states: what names torch's optimizer state for another layout).
-    manifest: the run's manifest, also written into the tag (TAG_MANIFEST): the layout that tag has."""
+    manifest: the run's manifest, also written into the tag (TAG_MANIFEST): the layout that tag has.
+    data_position: this rank's place in a --streaming run's stream (DATA_POSITION), where the resumed run goes on."""
     import torch.distributed as dist
 
     tag = f"global_step{step}"
@@ -49,6 +51,11 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
                            exclude_frozen_parameters=not frozen)
     save_rng(Path(ckpt_dir) / tag, dist.get_rank())  # DeepSpeed keeps the client state of dp rank 0 only
+    if data_position is not None:
+        from toolkit.config.generate import write_text
+
+        write_text(json.dumps(data_position), str(Path(ckpt_dir) / tag / DATA_POSITION.format(dist.get_rank())),
+                   force=True)
     dist.barrier(group=patient_group())  # every rank's files are on disk before `latest` names the tag (slow disks)
     if dist.get_rank() == 0:
         if manifest is not None:
@@ -105,6 +112,18 @@ def check_whole(ckpt_dir: Path, tag: str) -> None:
 
 
 RNG_STATE = "rng_state_{}.pt"  # per global rank
+DATA_POSITION = "data_position_{}.json"  # per global rank, --streaming runs: toolkit.data.stream's position
+
+
+def load_data_position(tag_dir: Path, rank: int) -> dict:
+    """The stream position rank `rank` saved in the tag; a refusal when it saved none."""
+    from toolkit.errors import UnusableInput
+
+    path = Path(tag_dir) / DATA_POSITION.format(rank)
+    if not path.is_file():
+        raise UnusableInput(f"--resume --streaming: {tag_dir} holds no stream position for rank {rank} ({path.name}): "
+                            "it was not saved by a --streaming run; resume it without --streaming")
+    return json.loads(path.read_text())
 
 
 def save_rng(tag_dir: Path, rank: int) -> None:

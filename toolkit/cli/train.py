@@ -35,6 +35,9 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--drop-long", is_flag=True, help="Drop rows longer than --seq-len (default: truncate them; "
               "packed text: cut into pieces). Counted in the log either way.")
 @click.option("--eval-data", metavar="FILE|DIR", help="Evaluate on this data instead of --eval-fraction of --data.")
+@click.option("--streaming", is_flag=True, help="Read --data (.jsonl/.json, .txt, .parquet) as a stream, sharded by dp "
+              "rank, in file order, tokenized and packed as it is needed (for corpora that fit neither in memory nor on "
+              "local disk); needs --steps, and --eval-data or --eval-fraction 0. --resume continues at the next unseen row.")
 @click.option("--data-cache", metavar="DIR", help="Cache of tokenized rows (default: HF_DATASETS_CACHE).")
 @click.option("--data-workers", type=click.IntRange(min=1), metavar="N",
               help="Tokenizing threads per node (chat formats: processes); default: the cores, at most 8.")

@@ -73,9 +73,7 @@ class Prepared:
 def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
     """Load, tokenize, split and pack (or pad) --data; cached by fingerprint. Tokenizing reports its progress
     on stderr (toolkit.data.progress) unless `quiet`."""
-    if opts.max_positions is not None and opts.seq_len > opts.max_positions:
-        raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's {opts.max_positions} positions "
-                          f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
+    check_seq_len(opts)
     if not 0 <= opts.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}")
     ds = load(opts.path, opts.encoding, opts.cache_dir)
@@ -104,6 +102,12 @@ def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
         info["num_labels"] = max(int(d.with_format("numpy", columns=["label"])[:]["label"].max()) for d in (train, eval_)
                                  if len(d)) + 1
     return Prepared(Rows(train), Rows(eval_), info)
+
+
+def check_seq_len(opts: DataOptions) -> None:
+    if opts.max_positions is not None and opts.seq_len > opts.max_positions:
+        raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's {opts.max_positions} positions "
+                          f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
 
 
 def _packing(opts: DataOptions, fmt: str) -> bool:

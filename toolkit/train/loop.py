@@ -59,7 +59,13 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     tokenizer, config, prepared = read_inputs(args, cfg, topo)
     mark("data")
     batch = config_batch(cfg, topo.dp)
-    sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
+    if args.streaming:
+        from toolkit.data.stream import StreamBatches
+
+        opts = data_options(args, hf.max_positions(config))
+        sampler = StreamBatches(opts, tokenizer, batch.mbs, batch.gas, topo.dp, dp_rank)
+    else:
+        sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = RunFolder(args.out).checkpoints
     start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
@@ -76,6 +82,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     saved = manifest.read_manifest(ckpt_dir, resume_tag) if resume_tag else None  # before a move rewrites it
     if resume_tag:
         _resume(engine, ckpt_dir, resume_tag, record, save_frozen, args.seed, dp_rank)
+        if args.streaming:  # the next unseen row of this rank's share
+            sampler.resume_from(manifest.load_data_position(ckpt_dir / resume_tag, dist.get_rank()))
         mark("resume")
     steps = args.steps or sampler.steps_per_epoch
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
@@ -114,10 +122,23 @@ def read_inputs(args, cfg: dict, topo) -> tuple:
         section = cfg.get("tensor_parallel") or {}
         hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
                                                                    or section.get("partition_config")))
-    prepared = data.prepare_once_per_node(data_options(args, hf.max_positions(config)), tokenizer)
+    opts = data_options(args, hf.max_positions(config))
+    prepared = data.prepare_once_per_node(opts, tokenizer) if not args.streaming else eval_only(opts, tokenizer)
     if args.task == "sequence-classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
     return tokenizer, config, prepared
+
+
+def eval_only(opts: data.DataOptions, tokenizer) -> data.Prepared:
+    """--streaming: --data is read by toolkit.data.stream; the eval rows are --eval-data's, prepared as usual (train
+    rows of a preparation of that file alone), or none. info: None (no line about data read ahead)."""
+    from dataclasses import replace
+
+    if not opts.eval_data:
+        empty = torch.zeros(0, opts.seq_len, dtype=torch.long)
+        return data.Prepared(None, data.TokenData(empty, empty, empty), None)
+    held = data.prepare_once_per_node(replace(opts, path=opts.eval_data, eval_data=None, eval_fraction=0.0), tokenizer)
+    return data.Prepared(None, held.train, None)
 
 
 def model_of_rank(args, config, topo, cfg: dict):
@@ -257,6 +278,8 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
                          "chat_template": _digest([args.chat_template]) if args.chat_template else None,
                          "tokenizer_files": _digest([Path(tokenizer_dir) / name for name in TOKENIZER_FILES])
                          if tokenizer_dir else None}}
+    if args.streaming:  # another order of rows (this rank's share, file order): not a non-streaming run's to resume
+        identity["data"]["streaming"] = True
     if args.hub_ids:  # recorded, not compared: "model" and "tokenizer" are their snapshot folders (one commit)
         identity["hub"] = {**args.hub_ids, "--revision": args.revision}
     if topo is not None:
@@ -433,7 +456,7 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
             record["eval_ppl"] = _perplexity(record["eval_loss"])
         if step == job.steps or (args.save_every and step % args.save_every == 0):
             manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
-                            manifest=job.record)
+                          manifest=job.record, data_position=getattr(job.train, "position", None))
         losses.append(loss)
         if log:
             log.write(record)

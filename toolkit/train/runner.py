@@ -63,6 +63,7 @@ class TrainArgs:
     log_every: int = 0  # steps between plain progress lines (0: about 20 per run)
     verbose: bool = False  # DeepSpeed INFO logs and every rank's output
     report_to: tuple = ()  # experiment trackers: tensorboard, wandb, mlflow, all, none (report.trackers)
+    streaming: bool = False  # read --data as a stream (toolkit.data.stream), not prepared and cached ahead
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
 
     def __post_init__(self):
@@ -221,6 +222,10 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     if world_size is not None:
         hf.check_attention(args.attention)
     check_path(args.data, encoding=args.encoding)
+    if args.streaming:
+        from toolkit.data.stream import check_streamable
+
+        check_streamable(args.data, args.eval_fraction, args.eval_data, args.steps, args.task)
     if args.eval_data:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:

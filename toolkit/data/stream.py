@@ -1,0 +1,155 @@
+"""--streaming: rows read from --data as they are needed (datasets' IterableDataset), never all in memory or cached.
+
+    load_dataset(builder, streaming=True) -> this dp rank's rows (row i goes to dp rank i % dp, as datasets'
+    split_dataset_by_node splits a one-file stream; the pipeline stages and tp ranks of one replica read the same
+    rows; a resumed rank skips the file's rows before its position unread, by count) -> formats.Encoder and
+    pack.Packer on batches of pack.BATCH documents, as the prepared path does -> micro-batches of mbs rows
+
+Order: file order, no shuffle; at the end of its rows a rank starts its share again (the next pass). The
+position of a rank, saved with every checkpoint (manifest.save's data_position), is (pass, source rows of its
+share before the packing batch it is in, packed rows of that batch already used): a resumed run skips those
+rows unread (IterableDataset.skip), packs that batch again (the same documents: the same rows) and drops the
+used rows, so it sees the micro-batches the uninterrupted run saw after that step.
+"""
+
+from pathlib import Path
+
+from toolkit.data.source import BUILDERS, TEXT_SUFFIXES, check_path
+from toolkit.errors import ConfigError, UnusableInput
+
+STREAM_BUILDERS = ("text", "json", "parquet")  # what datasets streams from a local file as the prepared path reads it
+
+
+def check_streamable(data: str, eval_fraction: float, eval_data: str | None, steps: int | None,
+                     task: str = "causal-lm") -> None:
+    """What --streaming cannot do, refused before any rank starts (train --check), each with its fix."""
+    if task == "sequence-classification":
+        raise ConfigError("--streaming with --task classification: the head's size (the number of labels) comes "
+                          "from reading every row first; drop --streaming")
+    path = Path(data)
+    if path.is_dir() or BUILDERS.get(path.suffix.lower()) not in STREAM_BUILDERS:
+        raise ConfigError(f"--streaming reads .jsonl/.json, .txt/.text/.md and .parquet files; --data {path} is "
+                          f"{'a directory' if path.is_dir() else repr(path.suffix or '(no extension)')}: convert it, "
+                          "or drop --streaming")
+    if eval_fraction > 0 and not eval_data:
+        raise ConfigError(f"--eval-fraction {eval_fraction} with --streaming: a stream has no held-out split "
+                          "(its documents are read once, in order); pass --eval-data FILE, or --eval-fraction 0")
+    if not steps:
+        raise ConfigError("--streaming without --steps: the length of an epoch of a stream is unknown before "
+                          "it is read; pass --steps N")
+
+
+def open_stream(opts):
+    """(the rows of --data as an IterableDataset, their format)."""
+    import datasets
+
+    from toolkit.data.formats import infer_format
+
+    path = check_path(opts.path, encoding=opts.encoding)
+    builder = BUILDERS[path.suffix.lower()]
+    kwargs = {"sample_by": "paragraph", "encoding": opts.encoding} if builder == "text" else {}
+    ds = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train", streaming=True, **kwargs)
+    columns = ds.column_names or list(next(iter(ds.take(1)), {}))  # json: known only once a row is read
+    if not columns:
+        raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
+    fmt, _ = infer_format(columns, opts.task, opts.format, opts.text_field)
+    return ds, fmt
+
+
+class StreamBatches:
+    """Micro-batches of one dp rank from a stream, with ShardedBatches' interface (mbs, gas, dp, dp_rank,
+    micro_batches) and `position`: where the next micro-batch starts (saved in checkpoints, set on resume)."""
+
+    steps_per_epoch = None  # unknown: --streaming needs --steps
+
+    def __init__(self, opts, tokenizer, mbs: int, gas: int, dp: int, dp_rank: int):
+        from toolkit.data import pack
+        from toolkit.data.formats import Encoder
+        from toolkit.data.chat import check_chat_template
+        from toolkit.data.prepared import CHAT_FORMATS, _packing, check_seq_len, pad_id
+
+        check_seq_len(opts)
+        self.mbs, self.gas, self.dp, self.dp_rank = mbs, gas, dp, dp_rank
+        self.rows, fmt = open_stream(opts)
+        if fmt in CHAT_FORMATS:
+            check_chat_template(tokenizer)
+        self.encoder = Encoder(fmt, tokenizer, str(opts.path), opts.train_on, opts.text_field,
+                               strip=Path(str(opts.path)).suffix.lower() in TEXT_SUFFIXES)
+        packing = _packing(opts, fmt)
+        self.packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
+                                  split_long=packing and fmt == "text")
+        self.position = {"pass": 0, "docs": 0, "rows": 0, "dp": dp, "dp_rank": dp_rank}
+
+    def resume_from(self, position: dict) -> None:
+        if (position.get("dp"), position.get("dp_rank")) != (self.dp, self.dp_rank):
+            raise UnusableInput(f"--resume --streaming: the checkpoint's stream position belongs to dp rank "
+                                f"{position.get('dp_rank')} of {position.get('dp')}, this rank is {self.dp_rank} of "
+                                f"{self.dp}; resume a streaming run with the data-parallel degree it was saved with")
+        self.position = dict(position)
+
+    def share(self, docs: int):
+        """This rank's rows (source rows i with i % dp == dp_rank, in file order) after its first `docs`, as pyarrow
+        Tables of pack.BATCH rows (the last one shorter): the file's first docs * dp rows are skipped unread."""
+        import numpy as np
+
+        from toolkit.data import pack
+
+        for rows in self.rows.skip(docs * self.dp).with_format("arrow").iter(batch_size=pack.BATCH * self.dp):
+            yield rows.take(np.arange(self.dp_rank, rows.num_rows, self.dp))
+
+    def packed(self):
+        """(pass, docs before the batch, docs after it, first unused row, the batch's packed rows as a pyarrow
+        Table) from self.position on, endless."""
+        import pyarrow as pa
+
+        from toolkit.data import pack
+
+        p = self.position
+        epoch, docs, first = p["pass"], p["docs"], p["rows"]
+        while True:
+            read = 0
+            for batch in self.share(docs):
+                if batch.num_rows == 0:  # a last global batch shorter than dp_rank + 1 rows
+                    continue
+                tokens = self.encoder(batch, list(range(docs, docs + batch.num_rows)))
+                keep = [c for c in ("input_ids", "labels", "label") if c in tokens.column_names]
+                yield epoch, docs, docs + batch.num_rows, first, pa.table(self.packer.columns(tokens.select(keep)))
+                docs, first, read = docs + batch.num_rows, 0, read + batch.num_rows
+            if read == 0 and docs == 0:
+                raise UnusableInput(f"dp rank {self.dp_rank} has no row of --data to stream: the file has fewer "
+                                    f"documents than dp ({self.dp}); add data or lower dp")
+            epoch, docs, first = epoch + 1, 0, 0
+
+    def micro_batches(self, start_step: int = 0):
+        """Endless ((input_ids, doc_ids), labels) micro-batches from self.position (start_step: the resumed
+        step, whose position resume_from set). A micro-batch may take rows of two packing batches."""
+        import torch
+
+        pending = []  # this micro-batch's rows so far: {column: (seq_len,) or () int64}
+        for epoch, docs, after, first, table in self.packed():
+            n = table.num_rows
+            cols = {k: torch.from_numpy(_values(table.column(k)).astype("int64")).view(n, -1)
+                    for k in table.column_names}
+            for r in range(first, n):
+                pending.append({k: v[r] for k, v in cols.items()})
+                if len(pending) < self.mbs:
+                    continue
+                at = (epoch, docs, r + 1) if r + 1 < n else (epoch, after, 0)
+                self.position = {**self.position, "pass": at[0], "docs": at[1], "rows": at[2]}
+                yield _batch(pending)
+                pending = []
+
+
+def _values(column):
+    """The flat values of an Arrow column (fixed-size lists: row after row) as a NumPy array."""
+    column = column.combine_chunks()
+    return (column.flatten() if hasattr(column, "flatten") else column).to_numpy(zero_copy_only=False)
+
+
+def _batch(rows: list):
+    """((input_ids, doc_ids), labels) of mbs rows: (mbs, seq_len) int64 each; labels (mbs,) for a classifier."""
+    import torch
+
+    ids, docs = (torch.stack([r[k] for r in rows]) for k in ("input_ids", "doc_ids"))
+    labels = torch.stack([r["labels"] for r in rows]) if "labels" in rows[0] else torch.cat([r["label"] for r in rows])
+    return (ids, docs), labels
