@@ -80,7 +80,7 @@ def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
     fmt, how = infer_format(ds.column_names, opts.task, opts.format, opts.text_field)
     if fmt in CHAT_FORMATS:
         check_chat_template(tokenizer)
-    packing = _packing(opts, fmt)
+    packing = packing_on(opts, fmt)
     tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path, quiet)
     if opts.eval_data:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
@@ -110,7 +110,7 @@ def check_seq_len(opts: DataOptions) -> None:
                           f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
 
 
-def _packing(opts: DataOptions, fmt: str) -> bool:
+def packing_on(opts: DataOptions, fmt: str) -> bool:
     if fmt == "classification":
         if opts.packing:
             raise ConfigError("--packing does not apply to --task classification (one label per row); drop it")

@@ -66,7 +66,7 @@ class StreamBatches:
         from toolkit.data import pack
         from toolkit.data.formats import Encoder
         from toolkit.data.chat import check_chat_template
-        from toolkit.data.prepared import CHAT_FORMATS, _packing, check_seq_len, pad_id
+        from toolkit.data.prepared import CHAT_FORMATS, check_seq_len, packing_on, pad_id
 
         check_seq_len(opts)
         self.mbs, self.gas, self.dp, self.dp_rank = mbs, gas, dp, dp_rank
@@ -75,7 +75,7 @@ class StreamBatches:
             check_chat_template(tokenizer)
         self.encoder = Encoder(fmt, tokenizer, str(opts.path), opts.train_on, opts.text_field,
                                strip=Path(str(opts.path)).suffix.lower() in TEXT_SUFFIXES)
-        packing = _packing(opts, fmt)
+        packing = packing_on(opts, fmt)
         self.packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
                                   split_long=packing and fmt == "text")
         self.position = {"pass": 0, "docs": 0, "rows": 0, "dp": dp, "dp_rank": dp_rank}
