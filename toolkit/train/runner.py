@@ -188,7 +188,7 @@ def check_sequence_parallel(args: TrainArgs, cfg: dict, pp: int = 1) -> None:
     if arch.experts and arch.extra.get("output_router_logits"):
         problems.append(f"output_router_logits is true in {args.model}'s config: the MoE router aux loss is a product "
                         "of per-expert token shares, which each sp rank would compute over its slice alone (not one "
-                        f"process's loss); set output_router_logits false, or use sp 1")
+                        "process's loss); set output_router_logits false, or use sp 1")
     if pp > 1 and arch.learned_positions:
         problems.append(f"model_type {arch.model_type} adds learned positions in its pipeline embedding layer, which "
                         f"does not run on a slice of the sequence yet; use pp 1 with sp {sp}, or sp 1")
