@@ -223,7 +223,7 @@ def run_tokenize(variant: str, n: int, ctx: dict) -> dict:
 def measure_old(data: str) -> dict:
     """Old reader, timed by stage: read_records, tokenize (document by document, packed into a tensor), split."""
     t0 = time.perf_counter()
-    from toolkit import data as old
+    from toolkit.train import data as old  # the old tree's layout (OLD_COMMIT), before the package map
     from toolkit.train import hf
 
     tok = hf.byte_tokenizer()
