@@ -40,7 +40,7 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "local disk); needs --steps, and --eval-data or --eval-fraction 0. --resume continues at the next unseen row.")
 @click.option("--data-cache", metavar="DIR", help="Cache of tokenized rows (default: HF_DATASETS_CACHE).")
 @click.option("--data-workers", type=click.IntRange(min=1), metavar="N",
-              help="Tokenizing threads per node (chat formats: processes); default: the cores, at most 8.")
+              help="Tokenizing threads per node; default: the cores, at most 8.")
 @click.option("--config", "--deepspeed-config", "--deepspeed_config", "config", required=True, metavar="JSON",
               help="DeepSpeed config (from `dstk generate-config`).")
 @click.option("--out", default="runs/dstk", show_default=True, metavar="DIR",

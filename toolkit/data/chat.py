@@ -2,11 +2,15 @@
 
     to_messages     chat / alpaca / sharegpt rows -> [{"role", "content"}], refused with the file and row
     chat_spans      the rendered conversation and the (start, end) characters of its assistant turns
-    marks           which tokens start inside those spans (from the tokenizer's character offsets)
+    Segments        a template that renders message by message: the spans from one render of the row
+    Pieces          ... and a byte-level tokenizer that splits at each message's first (special) token: each
+                    message tokenized alone, without character offsets (the tokenizer's fastest call)
+    token_spans     the (first, last + 1) tokens that start inside those spans
     renderer        the compiled template, rendered directly where it agrees with apply_chat_template
 """
 
 import json
+from contextlib import contextmanager
 from operator import itemgetter
 
 import numpy as np
@@ -90,12 +94,25 @@ def render_chat(messages: list, tok, source: str = "", row: int = 0) -> tuple[li
     return encoded.ids, marks(encoded.offsets, spans).tolist()
 
 
-def chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None) -> tuple[str, list]:
+def chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None, segments=None) -> tuple[str, list]:
     """_chat_spans, with a template's own error named by the row that raised it."""
+    with template_errors(source, row):
+        return _chat_spans(messages, tok, source, row, render, segments)
+
+
+def chat_texts(messages: list, render, segments: "Segments", source: str = "", row: int = 0) -> list | None:
+    """Each message's text in the row's render (Segments.texts), or None where the row does not render that way."""
+    with template_errors(source, row):
+        return segments.texts(messages, render(messages, generation_prompt=False))
+
+
+@contextmanager
+def template_errors(source: str, row: int):
+    """A chat template's own error (Jinja's, or Python's inside it) as a refusal naming the row."""
     from jinja2 import TemplateError
 
     try:
-        return _chat_spans(messages, tok, source, row, render)
+        yield
     except ConfigError:  # dstk's own refusal (UnusableInput included), already naming the row
         raise
     except TemplateError as exc:
@@ -107,14 +124,18 @@ def chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None)
                             "row or the template (--chat-template FILE)") from None
 
 
-def _chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None) -> tuple[str, list]:
+def _chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None, segments=None) -> tuple[str, list]:
     """(the conversation rendered with the chat template, [(start, end)] characters of each assistant turn).
 
     An assistant turn's characters run from the end of render(messages[:i], add_generation_prompt)
     to the end of render(messages[:i+1]) (its content and end-of-turn marker); both renders must be
-    prefixes of the whole conversation's, else the template rewrites earlier turns and is refused."""
+    prefixes of the whole conversation's, else the template rewrites earlier turns and is refused.
+    With `segments` (the template's Segments) a row it renders exactly is not rendered again per turn."""
     render = render or renderer(tok)
     full = render(messages, generation_prompt=False)
+    spans = segments.spans(messages, full) if segments is not None else None
+    if spans is not None:
+        return full, spans
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -128,6 +149,163 @@ def _chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None
                               "that keeps earlier turns as they are, or --train-on all")
         spans.append((len(start), len(end)))
     return full, spans
+
+
+class Segments:
+    """A chat template that renders a conversation as `start` followed, per message, by head[role] + content +
+    tail[role], and asks for a reply with `prompt` (a prefix of the assistant's head): ChatML, Llama 3, Phi-3,
+    Gemma's turns and most others. Then render(messages[:i]) is the text before message i, and an assistant
+    turn's characters (what chat_spans finds by rendering every turn's prefixes) follow from the lengths.
+
+    Learned from probe conversations (`learn`); a row is taken this way only where its one render equals the
+    pieces joined, else chat_spans renders its prefixes (a template that trims contents, says something else
+    on a last turn or adds a default system prompt costs the renders, never a wrong token)."""
+
+    def __init__(self, start: str, heads: dict, tails: dict, prompt: str):
+        self.start, self.heads, self.tails, self.prompt = start, heads, tails, prompt
+
+    def spans(self, messages: list, full: str) -> list | None:
+        """The assistant turns' (start, end) characters in `full` (the row's render), or None where the row does
+        not render as the pieces (a role or a template branch the probes did not show)."""
+        texts = self.texts(messages, full)
+        if texts is None:
+            return None
+        spans, at, cue = [], 0, len(self.prompt)
+        for message, text in zip(messages, texts):
+            if message["role"] == "assistant":
+                spans.append((at + len(text) - len(message["content"]) - len(self.tails["assistant"])
+                              - len(self.heads["assistant"]) + cue, at + len(text)))
+            at += len(text)
+        return spans
+
+    def texts(self, messages: list, full: str) -> list | None:
+        """Each message's text in `full` (the first with `start`): head + content + tail; None where the row
+        does not render as these pieces joined."""
+        heads, tails, out = self.heads, self.tails, []
+        for message in messages:
+            role = message["role"]
+            if role not in heads:
+                return None
+            out.append(heads[role] + message["content"] + tails[role])
+        if out:
+            out[0] = self.start + out[0]
+        return out if sum(map(len, out)) == len(full) and "".join(out) == full else None
+
+    @classmethod
+    def learn(cls, render) -> "Segments | None":
+        """The template's pieces from the probes' renders, or None where it does not render message by message
+        (checked: every prefix of every probe renders as the pieces, and the generation prompt as `prompt`)."""
+        first, heads, tails = {}, {}, {}
+        for probe in SEGMENT_PROBES:
+            before = ""
+            for k, message in enumerate(probe):
+                text = render(probe[: k + 1], generation_prompt=False)
+                at = text.find(message["content"], len(before))
+                if not text.startswith(before) or at < 0:
+                    return None
+                head, tail = text[len(before): at], text[at + len(message["content"]):]
+                role = message["role"]
+                if k == 0:
+                    first[role] = head  # start + the role's head
+                elif heads.setdefault(role, head) != head:
+                    return None
+                if tails.setdefault(role, tail) != tail:
+                    return None
+                before = text
+        if not first.get("user", "").endswith(heads.get("user", "\0")) or "assistant" not in heads:
+            return None
+        start = first["user"][: len(first["user"]) - len(heads["user"])]
+        if "system" in first and first["system"].startswith(start):
+            heads.setdefault("system", first["system"][len(start):])
+        reply = SEGMENT_PROBES[0][:1]
+        asked = render(reply, generation_prompt=True)
+        plain = render(reply, generation_prompt=False)
+        if not asked.startswith(plain) or not heads["assistant"].startswith(asked[len(plain):]):
+            return None
+        model = cls(start, heads, tails, asked[len(plain):])
+        for probe in SEGMENT_PROBES:  # every prefix, and every generation prompt, as the pieces say
+            for k in range(1, len(probe) + 1):
+                text = render(probe[:k], generation_prompt=False)
+                if model.spans(probe[:k], text) is None:
+                    return None
+                if probe[k - 1]["role"] == "user" and render(probe[:k], generation_prompt=True) != text + model.prompt:
+                    return None
+        return model
+
+
+SEGMENT_PROBES = ([{"role": "user", "content": "dstk probe u1"}, {"role": "assistant", "content": "dstk probe a1"},
+                   {"role": "user", "content": "dstk probe u2"}, {"role": "assistant", "content": "dstk probe a2"},
+                   {"role": "user", "content": "dstk probe u3"}, {"role": "assistant", "content": "dstk probe a3"}],
+                  [{"role": "system", "content": "dstk probe s1"}, {"role": "user", "content": "dstk probe u4"},
+                   {"role": "assistant", "content": "dstk probe a4"}, {"role": "user", "content": "dstk probe u5"},
+                   {"role": "assistant", "content": "dstk probe a5"}])
+
+
+class Pieces:
+    """A conversation tokenized message by message, without character offsets, where that gives the tokens of
+    the whole render: the template renders message by message (Segments) and every message after the first
+    begins with a special token (no lstrip, no single_word, not normalized), which the tokenizer splits the
+    text at before anything else (tokens never cross it, and the text between is tokenized the same alone).
+    An assistant message's tokens start with the generation prompt's (its text tokenized alone: the same
+    token strings cover the same bytes, so for a byte-level tokenizer the next token starts where the reply
+    does); where they do not (a reply beginning with whitespace that merges with the prompt's), that message
+    is tokenized again with offsets. Checked on the probe conversations against the whole render."""
+
+    def __init__(self, tok, segments: Segments, prompt_ids: dict):
+        self.tok, self.segments, self.prompt_ids = tok, segments, prompt_ids  # {first message?: ids}
+
+    @classmethod
+    def of(cls, tok, segments: "Segments | None", render) -> "Pieces | None":
+        engine = tokens.backend(tok)
+        if segments is None or engine is None or not _byte_level(json.loads(engine.to_str()).get("pre_tokenizer")):
+            return None
+        splits = [t.content for t in engine.get_added_tokens_decoder().values()
+                  if not (t.lstrip or t.single_word or t.normalized)]
+        if not all(any(head.startswith(c) for c in splits) for head in segments.heads.values()):
+            return None
+        encode = lambda texts: [e.ids for e in engine.encode_batch_fast(texts, add_special_tokens=False)]  # noqa: E731
+        prompt_ids = dict(zip((False, True), encode([segments.prompt, segments.start + segments.prompt])))
+        model = cls(tok, segments, prompt_ids)
+        for probe in SEGMENT_PROBES:
+            full = render(probe, generation_prompt=False)
+            texts = segments.texts(probe, full)
+            if texts is None or sum(encode(texts), []) != encode([full])[0]:
+                return None
+        return model
+
+    def reply_start(self, ids: list, first: bool) -> int | None:
+        """Where an assistant message's reply starts among its `ids` (after the generation prompt's tokens), or
+        None where they do not begin with the prompt's."""
+        cue = self.prompt_ids[first]
+        return len(cue) if ids[: len(cue)] == cue else None
+
+
+def _byte_level(pre_tokenizer) -> bool:
+    """Is there a ByteLevel step among the pre-tokenizer's (its tokens' strings are the text's bytes)?"""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    return pre_tokenizer.get("type") == "ByteLevel" or any(_byte_level(p) for p in pre_tokenizer.get("pretokenizers",
+                                                                                                      []))
+
+
+def token_spans(encoding, spans: list) -> list | None:
+    """[(first, last + 1)] token indices of the tokens that start inside each character span (what `marks` finds
+    from every token's offsets), from a few lookups per span; None where a span's edge falls on a character no
+    token covers (a tokenizer that drops whitespace: use marks)."""
+    out, count = [], len(encoding.ids)
+    for a, b in spans:
+        if a >= b:
+            continue
+        first, last = encoding.char_to_token(a), encoding.char_to_token(b - 1)
+        if first is None or last is None:
+            return None
+        while first <= last and encoding.token_to_chars(first)[0] < a:  # a token begun before the span
+            first += 1
+        while last + 1 < count and encoding.token_to_chars(last + 1)[0] < b:  # bytes of the span's last character
+            last += 1
+        if first <= last:
+            out.append((first, last + 1))
+    return out
 
 
 def marks(offsets: list, spans: list) -> np.ndarray:
@@ -157,8 +335,8 @@ def renderer(tok):
     the special tokens, as apply_chat_template renders it after copying and normalising every message (which
     costs more than the render itself), where the two agree on a probe conversation; else apply_chat_template."""
     special = tok.special_tokens_map
-    text = tok.get_chat_template() if isinstance(getattr(tok, "chat_template", None), (str, dict)) else None
-    key = (text, json.dumps(special, sort_keys=True, default=str))
+    key = template_key(tok)
+    text = key[0]
     if key not in _TEMPLATES:
         _TEMPLATES[key] = None
         try:
@@ -180,7 +358,38 @@ def renderer(tok):
         messages=messages, tools=None, documents=None, add_generation_prompt=generation_prompt, **special)
 
 
+def template_key(tok) -> tuple:
+    """What a tokenizer renders conversations with: its chat template and special tokens."""
+    text = tok.get_chat_template() if isinstance(getattr(tok, "chat_template", None), (str, dict)) else None
+    return text, json.dumps(tok.special_tokens_map, sort_keys=True, default=str)
+
+
+def pieces(tok, render=None) -> Pieces | None:
+    """The tokenizer and template as Pieces, where messages can be tokenized alone (decided once per template)."""
+    key = (template_key(tok), id(tokens.backend(tok)))
+    if key not in _PIECES:
+        render = render or renderer(tok)
+        try:
+            _PIECES[key] = Pieces.of(tok, segments(tok, render), render)
+        except Exception:  # noqa: BLE001 - whole renders with offsets instead
+            _PIECES[key] = None
+    return _PIECES[key]
+
+
+def segments(tok, render=None) -> Segments | None:
+    """The tokenizer's template as Segments, where it renders message by message (learned once per template)."""
+    key = template_key(tok)
+    if key not in _SEGMENTS:
+        try:
+            _SEGMENTS[key] = Segments.learn(render or renderer(tok))
+        except Exception:  # noqa: BLE001 - a template that refuses a probe: chat_spans renders every prefix
+            _SEGMENTS[key] = None
+    return _SEGMENTS[key]
+
+
 _TEMPLATES: dict = {}
+_SEGMENTS: dict = {}
+_PIECES: dict = {}
 PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"},
          {"role": "assistant", "content": "4"}]

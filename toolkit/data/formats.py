@@ -20,11 +20,13 @@ import pyarrow as pa
 
 from models import task_named
 import toolkit.data.tokens as tokens
-from toolkit.data.chat import chat_spans, describe, marks, renderer, to_messages, tokens_by_piece
+from toolkit.data.chat import (chat_spans, chat_texts, describe, marks, pieces, renderer, segments, to_messages,
+                               token_spans, tokens_by_piece)
 from toolkit.errors import ConfigError
 
 IGNORE_INDEX = -100  # label value the loss skips (HF and torch cross_entropy convention)
 FORMATS = ("text", "prompt-completion", "chat", "alpaca", "sharegpt")
+CHAT_CHUNK = 250  # chat rows rendered while the tokenizer encodes the rows rendered before them
 
 
 def infer_format(columns, task: str, fmt: str, text_field: str = "text") -> tuple[str, str]:
@@ -65,9 +67,9 @@ def _need(columns: set, keys, fmt: str) -> None:
 
 class Encoder:
     """A picklable batched map function over Arrow batches (datasets' .map(batched=True, with_indices=True)
-    on a dataset formatted "arrow"; it may run in num_proc worker processes). Each batch is tokenized by
-    one call of the fast tokenizer (tokens.encode, `threads` at once); only chat rows are rendered one by
-    one (their Jinja template is Python)."""
+    on a dataset formatted "arrow"). Each batch is tokenized by one call of the fast tokenizer (tokens.encode,
+    `threads` at once); chat rows are rendered one by one (their Jinja template is Python) while the tokenizer
+    encodes the rows rendered before them."""
 
     def __init__(self, fmt: str, tokenizer, source: str, train_on: str = "assistant", text_field: str = "text",
                  strip: bool = False, threads: int = 1):
@@ -94,14 +96,15 @@ class Encoder:
             return self._classification(batch, indices)
         if self.fmt == "prompt-completion":
             ids, labels = self._prompt_completion(batch, indices)
+            values, offsets = _flat(ids)
+            flat_labels = _flat(labels, np.diff(offsets))[0]
         else:
-            ids, labels = self._chat(batch.to_pydict() if isinstance(batch, pa.Table) else batch, indices)
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        flat_labels, offsets = _flat(labels, lengths)
+            values, flat_labels, offsets = self._chat(batch.to_pydict() if isinstance(batch, pa.Table) else batch,
+                                                      indices)
         seen = np.concatenate([[0], np.cumsum(flat_labels != IGNORE_INDEX)])
         trained = seen[offsets[1:]] - seen[np.minimum(offsets[:-1] + 1, offsets[1:])]  # not a first token's
-        return {"input_ids": tokens.list_array(ids), "labels": tokens.from_flat(flat_labels, offsets),
-                "length": lengths, "trained": trained}
+        return {"input_ids": tokens.from_flat(values, offsets), "labels": tokens.from_flat(flat_labels, offsets),
+                "length": np.diff(offsets), "trained": trained}
 
     def _text(self, batch, indices: list) -> dict:
         texts = self._strings(batch, self.text_field, indices)
@@ -125,18 +128,76 @@ class Encoder:
             labels.append((prompt if self.train_on == "all" else [IGNORE_INDEX] * len(prompt)) + answer)
         return ids, labels
 
-    def _chat(self, batch: dict, indices: list) -> tuple[list, list]:
-        """Rendered row by row (Jinja), tokenized in one batch; tokens marked by their character offsets."""
+    def _chat(self, batch: dict, indices: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(flat ids, flat labels, offsets): rows rendered (Jinja: Python, holding the GIL) CHAT_CHUNK at a time,
+        each chunk handed to the tokenizer (its threads, without the GIL) while the next is rendered; the
+        tokens that start inside an assistant turn's characters keep their labels. Where the template and the
+        tokenizer allow it (chat.Pieces) messages are tokenized alone without offsets, else whole renders with
+        them."""
         render = renderer(self.tok)
-        rendered = [chat_spans(to_messages(self.fmt, {k: v[n] for k, v in batch.items()}, row + 1, self.source),
-                               self.tok, self.source, row + 1, render) for n, row in enumerate(indices)]
+        model, split = segments(self.tok, render), pieces(self.tok, render)
+        rows = [{k: v[n] for k, v in batch.items()} for n in range(len(indices))]
         if tokens.backend(self.tok) is None:  # slow tokenizers: no offsets, the pieces one by one
-            out = [tokens_by_piece(full, spans, self.tok) for full, spans in rendered]
+            done = [tokens_by_piece(full, spans, self.tok) for _, full, spans in self._render(rows, indices, render,
+                                                                                             model)]
+            values, offsets = _flat([ids for ids, _ in done])
+            mask = np.fromiter((m for _, flags in done for m in flags), bool, len(values))
         else:
-            encoded = tokens.encode(self.tok, [full for full, _ in rendered], self.threads, offsets=True)
-            out = [(e.ids, marks(e.offsets, spans)) for e, (_, spans) in zip(encoded, rendered)]
-        every = self.train_on == "all"
-        return [ids for ids, _ in out], [ids if every else np.where(m, ids, IGNORE_INDEX).tolist() for ids, m in out]
+            ids, turns, pending = [], [], None  # ids: token lists (a row's pieces in order); turns: per row
+            for lo in range(0, len(rows), CHAT_CHUNK):
+                part = self._render(rows[lo: lo + CHAT_CHUNK], indices[lo: lo + CHAT_CHUNK], render, model, split)
+                job = (part, tokens.submit(self.tok, [t for r in part if r[0] == "pieces" for t in r[1]], self.threads),
+                       tokens.submit(self.tok, [r[1] for r in part if r[0] == "whole"], self.threads, offsets=True))
+                if pending is not None:
+                    self._take(*pending, split, ids, turns)
+                pending = job  # one chunk in flight: its encodings are freed as soon as read
+            if pending is not None:
+                self._take(*pending, split, ids, turns)
+            values, _ = _flat(ids)
+            lengths = np.asarray([total for total, _ in turns], np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            mask = _ranges_mask([ranges for _, ranges in turns], offsets)
+        labels = values if self.train_on == "all" else np.where(mask, values, IGNORE_INDEX).astype(np.int32)
+        return values, labels, offsets
+
+    def _render(self, rows: list, indices: list, render, model, split=None) -> list:
+        """Per row ("pieces", its messages' texts, their roles) where `split` tokenizes it message by message,
+        else ("whole", the render, the assistant turns' characters)."""
+        out = []
+        for row, n in zip(rows, indices):
+            messages = to_messages(self.fmt, row, n + 1, self.source)
+            texts = chat_texts(messages, render, split.segments, self.source, n + 1) if split is not None else None
+            out.append(("pieces", texts, [m["role"] for m in messages]) if texts is not None else
+                       ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
+        return out
+
+    def _take(self, part: list, fast, slow, split, ids: list, turns: list) -> None:
+        """A rendered chunk's tokens appended to `ids` (per piece) and (row tokens, assistant token ranges) to
+        `turns` (per row)."""
+        fast, slow = iter(fast.result()), iter(slow.result())
+        for kind, text, info in part:
+            if kind == "whole":
+                encoding = next(slow)
+                found = token_spans(encoding, info)
+                ids.append(encoding.ids)
+                turns.append((len(encoding.ids), found if found is not None else _runs(marks(encoding.offsets, info))))
+                continue
+            at, ranges = 0, []
+            for k, (piece, role) in enumerate(zip(text, info)):
+                piece_ids = next(fast).ids
+                if role == "assistant":
+                    start = split.reply_start(piece_ids, k == 0)
+                    if start is None:  # the reply's first token merges with the prompt's last: offsets decide
+                        cue = len(split.segments.prompt) + (len(split.segments.start) if k == 0 else 0)
+                        encoding, reply = tokens.encode(self.tok, [piece], offsets=True)[0], [(cue, len(piece))]
+                        found = token_spans(encoding, reply)
+                        ranges += [(at + a, at + b) for a, b in (found if found is not None
+                                                                 else _runs(marks(encoding.offsets, reply)))]
+                    elif start < len(piece_ids):
+                        ranges.append((at + start, at + len(piece_ids)))
+                ids.append(piece_ids)
+                at += len(piece_ids)
+            turns.append((at, ranges))
 
     def _classification(self, batch, indices: list) -> dict:
         texts = self._strings(batch, self.text_field, indices)
@@ -183,6 +244,24 @@ def _flat(rows: list, lengths=None) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(lengths, out=offsets[1:])
     values = np.fromiter(itertools.chain.from_iterable(rows), np.int32, int(offsets[-1]))
     return values, offsets
+
+
+def _runs(mask: np.ndarray) -> list:
+    """[(first, last + 1)] of each run of True in a boolean array."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def _ranges_mask(rows: list, offsets: np.ndarray) -> np.ndarray:
+    """The flat boolean mask of the ragged rows (cut at `offsets`) that is True on each row's (first, last + 1)
+    token ranges."""
+    mask = np.zeros(int(offsets[-1]) + 1, np.int32)
+    edges = [(offsets[n] + a, offsets[n] + b) for n, ranges in enumerate(rows) for a, b in ranges]
+    if edges:
+        lo, hi = np.asarray(edges, np.int64).T
+        np.add.at(mask, lo, 1)
+        np.add.at(mask, hi, -1)
+    return np.cumsum(mask[:-1]) > 0
 
 
 def _eos(tokenizer) -> list:

@@ -52,7 +52,7 @@ class DataOptions:
     seed: int = 1234
     encoding: str = "utf-8"
     cache_dir: str | None = None  # None: HF_DATASETS_CACHE
-    workers: int | None = None  # tokenizing threads (chat formats: processes); None: the cores, at most 8
+    workers: int | None = None  # tokenizing threads; None: the cores, at most 8
     max_positions: int | None = None  # the model's, checked against seq_len
 
 
@@ -119,28 +119,26 @@ def packing_on(opts: DataOptions, fmt: str) -> bool:
 
 
 def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = False):
-    """One row of (input_ids, labels | label, length, trained) per document, cached. Text-like formats are
-    tokenized in this process by `workers` tokenizer threads, with dstk's progress line; chat formats
-    (rendered row by row in Python) by `workers` processes, with datasets' progress bar."""
+    """One row of (input_ids, labels | label, length, trained) per document, cached; tokenized in this process
+    by `workers` tokenizer threads (chat rows: rendered while the tokenizer encodes the rows before them), with
+    dstk's progress line."""
     import datasets
 
-    threads, processes = workers(opts, fmt, len(ds))
     encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
-                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=threads)
+                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=workers(opts))
     key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None,
                        opts.text_field if fmt in ("text", "classification") else None,
                        tokenizer_fingerprint(tokenizer, chat=fmt in CHAT_FORMATS))
     bars = datasets.utils.logging.is_progress_bar_enabled()
-    if processes == 1 and not quiet:
+    if not quiet:
         encoder.progress = Progress(f"preparing --data: tokenizing {Path(str(source)).name}", len(ds))
-    if processes == 1 or quiet:
-        datasets.disable_progress_bars()
+    datasets.disable_progress_bars()
     try:
         plain = all(isinstance(f, datasets.Value) for f in ds.features.values())  # else decoded by datasets
         tokens = ds.with_format("arrow" if plain else None).map(
             encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
-            num_proc=processes if processes > 1 else None, new_fingerprint=key,
-            cache_file_name=_cache_file(opts, f"tokens-{key}"), desc=f"Tokenizing {Path(str(source)).name}")
+            new_fingerprint=key, cache_file_name=_cache_file(opts, f"tokens-{key}"),
+            desc=f"Tokenizing {Path(str(source)).name}")
     finally:
         if bars:
             datasets.enable_progress_bars()
@@ -149,14 +147,10 @@ def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = 
     return tokens.with_format(None)
 
 
-def workers(opts: DataOptions, fmt: str, rows: int) -> tuple[int, int]:
-    """(tokenizer threads per process, processes): --data-workers, else the cores (at most 8); chat formats
-    spread over processes (their templates hold the GIL), one for small data."""
-    cores = opts.workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                                os.cpu_count() or 1)
-    if fmt in CHAT_FORMATS:
-        return 1, cores if opts.workers or rows >= 20_000 else 1
-    return cores, 1
+def workers(opts: DataOptions) -> int:
+    """Tokenizer threads: --data-workers, else the cores (at most 8)."""
+    return opts.workers or min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                               os.cpu_count() or 1)
 
 
 def split_documents(tokens, eval_fraction: float, seed: int):

@@ -3,6 +3,8 @@
     encode(tok, texts, threads)   the fast tokenizer's encode_batch: its own thread pool, or where
                                   TOKENIZERS_PARALLELISM=false turns that off (dstk's ranks), `threads` slices
                                   of the batch at once (it releases the GIL: the threads run in parallel)
+    submit(tok, texts, ...)       encode() in a background thread (a Future): the caller goes on with Python
+                                  work (rendering the next chat rows) while the tokenizer runs
     ragged / list_array           list-of-lists <-> (flat int32 values, int64 offsets) <-> pyarrow ListArray
 
 Everything after the tokenizer works on whole batches in NumPy or Arrow: no loop over tokens in Python.
@@ -17,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 _PLAIN: dict = {}  # id(backend) -> (backend, a copy without truncation and padding)
-_POOLS: dict = {}  # threads -> ThreadPoolExecutor, one per process (datasets' workers fork their own)
+_POOLS: dict = {}  # (process id, threads) -> ThreadPoolExecutor (a forked process makes its own)
 
 
 def backend(tok):
@@ -48,9 +50,20 @@ def encode(tok, texts: list, threads: int = 1, special: bool = False, offsets: b
     if threads <= 1 or len(texts) < 2 * threads or own_threads():
         return call(texts, add_special_tokens=special)
     step = -(-len(texts) // threads)
-    pool = _POOLS.get(threads) or _POOLS.setdefault(threads, ThreadPoolExecutor(threads, "dstk-tokenize"))
-    parts = pool.map(lambda i: call(texts[i: i + step], add_special_tokens=special), range(0, len(texts), step))
+    parts = _pool(threads).map(lambda i: call(texts[i: i + step], add_special_tokens=special),
+                               range(0, len(texts), step))
     return [e for part in parts for e in part]
+
+
+def submit(tok, texts: list, threads: int = 1, special: bool = False, offsets: bool = False):
+    """encode(...) run by a background thread (one per process, so submitted batches come back in order): a
+    Future of its list of encodings. The tokenizer releases the GIL while it works."""
+    return _pool(1, "dstk-encode").submit(encode, tok, texts, threads, special, offsets)
+
+
+def _pool(threads: int, name: str = "dstk-tokenize") -> ThreadPoolExecutor:
+    key = (os.getpid(), threads, name)
+    return _POOLS.get(key) or _POOLS.setdefault(key, ThreadPoolExecutor(threads, name))
 
 
 def own_threads() -> bool:

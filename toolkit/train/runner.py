@@ -49,7 +49,7 @@ class TrainArgs:
     drop_long: bool = False  # drop rows longer than seq_len instead of truncating them
     eval_data: str | None = None  # a file to evaluate on instead of a share of --data
     data_cache: str | None = None  # where tokenized rows are cached (None: HF_DATASETS_CACHE)
-    data_workers: int | None = None  # tokenizing threads (chat formats: processes); None: the cores, at most 8
+    data_workers: int | None = None  # tokenizing threads; None: the cores, at most 8
     attention: str = "sdpa"  # eager | sdpa | flash_attention_2 (CUDA + flash-attn)
     lora: bool = False  # adapters through peft; the base frozen (toolkit.train.lora)
     lora_r: int = 16
