@@ -69,7 +69,7 @@ def prepare(path, tok, cache, **kw):
 
 
 def rows(prepared):
-    return [split.ds.with_format("numpy")[:]["input_ids"].tolist() for split in (prepared.train, prepared.eval)]
+    return [split.batch(range(len(split)))[0][0].tolist() for split in (prepared.train, prepared.eval)]
 
 
 CHANGES = [  # (what, data file, options before, options after, tokenizer change, new token files, new row files)
@@ -139,7 +139,7 @@ def test_a_tokenizer_json_truncation_does_not_cut_documents(tmp_path, bpe_dir, f
     tok.backend_tokenizer.enable_truncation(8)
     got, _ = prepare(files / "mixed.jsonl", tok, tmp_path / "cache", format="text", packing=False, seq_len=512,
                      eval_fraction=0.0)
-    ids = got.train.ds.with_format("numpy")[:]["input_ids"]
+    (ids, _), _ = got.train.batch(range(len(got.train)))
     assert (ids != tok.pad_token_id).sum(axis=1).max() > 9
 
 

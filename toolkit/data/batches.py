@@ -19,11 +19,17 @@ from toolkit.data.formats import IGNORE_INDEX
 
 
 class Rows:
-    """Fixed-length rows of a (memory-mapped) datasets.Dataset, read a batch at a time as int64 tensors."""
+    """Rows of a (memory-mapped) datasets.Dataset, read a batch at a time as int64 tensors: packed rows of
+    seq_len, or unpacked rows stored as they are (no doc_ids column), padded here to seq_len with `pad_id`."""
 
-    def __init__(self, ds):
+    def __init__(self, ds, seq_len: int | None = None, pad_id: int = 0):
         self.ds = ds.with_format("numpy")
         self.classification = "label" in ds.column_names
+        self.ragged = "doc_ids" not in ds.column_names
+        self.table = ds.with_format("arrow") if self.ragged else None
+        self.seq_len, self.pad_id = seq_len, pad_id
+        if self.ragged and seq_len is None:
+            raise ValueError("unpadded rows need the seq_len to pad them to")
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -31,10 +37,34 @@ class Rows:
     def batch(self, idx):
         """((input_ids, doc_ids), labels) of rows `idx`: (B, T) int64 each; labels (B,) for classification."""
         idx = [int(i) for i in idx]
+        if self.ragged:
+            return self._padded(idx)
         cols = self.ds[idx] if idx else {k: [] for k in self.ds.column_names}
         ids, docs = (torch.as_tensor(cols[k], dtype=torch.long).view(len(idx), -1) for k in ("input_ids", "doc_ids"))
         labels = torch.as_tensor(cols["label" if self.classification else "labels"], dtype=torch.long)
         return (ids, docs), labels.view(len(idx)) if self.classification else labels.view(len(idx), -1)
+
+    def _padded(self, idx: list):
+        """Unpadded rows padded to seq_len: ids with pad_id, doc_ids 1 on the row's tokens and 0 after, labels
+        -100 after."""
+        table = self.table[idx] if idx else None
+        n, width = len(idx), self.seq_len
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        docs = torch.zeros((n, width), dtype=torch.long)
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+        if n:
+            values = table.column("input_ids").combine_chunks()
+            offsets = values.offsets.to_numpy()
+            flat = torch.from_numpy(values.flatten().to_numpy(zero_copy_only=False).astype("int64"))
+            lengths = torch.from_numpy(offsets[1:] - offsets[:-1]).long()
+            mask = torch.arange(width) < lengths[:, None]
+            ids[mask], docs[mask] = flat, 1
+            if not self.classification:
+                labels[mask] = torch.from_numpy(table.column("labels").combine_chunks().flatten()
+                                                .to_numpy(zero_copy_only=False).astype("int64"))
+        if self.classification:
+            labels = torch.as_tensor(table.column("label").to_numpy() if n else [], dtype=torch.long).view(n)
+        return (ids, docs), labels
 
 
 @dataclass

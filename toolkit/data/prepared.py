@@ -32,7 +32,7 @@ from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_te
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
            "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
-VERSION = 2  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+VERSION = 3  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
 TOKENIZE_BATCH = 2000  # documents per tokenizer call (the rows do not depend on it)
 
@@ -101,7 +101,7 @@ def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
     if fmt == "classification":  # the head's size: the largest class index seen, + 1
         info["num_labels"] = max(int(d.with_format("numpy", columns=["label"])[:]["label"].max()) for d in (train, eval_)
                                  if len(d)) + 1
-    return Prepared(Rows(train), Rows(eval_), info)
+    return Prepared(Rows(train, opts.seq_len, pad_id(tokenizer)), Rows(eval_, opts.seq_len, pad_id(tokenizer)), info)
 
 
 def check_seq_len(opts: DataOptions) -> None:
@@ -166,12 +166,12 @@ def split_documents(tokens, eval_fraction: float, seed: int):
 def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str):
     classification = fmt == "classification"
     packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
-                              split_long=packing and fmt == "text")
+                         split_long=packing and fmt == "text", ragged=True)
     key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
     keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
     return docs.select_columns(keep).with_format("arrow").map(
         packer, batched=True, batch_size=pack.BATCH, remove_columns=keep, new_fingerprint=key,
-        features=pack.features(opts.seq_len, classification), cache_file_name=_cache_file(opts, f"rows-{key}"),
+        features=pack.features(opts.seq_len, classification, packer.ragged), cache_file_name=_cache_file(opts, f"rows-{key}"),
         desc=f"{'Packing' if packing else 'Padding'} {name} rows").with_format(None)
 
 
