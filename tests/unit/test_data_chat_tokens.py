@@ -28,7 +28,7 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "
            "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>"]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "café", "日本", "naïve", "—", "42", "x+y", "hello", "world",
          "it's"]
-LEADS = ["", "", "", "\n", " ", "\n\n", "  \n", "<|im_end|>", "日本", "\t"]
+LEADS = ["", "", "", "\n", " ", "\n\n", "  \n", "<|im_end|>", "<|im_start|>", "<|start_header_id|>", "日本", "\t", "1", "?"]
 
 
 def bpe(kind: str):
@@ -98,15 +98,16 @@ def test_every_path_gives_the_reference_tokens_and_mask(kind, template, path):
 
 def test_replies_that_merge_with_the_prompt_are_found_by_offsets():
     """A reply opening with whitespace can merge with the generation prompt's last token (BPE's "\\n\\n"): the
-    message's tokens then do not begin with the prompt's, and its offsets decide; the Llama 3 template trims
+    message's tokens then do not begin with the prompt's, and the row's offsets decide; the Llama 3 template trims
     contents, so rows with padded contents do not render as the pieces and go the whole way."""
     tok = bpe("bpe")
     tok.chat_template = CHATML
     split = chat.pieces(tok)
     engine = tokens.backend(tok)
-    reply = "<|im_start|>assistant\n{}the cat<|im_end|>\n"
+    row = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n{}the cat<|im_end|>\n"
     merged = [lead for lead in ("\n", "\n\n", "  \n", " ")
-              if split.reply_start(engine.encode(reply.format(lead), add_special_tokens=False).ids, False) is None]
+              if split.turns([engine.encode(row.format(lead), add_special_tokens=False).ids], [["user", "assistant"]])
+              == [None]]
     assert merged, "no reply merges with the prompt: the offsets fallback is not exercised"
     tok.chat_template = LLAMA3
     model = chat.segments(tok)

@@ -3,12 +3,13 @@
     to_messages     chat / alpaca / sharegpt rows -> [{"role", "content"}], refused with the file and row
     chat_spans      the rendered conversation and the (start, end) characters of its assistant turns
     Segments        a template that renders message by message: the spans from one render of the row
-    Pieces          ... and a byte-level tokenizer that splits at each message's first (special) token: each
-                    message tokenized alone, without character offsets (the tokenizer's fastest call)
+    Pieces          ... and a byte-level tokenizer that splits at each message's first (special) token: the
+                    assistant tokens from the head tokens' ids, without character offsets (its fastest call)
     token_spans     the (first, last + 1) tokens that start inside those spans
     renderer        the compiled template, rendered directly where it agrees with apply_chat_template
 """
 
+import itertools
 import json
 from contextlib import contextmanager
 from operator import itemgetter
@@ -242,42 +243,73 @@ SEGMENT_PROBES = ([{"role": "user", "content": "dstk probe u1"}, {"role": "assis
 
 
 class Pieces:
-    """A conversation tokenized message by message, without character offsets, where that gives the tokens of
-    the whole render: the template renders message by message (Segments) and every message after the first
-    begins with a special token (no lstrip, no single_word, not normalized), which the tokenizer splits the
-    text at before anything else (tokens never cross it, and the text between is tokenized the same alone).
-    An assistant message's tokens start with the generation prompt's (its text tokenized alone: the same
-    token strings cover the same bytes, so for a byte-level tokenizer the next token starts where the reply
-    does); where they do not (a reply beginning with whitespace that merges with the prompt's), that message
-    is tokenized again with offsets. Checked on the probe conversations against the whole render."""
+    """Assistant tokens of a whole render tokenized without character offsets (the tokenizer's fastest call), where
+    the template renders message by message (Segments) and every message's head starts with a special token
+    (no lstrip, no single_word, not normalized): the tokenizer splits the text at special tokens before anything
+    else, so each message's tokens start at its head token's id, and the k-th head-token id of a row is the k-th
+    message's (after those of `start`) unless a content holds the token's text too (then the row's count is off
+    and it goes the offsets way). An assistant message's reply starts after the generation prompt's tokens (as
+    they come before a reply that starts with a letter) when its tokens begin with them (byte-level tokenizers:
+    the same token strings cover the same bytes); where they do not (a reply opening with whitespace or a sign
+    that merges with the prompt's end), the row goes the offsets way. Checked on the probe conversations against
+    the whole render's offsets."""
 
-    def __init__(self, tok, segments: Segments, prompt_ids: dict):
-        self.tok, self.segments, self.prompt_ids = tok, segments, prompt_ids  # {first message?: ids}
+    def __init__(self, segments: Segments, heads: list, start_heads: int, prompt_ids: list):
+        self.segments, self.prompt_ids = segments, prompt_ids
+        self.heads, self.start_heads = np.asarray(heads, np.int64), start_heads
 
     @classmethod
     def of(cls, tok, segments: "Segments | None", render) -> "Pieces | None":
         engine = tokens.backend(tok)
         if segments is None or engine is None or not _byte_level(json.loads(engine.to_str()).get("pre_tokenizer")):
             return None
-        splits = [t.content for t in engine.get_added_tokens_decoder().values()
-                  if not (t.lstrip or t.single_word or t.normalized)]
-        if not all(any(head.startswith(c) for c in splits) for head in segments.heads.values()):
+        splits = {t.content: i for i, t in engine.get_added_tokens_decoder().items()
+                  if not (t.lstrip or t.single_word or t.normalized)}
+        heads = set()
+        for head in segments.heads.values():
+            found = max((c for c in splits if head.startswith(c)), key=len, default=None)
+            if found is None:
+                return None
+            heads.add(splits[found])
+        encode = lambda texts: engine.encode_batch(texts, add_special_tokens=False)  # noqa: E731
+        start, prompt = encode([segments.start, segments.prompt + "x"])  # the prompt's tokens before a reply
+        cue = [t for t, (a, _) in zip(prompt.ids, prompt.offsets) if a < len(segments.prompt)]
+        if not cue or prompt.offsets[len(cue) - 1][1] != len(segments.prompt):
             return None
-        encode = lambda texts: [e.ids for e in engine.encode_batch_fast(texts, add_special_tokens=False)]  # noqa: E731
-        prompt_ids = dict(zip((False, True), encode([segments.prompt, segments.start + segments.prompt])))
-        model = cls(tok, segments, prompt_ids)
+        model = cls(segments, sorted(heads), sum(t in heads for t in start.ids), cue)
         for probe in SEGMENT_PROBES:
             full = render(probe, generation_prompt=False)
-            texts = segments.texts(probe, full)
-            if texts is None or sum(encode(texts), []) != encode([full])[0]:
+            encoding = encode([full])[0]
+            found = model.turns([encoding.ids], [[m["role"] for m in probe]])[0]
+            if found is None or found != token_spans(encoding, segments.spans(probe, full)):
                 return None
         return model
 
-    def reply_start(self, ids: list, first: bool) -> int | None:
-        """Where an assistant message's reply starts among its `ids` (after the generation prompt's tokens), or
-        None where they do not begin with the prompt's."""
-        cue = self.prompt_ids[first]
-        return len(cue) if ids[: len(cue)] == cue else None
+    def turns(self, rows: list, roles: list) -> list:
+        """Per row (its token ids, its messages' roles): the (first, last + 1) tokens of each assistant turn's
+        reply and end marker, or None where the head tokens or the prompt's do not show where they are."""
+        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(bounds[-1]))
+        at = np.flatnonzero(np.isin(flat, self.heads))
+        first = np.searchsorted(at, bounds)
+        out, cue = [], self.prompt_ids
+        for n, (ids, row_roles) in enumerate(zip(rows, roles)):
+            starts = at[first[n] + self.start_heads: first[n + 1]] - bounds[n]
+            if len(starts) != len(row_roles):
+                out.append(None)
+                continue
+            ends, spans = [*starts[1:].tolist(), len(ids)], []
+            for role, a, b in zip(row_roles, starts.tolist(), ends):
+                if role != "assistant":
+                    continue
+                if ids[a: a + len(cue)] != cue:
+                    spans = None
+                    break
+                if a + len(cue) < b:
+                    spans.append((a + len(cue), b))
+            out.append(spans)
+        return out
 
 
 def _byte_level(pre_tokenizer) -> bool:

@@ -132,8 +132,7 @@ class Encoder:
         """(flat ids, flat labels, offsets): rows rendered (Jinja: Python, holding the GIL) CHAT_CHUNK at a time,
         each chunk handed to the tokenizer (its threads, without the GIL) while the next is rendered; the
         tokens that start inside an assistant turn's characters keep their labels. Where the template and the
-        tokenizer allow it (chat.Pieces) messages are tokenized alone without offsets, else whole renders with
-        them."""
+        tokenizer allow it (chat.Pieces) without character offsets, else from them."""
         render = renderer(self.tok)
         model, split = segments(self.tok, render), pieces(self.tok, render)
         rows = [{k: v[n] for k, v in batch.items()} for n in range(len(indices))]
@@ -143,61 +142,52 @@ class Encoder:
             values, offsets = _flat([ids for ids, _ in done])
             mask = np.fromiter((m for _, flags in done for m in flags), bool, len(values))
         else:
-            ids, turns, pending = [], [], None  # ids: token lists (a row's pieces in order); turns: per row
+            ids, turns, pending = [], [], None  # per row: token ids; (first, last + 1) tokens of its turns
             for lo in range(0, len(rows), CHAT_CHUNK):
                 part = self._render(rows[lo: lo + CHAT_CHUNK], indices[lo: lo + CHAT_CHUNK], render, model, split)
-                job = (part, tokens.submit(self.tok, [t for r in part if r[0] == "pieces" for t in r[1]], self.threads),
+                job = (part, tokens.submit(self.tok, [r[1] for r in part if r[0] == "split"], self.threads),
                        tokens.submit(self.tok, [r[1] for r in part if r[0] == "whole"], self.threads, offsets=True))
                 if pending is not None:
                     self._take(*pending, split, ids, turns)
                 pending = job  # one chunk in flight: its encodings are freed as soon as read
             if pending is not None:
                 self._take(*pending, split, ids, turns)
-            values, _ = _flat(ids)
-            lengths = np.asarray([total for total, _ in turns], np.int64)
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-            mask = _ranges_mask([ranges for _, ranges in turns], offsets)
+            values, offsets = _flat(ids)
+            mask = _ranges_mask(turns, offsets)
         labels = values if self.train_on == "all" else np.where(mask, values, IGNORE_INDEX).astype(np.int32)
         return values, labels, offsets
 
     def _render(self, rows: list, indices: list, render, model, split=None) -> list:
-        """Per row ("pieces", its messages' texts, their roles) where `split` tokenizes it message by message,
-        else ("whole", the render, the assistant turns' characters)."""
+        """Per row ("split", its render, its messages) where `split` finds its assistant tokens without offsets,
+        else ("whole", its render, the assistant turns' characters)."""
         out = []
         for row, n in zip(rows, indices):
             messages = to_messages(self.fmt, row, n + 1, self.source)
             texts = chat_texts(messages, render, split.segments, self.source, n + 1) if split is not None else None
-            out.append(("pieces", texts, [m["role"] for m in messages]) if texts is not None else
+            out.append(("split", "".join(texts), messages) if texts is not None else
                        ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
         return out
 
     def _take(self, part: list, fast, slow, split, ids: list, turns: list) -> None:
-        """A rendered chunk's tokens appended to `ids` (per piece) and (row tokens, assistant token ranges) to
-        `turns` (per row)."""
-        fast, slow = iter(fast.result()), iter(slow.result())
-        for kind, text, info in part:
-            if kind == "whole":
+        """A rendered chunk's token ids appended to `ids` and its assistant token ranges to `turns` (per row)."""
+        fast, slow = fast.result(), iter(slow.result())
+        fast_ids = [e.ids for e in fast]
+        found = iter(split.turns(fast_ids, [[m["role"] for m in r[2]] for r in part if r[0] == "split"])
+                     if fast_ids else [])
+        fast_ids = iter(fast_ids)
+        for kind, full, info in part:
+            if kind == "split":
+                row_ids, spans = next(fast_ids), next(found)
+                if spans is not None:
+                    ids.append(row_ids)
+                    turns.append(spans)
+                    continue  # else: the head tokens or the prompt's do not say: offsets do
+                encoding, info = tokens.encode(self.tok, [full], offsets=True)[0], split.segments.spans(info, full)
+            else:
                 encoding = next(slow)
-                found = token_spans(encoding, info)
-                ids.append(encoding.ids)
-                turns.append((len(encoding.ids), found if found is not None else _runs(marks(encoding.offsets, info))))
-                continue
-            at, ranges = 0, []
-            for k, (piece, role) in enumerate(zip(text, info)):
-                piece_ids = next(fast).ids
-                if role == "assistant":
-                    start = split.reply_start(piece_ids, k == 0)
-                    if start is None:  # the reply's first token merges with the prompt's last: offsets decide
-                        cue = len(split.segments.prompt) + (len(split.segments.start) if k == 0 else 0)
-                        encoding, reply = tokens.encode(self.tok, [piece], offsets=True)[0], [(cue, len(piece))]
-                        found = token_spans(encoding, reply)
-                        ranges += [(at + a, at + b) for a, b in (found if found is not None
-                                                                 else _runs(marks(encoding.offsets, reply)))]
-                    elif start < len(piece_ids):
-                        ranges.append((at + start, at + len(piece_ids)))
-                ids.append(piece_ids)
-                at += len(piece_ids)
-            turns.append((at, ranges))
+            ranges = token_spans(encoding, info)
+            ids.append(encoding.ids)
+            turns.append(ranges if ranges is not None else _runs(marks(encoding.offsets, info)))
 
     def _classification(self, batch, indices: list) -> dict:
         texts = self._strings(batch, self.text_field, indices)
