@@ -106,8 +106,8 @@ def test_replies_that_merge_with_the_prompt_are_found_by_offsets():
     engine = tokens.backend(tok)
     row = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n{}the cat<|im_end|>\n"
     merged = [lead for lead in ("\n", "\n\n", "  \n", " ")
-              if split.turns([engine.encode(row.format(lead), add_special_tokens=False).ids], [["user", "assistant"]])
-              == [None]]
+              if split.turns([engine.encode(row.format(lead), add_special_tokens=False).ids],
+                             [[{"role": "user"}, {"role": "assistant"}]])[2] == [None]]
     assert merged, "no reply merges with the prompt: the offsets fallback is not exercised"
     tok.chat_template = LLAMA3
     model = chat.segments(tok)

@@ -280,28 +280,29 @@ class Pieces:
         for probe in SEGMENT_PROBES:
             full = render(probe, generation_prompt=False)
             encoding = encode([full])[0]
-            found = model.turns([encoding.ids], [[m["role"] for m in probe]])[0]
+            found = model.turns([encoding.ids], [probe])[2][0]
             if found is None or found != token_spans(encoding, segments.spans(probe, full)):
                 return None
         return model
 
-    def turns(self, rows: list, roles: list) -> list:
-        """Per row (its token ids, its messages' roles): the (first, last + 1) tokens of each assistant turn's
-        reply and end marker, or None where the head tokens or the prompt's do not show where they are."""
+    def turns(self, rows: list, conversations: list) -> tuple[np.ndarray, np.ndarray, list]:
+        """(the rows' token ids flat (int32), their offsets, per row the (first, last + 1) tokens of each assistant
+        turn's reply and end marker, or None where the head tokens or the prompt's do not show where they are)
+        of `rows` (token id lists) of `conversations` (their messages)."""
         lengths = np.fromiter(map(len, rows), np.int64, len(rows))
         bounds = np.concatenate([[0], np.cumsum(lengths)])
-        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(bounds[-1]))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, int(bounds[-1]))
         at = np.flatnonzero(np.isin(flat, self.heads))
         first = np.searchsorted(at, bounds)
         out, cue = [], self.prompt_ids
-        for n, (ids, row_roles) in enumerate(zip(rows, roles)):
+        for n, (ids, messages) in enumerate(zip(rows, conversations)):
             starts = at[first[n] + self.start_heads: first[n + 1]] - bounds[n]
-            if len(starts) != len(row_roles):
+            if len(starts) != len(messages):
                 out.append(None)
                 continue
             ends, spans = [*starts[1:].tolist(), len(ids)], []
-            for role, a, b in zip(row_roles, starts.tolist(), ends):
-                if role != "assistant":
+            for message, a, b in zip(messages, starts.tolist(), ends):
+                if message["role"] != "assistant":
                     continue
                 if ids[a: a + len(cue)] != cue:
                     spans = None
@@ -309,7 +310,7 @@ class Pieces:
                 if a + len(cue) < b:
                     spans.append((a + len(cue), b))
             out.append(spans)
-        return out
+        return flat, bounds, out
 
 
 def _byte_level(pre_tokenizer) -> bool:

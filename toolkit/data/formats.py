@@ -142,18 +142,20 @@ class Encoder:
             values, offsets = _flat([ids for ids, _ in done])
             mask = np.fromiter((m for _, flags in done for m in flags), bool, len(values))
         else:
-            ids, turns, pending = [], [], None  # per row: token ids; (first, last + 1) tokens of its turns
+            chunks, pending = [], None  # per chunk: (flat ids, offsets, per row its turns' token ranges)
             for lo in range(0, len(rows), CHAT_CHUNK):
                 part = self._render(rows[lo: lo + CHAT_CHUNK], indices[lo: lo + CHAT_CHUNK], render, model, split)
                 job = (part, tokens.submit(self.tok, [r[1] for r in part if r[0] == "split"], self.threads),
                        tokens.submit(self.tok, [r[1] for r in part if r[0] == "whole"], self.threads, offsets=True))
                 if pending is not None:
-                    self._take(*pending, split, ids, turns)
+                    chunks.append(self._take(*pending, split))
                 pending = job  # one chunk in flight: its encodings are freed as soon as read
             if pending is not None:
-                self._take(*pending, split, ids, turns)
-            values, offsets = _flat(ids)
-            mask = _ranges_mask(turns, offsets)
+                chunks.append(self._take(*pending, split))
+            lengths = np.concatenate([np.diff(bounds) for _, bounds, _ in chunks]) if chunks else np.zeros(0, np.int64)
+            values = np.concatenate([flat for flat, _, _ in chunks]) if chunks else np.zeros(0, np.int32)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            mask = _ranges_mask([ranges for _, _, turns in chunks for ranges in turns], offsets)
         labels = values if self.train_on == "all" else np.where(mask, values, IGNORE_INDEX).astype(np.int32)
         return values, labels, offsets
 
@@ -168,16 +170,18 @@ class Encoder:
                        ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
         return out
 
-    def _take(self, part: list, fast, slow, split, ids: list, turns: list) -> None:
-        """A rendered chunk's token ids appended to `ids` and its assistant token ranges to `turns` (per row)."""
+    def _take(self, part: list, fast, slow, split) -> tuple:
+        """A rendered chunk's (flat token ids, offsets, per row its assistant turns' token ranges)."""
         fast, slow = fast.result(), iter(slow.result())
-        fast_ids = [e.ids for e in fast]
-        found = iter(split.turns(fast_ids, [[m["role"] for m in r[2]] for r in part if r[0] == "split"])
-                     if fast_ids else [])
-        fast_ids = iter(fast_ids)
+        rows = [r for r in part if r[0] == "split"]
+        flat, bounds, found = split.turns([e.ids for e in fast], [r[2] for r in rows]) if rows else (None, None, [])
+        if len(rows) == len(part) and None not in found:
+            return flat, bounds, found  # every row found without offsets (the usual case)
+        ids, turns, found, at = [], [], iter(found), 0
         for kind, full, info in part:
             if kind == "split":
-                row_ids, spans = next(fast_ids), next(found)
+                row_ids, spans = flat[bounds[at]: bounds[at + 1]], next(found)
+                at += 1
                 if spans is not None:
                     ids.append(row_ids)
                     turns.append(spans)
@@ -188,6 +192,8 @@ class Encoder:
             ranges = token_spans(encoding, info)
             ids.append(encoding.ids)
             turns.append(ranges if ranges is not None else _runs(marks(encoding.offsets, info)))
+        values, offsets = _flat(ids)
+        return values, offsets, turns
 
     def _classification(self, batch, indices: list) -> dict:
         texts = self._strings(batch, self.text_field, indices)
