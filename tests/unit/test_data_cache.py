@@ -198,3 +198,16 @@ def test_a_text_file_is_read_through_once_per_version_not_on_every_rank_and_star
     path.write_text(path.read_text() + "\n\nOne more paragraph.\n")  # a new version is read through again
     prepare(path, load(bpe_dir), tmp_path / "cache")
     assert reads.count(None) == 2
+
+
+def test_a_changed_data_file_invalidates_and_its_new_rows_are_read(tmp_path, bpe_dir, files):
+    path, cache = tmp_path / "data.jsonl", tmp_path / "cache"
+    path.write_text((files / "mixed.jsonl").read_text())
+    first, made = prepare(path, load(bpe_dir), cache, format="text")
+    assert made == {"tokens": 1, "rows": 2}
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "One more document, with words the others never had.", "prompt": "", "completion": ""})
+                + "\n")
+    second, made = prepare(path, load(bpe_dir), cache, format="text")
+    assert made == {"tokens": 1, "rows": 2}
+    assert second.info["documents"] == first.info["documents"] + 1

@@ -28,7 +28,8 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "
            "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>"]
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "café", "日本", "naïve", "—", "42", "x+y", "hello", "world",
          "it's"]
-LEADS = ["", "", "", "\n", " ", "\n\n", "  \n", "<|im_end|>", "<|im_start|>", "<|start_header_id|>", "日本", "\t", "1", "?"]
+LEADS = ["", "", "", "\n", " ", "\n\n", "  \n", "<|im_end|>", "<|im_start|>", "<|start_header_id|>", "日本", "\t", "1", "?",
+         "<|im_start|>assistant\n", "<|start_header_id|>assistant<|end_header_id|>\n\n"]  # a head inside a content
 
 
 def bpe(kind: str):
@@ -106,8 +107,8 @@ def test_replies_that_merge_with_the_prompt_are_found_by_offsets():
     engine = tokens.backend(tok)
     row = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n{}the cat<|im_end|>\n"
     merged = [lead for lead in ("\n", "\n\n", "  \n", " ")
-              if split.turns([engine.encode(row.format(lead), add_special_tokens=False).ids],
-                             [[{"role": "user"}, {"role": "assistant"}]])[2] == [None]]
+              if split.row_spans(engine.encode(row.format(lead), add_special_tokens=False).ids,
+                                 [{"role": "user"}, {"role": "assistant"}]) is None]
     assert merged, "no reply merges with the prompt: the offsets fallback is not exercised"
     tok.chat_template = LLAMA3
     model = chat.segments(tok)

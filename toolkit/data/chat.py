@@ -280,37 +280,48 @@ class Pieces:
         for probe in SEGMENT_PROBES:
             full = render(probe, generation_prompt=False)
             encoding = encode([full])[0]
-            found = model.turns([encoding.ids], [probe])[2][0]
+            found = model.row_spans(encoding.ids, probe)
             if found is None or found != token_spans(encoding, segments.spans(probe, full)):
                 return None
         return model
 
-    def turns(self, rows: list, conversations: list) -> tuple[np.ndarray, np.ndarray, list]:
-        """(the rows' token ids flat (int32), their offsets, per row the (first, last + 1) tokens of each assistant
-        turn's reply and end marker, or None where the head tokens or the prompt's do not show where they are)
-        of `rows` (token id lists) of `conversations` (their messages)."""
+    def turns(self, rows: list, conversations: list) -> tuple:
+        """Of `rows` (token id lists) of `conversations` (their messages), in NumPy over the whole chunk: (their ids
+        flat (int32), their offsets, per row: are its turns found (bool), and (row, first, last + 1) of each
+        found row's assistant replies with their end markers, row-relative). A row is not found where its head
+        tokens do not match its messages or a reply's tokens do not begin with the prompt's (offsets decide)."""
         lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        bounds = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lengths, out=bounds[1:])
         flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, int(bounds[-1]))
         at = np.flatnonzero(np.isin(flat, self.heads))
-        first = np.searchsorted(at, bounds)
-        out, cue = [], self.prompt_ids
-        for n, (ids, messages) in enumerate(zip(rows, conversations)):
-            starts = at[first[n] + self.start_heads: first[n + 1]] - bounds[n]
-            if len(starts) != len(messages):
-                out.append(None)
-                continue
-            ends, spans = [*starts[1:].tolist(), len(ids)], []
-            for message, a, b in zip(messages, starts.tolist(), ends):
-                if message["role"] != "assistant":
-                    continue
-                if ids[a: a + len(cue)] != cue:
-                    spans = None
-                    break
-                if a + len(cue) < b:
-                    spans.append((a + len(cue), b))
-            out.append(spans)
-        return flat, bounds, out
+        first = np.searchsorted(at, bounds) + self.start_heads  # each row's first message head (after `start`'s)
+        count = np.fromiter(map(len, conversations), np.int64, len(rows))
+        ok = first[1:] - self.start_heads - first[:-1] == count
+        # every message of the rows whose head count matches: its row, first token, end (the next head or row end)
+        row = np.repeat(np.flatnonzero(ok), count[ok])
+        head = np.repeat(first[:-1][ok], count[ok]) + np.arange(len(row)) - np.repeat(np.cumsum(count[ok]) - count[ok],
+                                                                                    count[ok])
+        start = at[head] if len(row) else np.zeros(0, np.int64)
+        last = np.append(row[1:] != row[:-1], True)  # a row's last message
+        end = np.where(last, bounds[row + 1], np.append(start[1:], 0))
+        assistant = np.fromiter((m["role"] == "assistant" for n in np.flatnonzero(ok).tolist()
+                                 for m in conversations[n]), bool, len(row))
+        cue = np.asarray(self.prompt_ids, np.int32)
+        reply = start + len(cue)
+        inside = reply <= bounds[row + 1]
+        where = np.minimum(start[:, None] + np.arange(len(cue)), max(len(flat) - 1, 0))
+        prompted = inside & (flat[where] == cue).all(axis=1) if len(flat) else inside
+        bad = assistant & ~prompted
+        ok[row[bad]] = False
+        keep = assistant & ok[row] & (reply < end)
+        ranges = np.stack([row[keep], reply[keep] - bounds[row[keep]], end[keep] - bounds[row[keep]]], axis=1)
+        return flat, bounds, ok, ranges
+
+    def row_spans(self, ids: list, messages: list) -> list | None:
+        """turns() of one row: [(first, last + 1)] of its assistant replies, or None where offsets must decide."""
+        _, _, ok, ranges = self.turns([ids], [messages])
+        return [(int(a), int(b)) for _, a, b in ranges] if ok[0] else None
 
 
 def _byte_level(pre_tokenizer) -> bool:
@@ -367,28 +378,41 @@ def renderer(tok):
     generation_prompt) for checked messages (plain {role, content} strings): the compiled template rendered with
     the special tokens, as apply_chat_template renders it after copying and normalising every message (which
     costs more than the render itself), where the two agree on a probe conversation; else apply_chat_template."""
-    special = tok.special_tokens_map
     key = template_key(tok)
-    text = key[0]
     if key not in _TEMPLATES:
         _TEMPLATES[key] = None
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            compiled = _compile_jinja_template(text)
-            same = all(compiled.render(messages=PROBE[:n], tools=None, documents=None, add_generation_prompt=g,
-                                       **special)
-                       == tok.apply_chat_template(PROBE[:n], tokenize=False, add_generation_prompt=g)
+            render = _direct(_compile_jinja_template(key[0]), tok.special_tokens_map)
+            same = all(render(PROBE[:n], g) == tok.apply_chat_template(PROBE[:n], tokenize=False,
+                                                                         add_generation_prompt=g)
                        for n in (2, 3, 5) for g in (False, True))
-            _TEMPLATES[key] = compiled if same else None
+            _TEMPLATES[key] = render if same else None
         except Exception:  # noqa: BLE001 - transformers' own path renders it (and names the error per row)
             pass
-    compiled = _TEMPLATES[key]
-    if compiled is None:
+    if _TEMPLATES[key] is None:
         return lambda messages, generation_prompt: tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt)
-    return lambda messages, generation_prompt: compiled.render(
-        messages=messages, tools=None, documents=None, add_generation_prompt=generation_prompt, **special)
+    return _TEMPLATES[key]
+
+
+def _direct(compiled, special: dict):
+    """compiled.render(messages=..., tools=None, documents=None, add_generation_prompt=..., **special), with the
+    template's globals (a ChainMap over its environment's, which Template.render merges key by key on every
+    call: half its cost per row) flattened once and handed over whole (Template.new_context(shared=True))."""
+    base = {**compiled.globals, "tools": None, "documents": None, **special}
+    concat, root = compiled.environment.concat, compiled.root_render_func
+
+    def render(messages: list, generation_prompt: bool) -> str:
+        context = compiled.new_context({**base, "messages": messages, "add_generation_prompt": generation_prompt},
+                                       shared=True)
+        try:
+            return concat(root(context))
+        except Exception:  # noqa: BLE001 - what Template.render does: Jinja's error, its traceback rewritten
+            compiled.environment.handle_exception()
+
+    return render
 
 
 def template_key(tok) -> tuple:

@@ -78,6 +78,20 @@ class Encoder:
         self.threads = threads
         self.eos = _eos(tokenizer)
         self.progress = None  # a toolkit.data.progress.Progress, told of each batch (in-process only)
+        self.column, self.ahead = None, None  # read_ahead(): the text column; the next batch's (start, rows, Future)
+
+    def read_ahead(self, ds) -> None:
+        """Text rows of `ds` (the dataset this encoder maps over, batch after batch in order): while datasets
+        writes a batch's output and the next batch is read, the tokenizer already encodes the next batch (its
+        threads, without the GIL), so no core waits on the single Python thread. Only for a text column of
+        strings throughout (else each batch's rows are checked, and refused, as they come)."""
+        column = ds.data.column(self.text_field) if self.fmt == "text" and self.text_field in ds.column_names else None
+        if column is not None and column.null_count == 0 and (pa.types.is_string(column.type)
+                                                               or pa.types.is_large_string(column.type)):
+            self.column = column
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "column": None, "ahead": None}  # pickled for another process: no read-ahead
 
     def __call__(self, batch, indices: list) -> pa.Table:
         """Columns input_ids, labels (not for text: its labels are its ids) or label, length (tokens) and
@@ -107,15 +121,24 @@ class Encoder:
                 "length": np.diff(offsets), "trained": trained}
 
     def _text(self, batch, indices: list) -> dict:
-        texts = self._strings(batch, self.text_field, indices)
-        if self.strip:  # whitespace between paragraphs is no document
-            texts = [t for t in (t.strip() for t in texts) if t]
-        values, offsets = _flat([e.ids for e in tokens.encode(self.tok, texts, self.threads)])
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[:2] == (indices[0], len(indices)) and indices[-1] == indices[0] + len(indices) - 1:
+            encoded = ahead[2].result()  # these rows, read ahead and encoded while the last batch was written
+        else:
+            encoded = tokens.encode(self.tok, self._texts(self._strings(batch, self.text_field, indices)), self.threads)
+        if self.column is not None and (start := indices[-1] + 1) < len(self.column):
+            rows = min(len(indices), len(self.column) - start)
+            texts = self._texts(self.column.slice(start, rows).to_pylist())
+            self.ahead = (start, rows, tokens.submit(self.tok, texts, self.threads))
+        values, offsets = _flat([e.ids for e in encoded])
         if self.eos:
             values, offsets = tokens.append(values, offsets, self.eos[0])
         lengths = np.diff(offsets)
         return {"input_ids": tokens.from_flat(values, offsets), "length": lengths,
                 "trained": np.maximum(lengths - 1, 0)}
+
+    def _texts(self, texts: list) -> list:
+        return [t for t in (t.strip() for t in texts) if t] if self.strip else texts  # blank paragraphs: no document
 
     def _prompt_completion(self, batch, indices: list) -> tuple[list, list]:
         answer_key = "completion" if "completion" in _names(batch) else "response"
@@ -142,7 +165,7 @@ class Encoder:
             values, offsets = _flat([ids for ids, _ in done])
             mask = np.fromiter((m for _, flags in done for m in flags), bool, len(values))
         else:
-            chunks, pending = [], None  # per chunk: (flat ids, offsets, per row its turns' token ranges)
+            chunks, pending = [], None  # per chunk: (flat ids, offsets, (row, first, last + 1) of its assistant turns)
             for lo in range(0, len(rows), CHAT_CHUNK):
                 part = self._render(rows[lo: lo + CHAT_CHUNK], indices[lo: lo + CHAT_CHUNK], render, model, split)
                 job = (part, tokens.submit(self.tok, [r[1] for r in part if r[0] == "split"], self.threads),
@@ -152,10 +175,8 @@ class Encoder:
                 pending = job  # one chunk in flight: its encodings are freed as soon as read
             if pending is not None:
                 chunks.append(self._take(*pending, split))
-            lengths = np.concatenate([np.diff(bounds) for _, bounds, _ in chunks]) if chunks else np.zeros(0, np.int64)
-            values = np.concatenate([flat for flat, _, _ in chunks]) if chunks else np.zeros(0, np.int32)
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-            mask = _ranges_mask([ranges for _, _, turns in chunks for ranges in turns], offsets)
+            values, offsets, ranges = _joined(chunks)
+            mask = _ranges_mask(ranges, offsets)
         labels = values if self.train_on == "all" else np.where(mask, values, IGNORE_INDEX).astype(np.int32)
         return values, labels, offsets
 
@@ -171,13 +192,15 @@ class Encoder:
         return out
 
     def _take(self, part: list, fast, slow, split) -> tuple:
-        """A rendered chunk's (flat token ids, offsets, per row its assistant turns' token ranges)."""
+        """A rendered chunk's (flat token ids, offsets, (row, first, last + 1) of its assistant turns' tokens)."""
         fast, slow = fast.result(), iter(slow.result())
         rows = [r for r in part if r[0] == "split"]
-        flat, bounds, found = split.turns([e.ids for e in fast], [r[2] for r in rows]) if rows else (None, None, [])
-        if len(rows) == len(part) and None not in found:
-            return flat, bounds, found  # every row found without offsets (the usual case)
-        ids, turns, found, at = [], [], iter(found), 0
+        if rows:
+            flat, bounds, found, ranges = split.turns([e.ids for e in fast], [r[2] for r in rows])
+            if len(rows) == len(part) and found.all():
+                return flat, bounds, ranges  # every row found without offsets (the usual case)
+            found = [ranges[ranges[:, 0] == n, 1:].tolist() if ok else None for n, ok in enumerate(found.tolist())]
+        ids, turns, found, at = [], [], iter(found if rows else ()), 0
         for kind, full, info in part:
             if kind == "split":
                 row_ids, spans = flat[bounds[at]: bounds[at + 1]], next(found)
@@ -189,11 +212,12 @@ class Encoder:
                 encoding, info = tokens.encode(self.tok, [full], offsets=True)[0], split.segments.spans(info, full)
             else:
                 encoding = next(slow)
-            ranges = token_spans(encoding, info)
+            spans = token_spans(encoding, info)
             ids.append(encoding.ids)
-            turns.append(ranges if ranges is not None else _runs(marks(encoding.offsets, info)))
+            turns.append(spans if spans is not None else _runs(marks(encoding.offsets, info)))
         values, offsets = _flat(ids)
-        return values, offsets, turns
+        ranges = [(n, a, b) for n, spans in enumerate(turns) for a, b in spans]
+        return values, offsets, np.asarray(ranges, np.int64).reshape(-1, 3)
 
     def _classification(self, batch, indices: list) -> dict:
         texts = self._strings(batch, self.text_field, indices)
@@ -248,15 +272,27 @@ def _runs(mask: np.ndarray) -> list:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def _ranges_mask(rows: list, offsets: np.ndarray) -> np.ndarray:
-    """The flat boolean mask of the ragged rows (cut at `offsets`) that is True on each row's (first, last + 1)
+def _joined(chunks: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Chunks of (flat ids, offsets, (row, first, last + 1) ranges) -> the same over all of them."""
+    if not chunks:
+        return np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros((0, 3), np.int64)
+    counts = [len(bounds) - 1 for _, bounds, _ in chunks]
+    lengths = np.concatenate([np.diff(bounds) for _, bounds, _ in chunks])
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    shift = np.repeat(np.cumsum(counts) - counts, [len(r) for _, _, r in chunks])
+    ranges = np.concatenate([r for _, _, r in chunks])
+    ranges[:, 0] += shift
+    return np.concatenate([flat for flat, _, _ in chunks]), offsets, ranges
+
+
+def _ranges_mask(ranges: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The flat boolean mask of the ragged rows (cut at `offsets`) that is True on the (row, first, last + 1)
     token ranges."""
     mask = np.zeros(int(offsets[-1]) + 1, np.int32)
-    edges = [(offsets[n] + a, offsets[n] + b) for n, ranges in enumerate(rows) for a, b in ranges]
-    if edges:
-        lo, hi = np.asarray(edges, np.int64).T
-        np.add.at(mask, lo, 1)
-        np.add.at(mask, hi, -1)
+    start = offsets[ranges[:, 0]]
+    np.add.at(mask, start + ranges[:, 1], 1)
+    np.add.at(mask, start + ranges[:, 2], -1)
     return np.cumsum(mask[:-1]) > 0
 
 

@@ -27,7 +27,7 @@ from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_co
 from toolkit.data.chat import check_chat_template
 from toolkit.data.formats import IGNORE_INDEX, Encoder, infer_format
 from toolkit.data.progress import Progress
-from toolkit.data.source import TEXT_SUFFIXES, check_path, check_text, decode_text, load
+from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_text, decode_text, load
 
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
@@ -132,6 +132,7 @@ def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = 
     bars = datasets.utils.logging.is_progress_bar_enabled()
     if not quiet:
         encoder.progress = Progress(f"preparing --data: tokenizing {Path(str(source)).name}", len(ds))
+    encoder.read_ahead(ds)
     datasets.disable_progress_bars()
     try:
         plain = all(isinstance(f, datasets.Value) for f in ds.features.values())  # else decoded by datasets
@@ -216,11 +217,7 @@ def _fingerprint(*parts) -> str:
 
 
 def _cache_file(opts: DataOptions, name: str) -> str:
-    import datasets
-
-    root = Path(opts.cache_dir or datasets.config.HF_DATASETS_CACHE) / "dstk"
-    root.mkdir(parents=True, exist_ok=True)
-    return str(root / f"{name}.arrow")
+    return str(cache_root(opts.cache_dir) / f"{name}.arrow")
 
 
 def prepare_once_per_node(opts: DataOptions, tokenizer) -> Prepared:
