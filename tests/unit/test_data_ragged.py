@@ -1,7 +1,8 @@
-"""Unpacked rows are cached as they are (no padding, no doc_ids) and padded when a micro-batch is read:
-batches.Rows gives exactly the padded rows the packer writes for the streaming path, for language-model
-rows (labels, or text whose labels are its ids), truncated or dropped long documents, and classification;
-and a cache of short rows at a long --seq-len holds their tokens, not the padding."""
+"""Unpacked rows are not written again: the documents that make a row (pack.unpacked) are read from the
+tokens cache and padded when a micro-batch is read. batches.Rows gives exactly the padded rows the packer
+writes for the streaming path, for language-model rows (labels, or text whose labels are its ids),
+truncated or dropped long documents (kept or dropped by the tokens they train on), and classification;
+and a chat preparation at a long --seq-len writes the tokens once, no padding and no copy."""
 
 import json
 
@@ -18,46 +19,54 @@ from toolkit.train.hf import byte_tokenizer
 SEQ, PAD = 16, 7
 
 
-def documents(kind: str, seed: int = 0) -> pa.Table:
+def documents(kind: str, seed: int = 0):
+    """60 tokenized documents as the tokens cache holds them (length, trained), 1 to 2 x SEQ tokens long; some
+    train on nothing, some only after SEQ tokens."""
+    import datasets
+
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 2 * SEQ, 60)
     ids = [rng.integers(10, 200, n).tolist() for n in lengths]
     columns = {"input_ids": pa.array(ids, pa.list_(pa.int32()))}
     if kind == "labels":
-        columns["labels"] = pa.array([[t if rng.random() < 0.6 else IGNORE_INDEX for t in row] for row in ids],
-                                     pa.list_(pa.int32()))
+        labels = [[t if rng.random() < 0.6 else IGNORE_INDEX for t in row] for row in ids]
+        labels[:6] = [[IGNORE_INDEX] * len(row) for row in ids[:6]]  # nothing to train on
+        labels[6:12] = [[IGNORE_INDEX] * min(SEQ, len(row)) + row[SEQ:] for row in ids[6:12]]  # after SEQ tokens
+        columns["labels"] = pa.array(labels, pa.list_(pa.int32()))
+        trained = [sum(t != IGNORE_INDEX for t in row[1:]) for row in labels]
+    else:
+        trained = [max(len(row) - 1, 0) if kind == "text" else 1 for row in ids]
     if kind == "classification":
         columns["label"] = pa.array(rng.integers(0, 3, len(ids)), pa.int64())
-    return pa.table(columns)
-
-
-def read(table: pa.Table, ragged: bool, classification: bool):
-    import datasets
-
-    return Rows(datasets.Dataset(table).cast(pack.features(SEQ, classification, ragged)), SEQ, PAD)
+    columns.update(length=pa.array(lengths.tolist(), pa.int64()), trained=pa.array(trained, pa.int64()))
+    return datasets.Dataset(pa.table(columns)).select(range(3, 60))  # an indices mapping, as a split's
 
 
 @pytest.mark.parametrize("kind", ["labels", "text", "classification"])
 @pytest.mark.parametrize("drop_long", [False, True])
-def test_ragged_rows_read_as_the_padded_rows(kind, drop_long):
+def test_unpacked_documents_read_as_the_padded_rows(kind, drop_long):
+    import datasets
+
     docs = documents(kind)
     classification = kind == "classification"
-    fixed, ragged = (pack.Packer(SEQ, PAD, packing=False, drop_long=drop_long, split_long=False, ragged=r)(docs)
-                     for r in (False, True))
-    assert "doc_ids" not in ragged.column_names and ragged.num_rows == fixed.num_rows > 20
-    stored = sum(len(r) for r in ragged.column("input_ids").to_pylist())
-    padded, unpadded = read(fixed, False, classification), read(ragged, True, classification)
-    assert stored == int(unpadded.batch(range(len(unpadded)))[0][1].sum()) < fixed.num_rows * SEQ  # no padding
+    keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
+    fixed = pack.Packer(SEQ, PAD, packing=False, drop_long=drop_long, split_long=False)(
+        docs.select_columns(keep).with_format("arrow")[:])
+    chosen = docs.select(pack.unpacked(docs, SEQ, drop_long)).select_columns(keep)
+    padded = Rows(datasets.Dataset(fixed).cast(pack.features(SEQ, classification)), SEQ, PAD)
+    unpadded = Rows(chosen, SEQ, PAD)
+    assert len(unpadded) == len(padded) > 10
     order = list(np.random.default_rng(1).permutation(len(padded)))[:13]
     (ids_a, docs_a), labels_a = padded.batch(order)
     (ids_b, docs_b), labels_b = unpadded.batch(order)
     assert ids_a.equal(ids_b) and docs_a.equal(docs_b) and labels_a.equal(labels_b)
     assert (docs_b == 0).any() and (ids_b[docs_b == 0] == PAD).all()
+    assert drop_long or (unpadded.batch(range(len(unpadded)))[0][1].sum(1) == SEQ).any()  # truncated rows read
     (ids, docs), labels = unpadded.batch([])
     assert ids.shape == (0, SEQ) and labels.shape[0] == 0
 
 
-def test_a_chat_cache_at_a_long_seq_len_holds_the_tokens_not_the_padding(tmp_path):
+def test_a_chat_cache_at_a_long_seq_len_writes_the_tokens_once(tmp_path):
     tok = byte_tokenizer()
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -70,5 +79,5 @@ def test_a_chat_cache_at_a_long_seq_len_holds_the_tokens_not_the_padding(tmp_pat
     prepared = data.prepare(opts, tok)
     (ids, docs), labels = prepared.train.batch(range(len(prepared.train)))
     assert ids.shape == (200, 4096) and int(docs.sum()) < 200 * 100
-    rows_file = max((tmp_path / "cache" / "dstk").glob("rows-*.arrow"), key=lambda p: p.stat().st_size)
-    assert rows_file.stat().st_size < 200 * 4096 * 4 / 20  # padded, input_ids alone would be 3.3 MB
+    written = {p.name.split("-")[0]: p.stat().st_size for p in (tmp_path / "cache" / "dstk").glob("*.arrow")}
+    assert "rows" not in written and written["tokens"] < 200 * 4096 * 4 / 20  # padded input_ids alone: 3.3 MB

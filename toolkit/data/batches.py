@@ -12,6 +12,7 @@ classifier): what DeepSpeed's pipeline sends between stages and models.spec.atte
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from toolkit.errors import ConfigError
@@ -20,7 +21,9 @@ from toolkit.data.formats import IGNORE_INDEX
 
 class Rows:
     """Rows of a (memory-mapped) datasets.Dataset, read a batch at a time as int64 tensors: packed rows of
-    seq_len, or unpacked rows stored as they are (no doc_ids column), padded here to seq_len with `pad_id`."""
+    seq_len, or documents of the tokens cache (no doc_ids column: unpacked rows, pack.unpacked) truncated and
+    padded here to seq_len with `pad_id`, labels -100 on the first token and the padding (a text document's
+    labels are its ids)."""
 
     def __init__(self, ds, seq_len: int | None = None, pad_id: int = 0):
         self.ds = ds.with_format("numpy")
@@ -45,26 +48,38 @@ class Rows:
         return (ids, docs), labels.view(len(idx)) if self.classification else labels.view(len(idx), -1)
 
     def _padded(self, idx: list):
-        """Unpadded rows padded to seq_len: ids with pad_id, doc_ids 1 on the row's tokens and 0 after, labels
-        -100 after."""
+        """Documents truncated to seq_len and padded: ids with pad_id, doc_ids 1 on the row's tokens and 0 after,
+        labels -100 on the first token and after."""
         table = self.table[idx] if idx else None
         n, width = len(idx), self.seq_len
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         docs = torch.zeros((n, width), dtype=torch.long)
         labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
         if n:
-            values = table.column("input_ids").combine_chunks()
-            offsets = values.offsets.to_numpy()
-            flat = torch.from_numpy(values.flatten().to_numpy(zero_copy_only=False).astype("int64"))
-            lengths = torch.from_numpy(offsets[1:] - offsets[:-1]).long()
-            mask = torch.arange(width) < lengths[:, None]
-            ids[mask], docs[mask] = flat, 1
+            mask, take = self._kept(table.column("input_ids").combine_chunks(), width)
+            ids[mask], docs[mask] = _values(table, "input_ids", take), 1
             if not self.classification:
-                labels[mask] = torch.from_numpy(table.column("labels").combine_chunks().flatten()
-                                                .to_numpy(zero_copy_only=False).astype("int64"))
+                labels[mask] = _values(table, "labels" if "labels" in table.column_names else "input_ids", take)
+                labels[:, 0] = IGNORE_INDEX  # no token before the first: its label is never a target
         if self.classification:
             labels = torch.as_tensor(table.column("label").to_numpy() if n else [], dtype=torch.long).view(n)
         return (ids, docs), labels
+
+    @staticmethod
+    def _kept(column, width: int):
+        """(the (B, width) mask of the tokens kept, their positions in the column's flat values): each row's
+        first `width` tokens."""
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        offsets -= offsets[0]
+        lengths = np.minimum(np.diff(offsets), width)
+        take = np.repeat(offsets[:-1], lengths) + np.arange(int(lengths.sum())) - np.repeat(
+            np.cumsum(lengths) - lengths, lengths)
+        return torch.arange(width) < torch.from_numpy(lengths)[:, None], take
+
+
+def _values(table, name: str, take: np.ndarray) -> torch.Tensor:
+    flat = table.column(name).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    return torch.from_numpy(flat[take].astype(np.int64))
 
 
 @dataclass

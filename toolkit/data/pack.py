@@ -2,9 +2,9 @@
 
 Each packed row carries three int32 lists of seq_len: input_ids, doc_ids (0 padding, 1..k the k-th
 document in the row: the contract with models/spec.py attention_inputs) and labels (-100: no loss).
-Unpacked rows (one document each) are stored as they are, input_ids and labels without padding or
-doc_ids (`ragged`): batches.Rows pads them when it reads a micro-batch, so a cache of short chat
-rows at a long --seq-len holds their tokens, not seq_len of padding each.
+Unpacked rows (one document each) are not written again: `unpacked` picks the documents that make a
+row, and batches.Rows reads them from the tokens cache, truncated and padded a micro-batch at a time
+(the streaming path pads them here, Packer(packing=False)).
 
 Packing (next fit, in dataset order): a document joins the current row while it fits, else the row
 is padded and closed. Labels are -100 on each document's first token, so no token predicts the next
@@ -23,24 +23,42 @@ from toolkit.data.formats import IGNORE_INDEX
 BATCH = 1000  # documents per packing batch; fixed, so the rows never depend on the machine
 
 
-def features(seq_len: int, classification: bool = False, ragged: bool = False):
-    """The Arrow schema of packed rows (fixed-size lists: numpy batches come out (B, seq_len)), or of ragged
-    unpacked ones (lists of each row's length, no doc_ids)."""
+def features(seq_len: int, classification: bool = False):
+    """The Arrow schema of packed or padded rows (fixed-size lists: numpy batches come out (B, seq_len))."""
     from datasets import Features, Sequence, Value
 
-    row = Sequence(Value("int32"), length=-1 if ragged else seq_len)
+    row = Sequence(Value("int32"), length=seq_len)
     label = {"label": Value("int64")} if classification else {"labels": row}
-    return Features({"input_ids": row, **({} if ragged else {"doc_ids": row}), **label})
+    return Features({"input_ids": row, "doc_ids": row, **label})
+
+
+def unpacked(docs, seq_len: int, drop_long: bool) -> np.ndarray:
+    """The documents of `docs` (a tokens dataset: input_ids, labels or label, length, trained) that are rows of
+    their own without packing, as indices: what Packer(packing=False) keeps (a long one truncated to seq_len,
+    or dropped with drop_long; a language-model one kept where it has more than one token and a token to
+    train on after its first), from the length and trained columns and the labels of the long ones alone."""
+    columns = docs.with_format("numpy", columns=["length", "trained"])[:]
+    length, trained = columns["length"].astype(np.int64), columns["trained"].astype(np.int64)
+    long = length > seq_len
+    if "label" in docs.column_names:  # classification: every row, truncated
+        return np.flatnonzero(~long if drop_long else np.ones(len(length), bool))
+    if long.any() and not drop_long:  # trained within the first seq_len tokens only
+        where = np.flatnonzero(long)
+        part = docs.select(where).with_format("arrow")[:]
+        labels, offsets = tokens.ragged(part.column("labels" if "labels" in part.column_names else "input_ids"))
+        seen = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)]) if "labels" in part.column_names else \
+            np.arange(len(labels) + 1)
+        trained[where] = seen[offsets[:-1] + seq_len] - seen[offsets[:-1] + 1]
+    keep = (np.minimum(length, seq_len) > 1) & (trained > 0) & ~(long & drop_long)
+    return np.flatnonzero(keep)
 
 
 class Packer:
     """A batched datasets map function over Arrow batches: documents in, fixed-length rows out (picklable)."""
 
-    def __init__(self, seq_len: int, pad_id: int, packing: bool, drop_long: bool, split_long: bool,
-                 ragged: bool = False):
+    def __init__(self, seq_len: int, pad_id: int, packing: bool, drop_long: bool, split_long: bool):
         self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
         self.drop_long, self.split_long = drop_long, split_long
-        self.ragged = ragged and not packing  # unpacked rows stored unpadded (batches.Rows pads them)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.table(self.columns(batch))
@@ -83,10 +101,7 @@ class Packer:
         return out
 
     def rows(self, ids, labels, start, length, row) -> dict:
-        """Fixed-size rows holding the pieces (start, length) at `row`, in order, padded; ragged: each piece a
-        row of its own length (unpacked: `row` is each piece's index)."""
-        if self.ragged:
-            return self.ragged_rows(ids, labels, start, length)
+        """Fixed-size rows holding the pieces (start, length) at `row`, in order, padded."""
         n, count = self.seq_len, int(row[-1]) + 1 if len(row) else 0
         first = np.flatnonzero(np.diff(row, prepend=-1))  # each row's first piece
         place = np.zeros(len(row), np.int64)  # each piece's offset within its row
@@ -105,18 +120,6 @@ class Packer:
             out_labels = np.full(count * n, IGNORE_INDEX, np.int32)
             out_labels[dest] = np.where(within == 0, IGNORE_INDEX, labels[src])
             out["labels"] = _rows(out_labels, n)
-        return out
-
-
-    def ragged_rows(self, ids, labels, start, length) -> dict:
-        """Each piece (start, length) as a row of its own length; its first token's label -100."""
-        offsets = np.concatenate([[0], np.cumsum(length)])
-        src = np.repeat(start - offsets[:-1], length) + np.arange(int(offsets[-1]))
-        out = {"input_ids": tokens.from_flat(ids[src].astype(np.int32), offsets)}
-        if labels is not None:
-            out_labels = labels[src].astype(np.int32)
-            out_labels[offsets[:-1][length > 0]] = IGNORE_INDEX
-            out["labels"] = tokens.from_flat(out_labels, offsets)
         return out
 
 

@@ -165,15 +165,18 @@ def split_documents(tokens, eval_fraction: float, seed: int):
 
 
 def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str):
-    classification = fmt == "classification"
-    packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
-                         split_long=packing and fmt == "text", ragged=True)
+    """Packed rows (cached); unpacked: the documents that make a row, read from the tokens cache (batches.Rows
+    truncates and pads them)."""
+    if not packing:
+        keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
+        return docs.select(pack.unpacked(docs, opts.seq_len, opts.drop_long)).select_columns(keep)
+    packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long, split_long=fmt == "text")
     key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
-    keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
+    keep = [c for c in ("input_ids", "labels") if c in docs.column_names]
     return docs.select_columns(keep).with_format("arrow").map(
         packer, batched=True, batch_size=pack.BATCH, remove_columns=keep, new_fingerprint=key,
-        features=pack.features(opts.seq_len, classification, packer.ragged), cache_file_name=_cache_file(opts, f"rows-{key}"),
-        desc=f"{'Packing' if packing else 'Padding'} {name} rows").with_format(None)
+        features=pack.features(opts.seq_len), cache_file_name=_cache_file(opts, f"rows-{key}"),
+        desc=f"Packing {name} rows").with_format(None)
 
 
 def _stats(tokenized: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
