@@ -67,3 +67,22 @@ def test_a_failed_read_leaves_no_arrow_file_and_datasets_names_the_row(tmp_path)
     with pytest.raises(Exception, match="3001"):
         source.load(path, cache_dir=str(tmp_path / "cache"))
     assert not list((tmp_path / "cache" / "dstk").glob("*.arrow*"))
+
+
+def test_datasets_scan_runs_only_where_an_object_may_lack_a_key(tmp_path, monkeypatch):
+    """Objects with every key everywhere need no scan; a null inside one (an explicit null, or a missing key)
+    gets datasets' scan, which decides: explicit nulls keep pyarrow's rows, missing keys go datasets' way."""
+    scans = []
+    real = source._mixed_objects
+    monkeypatch.setattr(source, "_mixed_objects", lambda path: scans.append(path.name) or real(path))
+    full = [{"messages": [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "a"}]}
+            for n in range(50)]
+    explicit = full + [{"messages": [{"role": "user", "content": None}]}]
+    missing = full + [{"messages": [{"role": "user"}]}]
+    for name, rows in (("full", full), ("explicit", explicit), ("missing", missing)):
+        path = write(tmp_path / f"{name}.jsonl", rows)
+        got, want = source.load(path, cache_dir=str(tmp_path / "cache")), by_datasets(path, tmp_path / "hf")
+        assert got.features == want.features and got.to_list() == want.to_list(), name
+    assert scans == ["explicit.jsonl", "missing.jsonl"]
+    assert {p.name.split("-")[0] for p in (tmp_path / "cache" / "dstk").glob("jsonl-*.arrow")} == {"jsonl"}
+    assert len(list((tmp_path / "cache" / "dstk").glob("jsonl-*.arrow"))) == 2  # full and explicit

@@ -37,8 +37,8 @@ def unpacked(docs, seq_len: int, drop_long: bool) -> np.ndarray:
     their own without packing, as indices: what Packer(packing=False) keeps (a long one truncated to seq_len,
     or dropped with drop_long; a language-model one kept where it has more than one token and a token to
     train on after its first), from the length and trained columns and the labels of the long ones alone."""
-    columns = docs.with_format("numpy", columns=["length", "trained"])[:]
-    length, trained = columns["length"].astype(np.int64), columns["trained"].astype(np.int64)
+    columns = docs.select_columns(["length", "trained"]).with_format("arrow")[:]  # numpy's formatter: 6x slower
+    length, trained = (columns.column(k).to_numpy().astype(np.int64) for k in ("length", "trained"))
     long = length > seq_len
     if "label" in docs.column_names:  # classification: every row, truncated
         return np.flatnonzero(~long if drop_long else np.ones(len(length), bool))

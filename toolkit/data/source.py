@@ -180,9 +180,9 @@ def load(path, encoding: str = "utf-8", cache_dir: str | None = None, flag: str 
 def read_jsonl(path: Path, cache_dir: str | None):
     """A .jsonl file as a memory-mapped datasets.Dataset, read by pyarrow's streaming JSON reader (C++, its
     threads, one block in memory at a time) into an Arrow file under the cache folder, once per version of the
-    file (path, size, mtime): ~5x faster than load_dataset("json"). None (datasets' loader reads it) wherever
+    file (path, size, mtime): ~4x faster than load_dataset("json"). None (datasets' loader reads it) wherever
     datasets would read the rows otherwise: a field that appears or changes type along the file, objects whose
-    keys differ within a list (datasets' Json feature), columns its agent-trace parser claims."""
+    keys differ inside a column (datasets' Json feature), columns its agent-trace parser claims."""
     import datasets
     import pyarrow as pa
     import pyarrow.json as pj
@@ -196,11 +196,15 @@ def read_jsonl(path: Path, cache_dir: str | None):
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         try:
             reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=JSON_BLOCK))
-            if not _as_datasets_reads(path, reader.schema):
-                raise pa.ArrowInvalid("datasets reads these rows its own way")
+            if TRACE_COLUMNS & set(reader.schema.names):
+                raise pa.ArrowInvalid("datasets' agent-trace parser may claim these rows")
+            holes = False
             with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, reader.schema) as writer:
                 for batch in reader:
                     writer.write_batch(batch)
+                    holes = holes or any(map(_holes, batch.columns))
+            if holes and _mixed_objects(path):
+                raise pa.ArrowInvalid("objects whose keys differ: datasets makes them Json")
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             partial.unlink(missing_ok=True)
             declined.touch()
@@ -212,22 +216,29 @@ def read_jsonl(path: Path, cache_dir: str | None):
     return datasets.Dataset(table, fingerprint=key)
 
 
-def _as_datasets_reads(path: Path, schema) -> bool:
-    """Would datasets' JSON loader give the rows pyarrow inferred `schema` for? Not where a column is one its
-    agent-trace parser keys on, nor where objects in a list or column have different keys in its first
-    chunk (it scans that chunk in Python, the same way, and makes those fields Json)."""
+def _holes(array) -> bool:
+    """Is there a null or an empty object inside a nested column (an object's missing key reads as null)? Where
+    there is none, every object at each place had the same keys, and datasets' scan finds nothing."""
     import pyarrow as pa
 
-    if TRACE_COLUMNS & set(schema.names):
-        return False
-    if not any(_nested(field.type) for field in schema):
-        return True
+    kind = array.type
+    if pa.types.is_struct(kind):
+        return kind.num_fields == 0 or any(child.null_count or _holes(child) for child in array.flatten())
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _nested(kind.value_type):
+        values = array.flatten()
+        return values.null_count > 0 or _holes(values)
+    return False
+
+
+def _mixed_objects(path: Path) -> bool:
+    """datasets' own scan of its loader's first chunk for objects whose keys differ (it makes those fields Json)."""
+    import pyarrow as pa
     from datasets.utils.json import find_mixed_struct_types_field_paths, ujson_loads
 
     with open(path, "rb") as fh:
         head = fh.read(DATASETS_CHUNK) + fh.readline()
     try:
-        return not find_mixed_struct_types_field_paths([ujson_loads(line) for line in head.splitlines()])
+        return bool(find_mixed_struct_types_field_paths([ujson_loads(line) for line in head.splitlines()]))
     except ValueError:
         raise pa.ArrowInvalid("not JSON lines") from None
 
