@@ -213,3 +213,24 @@ def test_a_changed_data_file_invalidates_and_its_new_rows_are_read(tmp_path, bpe
     second, made = prepare(path, load(bpe_dir), cache, format="text")
     assert made == {"tokens": 1, "rows": 2}
     assert second.info["documents"] == first.info["documents"] + 1
+
+
+@pytest.mark.parametrize("name, fmt", [("mixed.jsonl", "text"), ("chat.jsonl", "chat")])
+def test_rows_do_not_depend_on_batches_and_the_read_ahead(tmp_path, bpe_dir, files, monkeypatch, name, fmt):
+    """Text batches and chat chunks are tokenized ahead while the last batch is written (formats.read_ahead):
+    batches of 7 rows, chunks of 3 give the rows one batch gives."""
+    from toolkit.data import formats, prepared
+
+    def everything(p):
+        return [split.batch(range(len(split))) for split in (p.train, p.eval)]
+
+    whole, _ = prepare(files / name, load(bpe_dir), tmp_path / "one", format=fmt)
+    used, real = [], formats.Encoder._ahead
+    monkeypatch.setattr(prepared, "TOKENIZE_BATCH", 7)
+    monkeypatch.setattr(formats, "CHAT_CHUNK", 3)
+    monkeypatch.setattr(formats.Encoder, "_ahead", lambda self, indices: (lambda got: used.append(got is not None)
+                                                                          or got)(real(self, indices)))
+    cut, _ = prepare(files / name, load(bpe_dir), tmp_path / "cut", format=fmt)
+    assert sum(used) >= 15 and sum(used) >= len(used) - 1, "the batches were not read ahead"
+    for ((ids_a, docs_a), labels_a), ((ids_b, docs_b), labels_b) in zip(everything(whole), everything(cut)):
+        assert ids_a.equal(ids_b) and docs_a.equal(docs_b) and labels_a.equal(labels_b)

@@ -62,6 +62,37 @@ def to_messages(fmt: str, record: dict, row: int, source: str) -> list:
     return messages
 
 
+def plain_messages(features) -> bool:
+    """Is a chat dataset's "messages" column a list of objects holding exactly a "role" and a "content"
+    string (what arrow_messages reads without Python per row)?"""
+    from datasets import List, Value
+
+    feature = features.get("messages")
+    inner = getattr(feature, "feature", None) if isinstance(feature, List) else None
+    return isinstance(inner, dict) and set(inner) == {"role", "content"} and all(
+        inner[k] == Value("string") for k in inner)
+
+
+def arrow_messages(column) -> list | None:
+    """A chat batch's "messages" (an Arrow list<struct<role, content>> column) as message lists, checked in
+    Arrow: every list non-empty, every role one of ROLES and every content a string. None where a row fails
+    a check (to_messages then finds it and refuses it by its row number)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if lists.null_count or len(lists) and pc.min(pc.list_value_length(lists)).as_py() == 0:
+        return None
+    objects = lists.flatten()
+    role, content = objects.field("role"), objects.field("content")
+    if objects.null_count or role.null_count or content.null_count or not pc.all(pc.is_in(
+            role, value_set=pa.array(ROLES))).as_py():
+        return None
+    offsets = pc.subtract(lists.offsets, lists.offsets[0])  # a batch may be a slice of the column
+    ordered = pa.StructArray.from_arrays([role, content], names=["role", "content"])  # to_messages' key order
+    return pa.ListArray.from_arrays(offsets, ordered).to_pylist()
+
+
 def check_chat_template(tokenizer) -> None:
     """Chat formats need a template: the tokenizer's, or --chat-template FILE."""
     if not getattr(tokenizer, "chat_template", None):

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from models import task_named
 import toolkit.data.tokens as tokens
-from toolkit.data.chat import (chat_spans, chat_texts, describe, marks, pieces, renderer, segments, to_messages,
+from toolkit.data.chat import (arrow_messages, plain_messages, chat_spans, chat_texts, describe, marks, pieces, renderer, segments, to_messages,
                                token_spans, tokens_by_piece)
 from toolkit.errors import ConfigError
 
@@ -78,13 +78,16 @@ class Encoder:
         self.threads = threads
         self.eos = _eos(tokenizer)
         self.progress = None  # a toolkit.data.progress.Progress, told of each batch (in-process only)
-        self.column, self.ahead = None, None  # read_ahead(): the text column; the next batch's (start, rows, Future)
+        self.column, self.ahead = None, None  # read_ahead(): the column; (first row, rows or None: from it, what)
 
     def read_ahead(self, ds) -> None:
-        """Text rows of `ds` (the dataset this encoder maps over, batch after batch in order): while datasets
-        writes a batch's output and the next batch is read, the tokenizer already encodes the next batch (its
-        threads, without the GIL), so no core waits on the single Python thread. Only for a text column of
-        strings throughout (else each batch's rows are checked, and refused, as they come)."""
+        """Rows of `ds` (the dataset this encoder maps over, batch after batch in order): while datasets writes a
+        batch's output and the next batch is read, the tokenizer already encodes the next batch (text) or its
+        first chunk (chat), so no core waits on the single Python thread. Only for a text column of strings
+        throughout, or plain chat messages (else each batch's rows are checked, and refused, as they come)."""
+        if self.fmt == "chat" and plain_messages(ds.features):  # chat: the next batch's first chunk, rendered
+            self.column = ds.data.column("messages")
+            return
         column = ds.data.column(self.text_field) if self.fmt == "text" and self.text_field in ds.column_names else None
         if column is not None and column.null_count == 0 and (pa.types.is_string(column.type)
                                                                or pa.types.is_large_string(column.type)):
@@ -113,23 +116,21 @@ class Encoder:
             values, offsets = _flat(ids)
             flat_labels = _flat(labels, np.diff(offsets))[0]
         else:
-            values, flat_labels, offsets = self._chat(batch.to_pydict() if isinstance(batch, pa.Table) else batch,
-                                                      indices)
+            values, flat_labels, offsets = self._chat(self._conversations(batch, indices), indices)
         seen = np.concatenate([[0], np.cumsum(flat_labels != IGNORE_INDEX)])
         trained = seen[offsets[1:]] - seen[np.minimum(offsets[:-1] + 1, offsets[1:])]  # not a first token's
         return {"input_ids": tokens.from_flat(values, offsets), "labels": tokens.from_flat(flat_labels, offsets),
                 "length": np.diff(offsets), "trained": trained}
 
     def _text(self, batch, indices: list) -> dict:
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead[:2] == (indices[0], len(indices)) and indices[-1] == indices[0] + len(indices) - 1:
-            encoded = ahead[2].result()  # these rows, read ahead and encoded while the last batch was written
+        if (ahead := self._ahead(indices)) is not None:
+            encoded = ahead[0].result()  # these rows, read ahead and encoded while the last batch was written
         else:
             encoded = tokens.encode(self.tok, self._texts(self._strings(batch, self.text_field, indices)), self.threads)
         if self.column is not None and (start := indices[-1] + 1) < len(self.column):
             rows = min(len(indices), len(self.column) - start)
             texts = self._texts(self.column.slice(start, rows).to_pylist())
-            self.ahead = (start, rows, tokens.submit(self.tok, texts, self.threads))
+            self.ahead = (start, rows, (tokens.submit(self.tok, texts, self.threads),))
         values, offsets = _flat([e.ids for e in encoded])
         if self.eos:
             values, offsets = tokens.append(values, offsets, self.eos[0])
@@ -151,28 +152,38 @@ class Encoder:
             labels.append((prompt if self.train_on == "all" else [IGNORE_INDEX] * len(prompt)) + answer)
         return ids, labels
 
-    def _chat(self, batch: dict, indices: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _conversations(self, batch, indices: list) -> list:
+        """The batch's rows as checked message lists: in Arrow where the messages are plain role/content
+        objects, else row by row (to_messages, which refuses a bad row by its number)."""
+        if self.fmt == "chat" and isinstance(batch, pa.Table) and (found := arrow_messages(batch.column("messages"))):
+            return found
+        batch = batch.to_pydict() if isinstance(batch, pa.Table) else batch
+        return [to_messages(self.fmt, {k: v[n] for k, v in batch.items()}, row + 1, self.source)
+                for n, row in enumerate(indices)]
+
+    def _chat(self, conversations: list, indices: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat ids, flat labels, offsets): rows rendered (Jinja: Python, holding the GIL) CHAT_CHUNK at a time,
         each chunk handed to the tokenizer (its threads, without the GIL) while the next is rendered; the
         tokens that start inside an assistant turn's characters keep their labels. Where the template and the
         tokenizer allow it (chat.Pieces) without character offsets, else from them."""
         render = renderer(self.tok)
         model, split = segments(self.tok, render), pieces(self.tok, render)
-        rows = [{k: v[n] for k, v in batch.items()} for n in range(len(indices))]
         if tokens.backend(self.tok) is None:  # slow tokenizers: no offsets, the pieces one by one
-            done = [tokens_by_piece(full, spans, self.tok) for _, full, spans in self._render(rows, indices, render,
+            done = [tokens_by_piece(full, spans, self.tok) for _, full, spans in self._render(conversations, indices, render,
                                                                                              model)]
             values, offsets = _flat([ids for ids, _ in done])
             mask = np.fromiter((m for _, flags in done for m in flags), bool, len(values))
         else:
-            chunks, pending = [], None  # per chunk: (flat ids, offsets, (row, first, last + 1) of its assistant turns)
-            for lo in range(0, len(rows), CHAT_CHUNK):
-                part = self._render(rows[lo: lo + CHAT_CHUNK], indices[lo: lo + CHAT_CHUNK], render, model, split)
-                job = (part, tokens.submit(self.tok, [r[1] for r in part if r[0] == "split"], self.threads),
-                       tokens.submit(self.tok, [r[1] for r in part if r[0] == "whole"], self.threads, offsets=True))
+            chunks = []  # per chunk: (flat ids, offsets, (row, first, last + 1) of its assistant turns)
+            ahead = self._ahead(indices)  # the first chunk, read ahead while the last batch was written
+            pending, first = ahead if ahead is not None else (None, 0)
+            for lo in range(first, len(conversations), CHAT_CHUNK):
+                job = self._submit(conversations[lo: lo + CHAT_CHUNK], indices[lo: lo + CHAT_CHUNK], render, model,
+                                   split)
                 if pending is not None:
                     chunks.append(self._take(*pending, split))
                 pending = job  # one chunk in flight: its encodings are freed as soon as read
+            self._chat_ahead(indices, render, model, split)
             if pending is not None:
                 chunks.append(self._take(*pending, split))
             values, offsets, ranges = _joined(chunks)
@@ -180,12 +191,36 @@ class Encoder:
         labels = values if self.train_on == "all" else np.where(mask, values, IGNORE_INDEX).astype(np.int32)
         return values, labels, offsets
 
+    def _submit(self, conversations: list, indices: list, render, model, split) -> tuple:
+        """Render a chunk and hand it to the tokenizer's thread: (the rendered rows, their Futures)."""
+        part = self._render(conversations, indices, render, model, split)
+        return (part, tokens.submit(self.tok, [r[1] for r in part if r[0] == "split"], self.threads),
+                tokens.submit(self.tok, [r[1] for r in part if r[0] == "whole"], self.threads, offsets=True))
+
+    def _ahead(self, indices: list) -> tuple | None:
+        """What was read ahead for these rows (read_ahead), if it is them: a text batch of the same rows, or a
+        chat chunk starting at the first."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or not _contiguous(indices) or ahead[0] != indices[0] or ahead[1] not in (None, len(indices)):
+            return None
+        return ahead[2]
+
+    def _chat_ahead(self, indices: list, render, model, split) -> None:
+        """The next batch's first chunk (read_ahead), rendered and submitted: (its first row, its job, its rows)."""
+        start = indices[-1] + 1 if indices else 0
+        if self.column is None or not _contiguous(indices) or start >= len(self.column):
+            return
+        rows = min(CHAT_CHUNK, len(self.column) - start)
+        conversations = arrow_messages(self.column.slice(start, rows))
+        if conversations:  # else a row the next batch refuses, by its number, when it reaches it
+            self.ahead = (start, None, (self._submit(conversations, list(range(start, start + rows)), render, model,
+                                                     split), rows))
+
     def _render(self, rows: list, indices: list, render, model, split=None) -> list:
-        """Per row ("split", its render, its messages) where `split` finds its assistant tokens without offsets,
+        """Per row (its messages) ("split", its render, its messages) where `split` finds its assistant tokens without offsets,
         else ("whole", its render, the assistant turns' characters)."""
         out = []
-        for row, n in zip(rows, indices):
-            messages = to_messages(self.fmt, row, n + 1, self.source)
+        for messages, n in zip(rows, indices):
             texts = chat_texts(messages, render, split.segments, self.source, n + 1) if split is not None else None
             out.append(("split", "".join(texts), messages) if texts is not None else
                        ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
@@ -254,6 +289,10 @@ def _column(batch, key: str, rows: int) -> list:
     if key not in _names(batch):
         return [None] * rows
     return batch.column(key).to_pylist() if isinstance(batch, pa.Table) else list(batch[key])
+
+
+def _contiguous(indices: list) -> bool:
+    return bool(indices) and indices[-1] == indices[0] + len(indices) - 1
 
 
 def _flat(rows: list, lengths=None) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from toolkit.errors import ConfigError
 from toolkit.data import pack
 from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
                                         eval_micro_batches, loss_weight)
-from toolkit.data.chat import check_chat_template
+from toolkit.data.chat import check_chat_template, plain_messages
 from toolkit.data.formats import IGNORE_INDEX, Encoder, infer_format
 from toolkit.data.progress import Progress
 from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_text, decode_text, load
@@ -135,7 +135,8 @@ def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = 
     encoder.read_ahead(ds)
     datasets.disable_progress_bars()
     try:
-        plain = all(isinstance(f, datasets.Value) for f in ds.features.values())  # else decoded by datasets
+        plain = all(isinstance(f, datasets.Value) for f in ds.features.values()) or (  # else decoded by datasets
+            fmt == "chat" and plain_messages(ds.features))
         tokens = ds.with_format("arrow" if plain else None).map(
             encoder, batched=True, with_indices=True, remove_columns=ds.column_names, batch_size=TOKENIZE_BATCH,
             new_fingerprint=key, cache_file_name=_cache_file(opts, f"tokens-{key}"),
