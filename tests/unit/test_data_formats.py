@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+import toolkit.data.chat as chat
+
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit import data
 from toolkit.data.chat import render_chat
@@ -158,3 +160,19 @@ def test_long_chat_rows_are_truncated_or_dropped_and_counted(tmp_path, tok):
     assert len(dropped.train) == 2 and "dropped" in dropped.info["long_policy"]
     packed = _prepare(path, tok, tmp_path, seq_len=130, packing=True, drop_long=True)
     assert len(packed.train) == 1 and _rows(packed.train)[1][0].count(2) > 0  # two chats in one row
+
+
+def test_a_template_raising_on_one_row_of_a_file_is_refused_by_that_rows_number(tmp_path, tok):
+    """The template renders message by message (the fast path, chat.Segments) until one row's content makes it
+    raise: the refusal names the file and that row (rows rendered a chunk at a time, ahead of the tokenizer)."""
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] == 'boom' %}"
+                         "{{ raise_exception('no booms') }}{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert chat.segments(tok) is not None  # the fast path
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "a"}]}
+            for n in range(600)]
+    rows[433]["messages"][1]["content"] = "boom"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UnusableInput, match=r"chat.jsonl row 434: the chat template failed.*no booms"):
+        _prepare(path, tok, tmp_path)

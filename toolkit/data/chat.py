@@ -132,12 +132,6 @@ def chat_spans(messages: list, tok, source: str = "", row: int = 0, render=None,
         return _chat_spans(messages, tok, source, row, render, segments)
 
 
-def chat_texts(messages: list, render, segments: "Segments", source: str = "", row: int = 0) -> list | None:
-    """Each message's text in the row's render (Segments.texts), or None where the row does not render that way."""
-    with template_errors(source, row):
-        return segments.texts(messages, render(messages, generation_prompt=False))
-
-
 @contextmanager
 def template_errors(source: str, row: int):
     """A chat template's own error (Jinja's, or Python's inside it) as a refusal naming the row."""

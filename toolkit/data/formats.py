@@ -20,8 +20,8 @@ import pyarrow as pa
 
 from models import task_named
 import toolkit.data.tokens as tokens
-from toolkit.data.chat import (arrow_messages, plain_messages, chat_spans, chat_texts, describe, marks, pieces, renderer, segments, to_messages,
-                               token_spans, tokens_by_piece)
+from toolkit.data.chat import (arrow_messages, chat_spans, describe, marks, pieces, plain_messages, renderer,
+                               segments, template_errors, to_messages, token_spans, tokens_by_piece)
 from toolkit.errors import ConfigError
 
 IGNORE_INDEX = -100  # label value the loss skips (HF and torch cross_entropy convention)
@@ -217,13 +217,18 @@ class Encoder:
                                                      split), rows))
 
     def _render(self, rows: list, indices: list, render, model, split=None) -> list:
-        """Per row (its messages) ("split", its render, its messages) where `split` finds its assistant tokens without offsets,
-        else ("whole", its render, the assistant turns' characters)."""
-        out = []
-        for messages, n in zip(rows, indices):
-            texts = chat_texts(messages, render, split.segments, self.source, n + 1) if split is not None else None
-            out.append(("split", "".join(texts), messages) if texts is not None else
-                       ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
+        """Per row (its messages) ("split", its render, its messages) where `split` finds its assistant tokens
+        without offsets, else ("whole", its render, the assistant turns' characters). A template's own error is
+        refused naming the row (chat.template_errors)."""
+        out, texts = [], split.segments.texts if split is not None else None
+        try:
+            for messages, n in zip(rows, indices):
+                full = render(messages, False) if texts is not None else None
+                out.append(("split", full, messages) if full is not None and texts(messages, full) is not None else
+                           ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
+        except Exception:  # noqa: BLE001 - the row's refusal, or the error as it is (template_errors decides)
+            with template_errors(self.source, n + 1):
+                raise
         return out
 
     def _take(self, part: list, fast, slow, split) -> tuple:
