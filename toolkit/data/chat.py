@@ -204,6 +204,17 @@ class Segments:
             at += len(text)
         return spans
 
+    def matches(self, messages: list, full: str) -> bool:
+        """Does `full` (the row's render) equal start + head + content + tail of each message? (texts() without
+        building each message's text: one join of the pieces)"""
+        heads, tails, pieces = self.heads, self.tails, [self.start]
+        for message in messages:
+            role = message["role"]
+            if role not in heads:
+                return False
+            pieces += (heads[role], message["content"], tails[role])
+        return "".join(pieces) == full
+
     def texts(self, messages: list, full: str) -> list | None:
         """Each message's text in `full` (the first with `start`): head + content + tail; None where the row
         does not render as these pieces joined."""

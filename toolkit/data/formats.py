@@ -220,11 +220,11 @@ class Encoder:
         """Per row (its messages) ("split", its render, its messages) where `split` finds its assistant tokens
         without offsets, else ("whole", its render, the assistant turns' characters). A template's own error is
         refused naming the row (chat.template_errors)."""
-        out, texts = [], split.segments.texts if split is not None else None
+        out, matches = [], split.segments.matches if split is not None else None
         try:
             for messages, n in zip(rows, indices):
-                full = render(messages, False) if texts is not None else None
-                out.append(("split", full, messages) if full is not None and texts(messages, full) is not None else
+                full = render(messages, False) if matches is not None else None
+                out.append(("split", full, messages) if full is not None and matches(messages, full) else
                            ("whole", *chat_spans(messages, self.tok, self.source, n + 1, render, model)))
         except Exception:  # noqa: BLE001 - the row's refusal, or the error as it is (template_errors decides)
             with template_errors(self.source, n + 1):
@@ -333,11 +333,9 @@ def _joined(chunks: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _ranges_mask(ranges: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The flat boolean mask of the ragged rows (cut at `offsets`) that is True on the (row, first, last + 1)
     token ranges."""
-    mask = np.zeros(int(offsets[-1]) + 1, np.int32)
-    start = offsets[ranges[:, 0]]
-    np.add.at(mask, start + ranges[:, 1], 1)
-    np.add.at(mask, start + ranges[:, 2], -1)
-    return np.cumsum(mask[:-1]) > 0
+    size, start = int(offsets[-1]) + 1, offsets[ranges[:, 0]]
+    edges = np.bincount(start + ranges[:, 1], minlength=size) - np.bincount(start + ranges[:, 2], minlength=size)
+    return np.cumsum(edges[:-1]) > 0
 
 
 def _eos(tokenizer) -> list:

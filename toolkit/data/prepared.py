@@ -32,7 +32,7 @@ from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_tex
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
            "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
-VERSION = 3  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+VERSION = 4  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
 TOKENIZE_BATCH = 2000  # documents per tokenizer call (the rows do not depend on it)
 
@@ -203,14 +203,13 @@ def pad_id(tokenizer) -> int:
 
 
 def tokenizer_fingerprint(tokenizer, chat: bool = False) -> str:
-    """What makes a tokenizer's ids: its vocabulary and rules (tokenizer.json less its truncation and padding,
-    which dstk's calls do not use), its special tokens and, for chat formats, its chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        body = json.loads(backend.to_str())
-        body = json.dumps({k: v for k, v in body.items() if k not in ("truncation", "padding")}, sort_keys=True)
-    else:
-        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    """What makes a tokenizer's ids: its vocabulary and rules (its tokenizer.json as the backend writes it, less
+    the truncation and padding, which dstk's calls do not use), its special tokens and, for chat formats, its
+    chat template."""
+    from toolkit.data.tokens import backend
+
+    engine = backend(tokenizer)  # without truncation or padding
+    body = engine.to_str() if engine is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     extra = json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map,
                         tokenizer.chat_template if chat else None], default=str)
     return hashlib.sha256((body + extra).encode()).hexdigest()
