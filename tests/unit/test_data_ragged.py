@@ -81,3 +81,28 @@ def test_a_chat_cache_at_a_long_seq_len_writes_the_tokens_once(tmp_path):
     assert ids.shape == (200, 4096) and int(docs.sum()) < 200 * 100
     written = {p.name.split("-")[0]: p.stat().st_size for p in (tmp_path / "cache" / "dstk").glob("*.arrow")}
     assert "rows" not in written and written["tokens"] < 200 * 4096 * 4 / 20  # padded input_ids alone: 3.3 MB
+
+
+@pytest.mark.parametrize("kind", ["labels", "text"])
+@pytest.mark.parametrize("split_long", [False, True])
+def test_compact_packed_rows_read_as_the_full_ones(kind, split_long):
+    """The cache keeps packed rows compact (each row's document lengths, no labels for text): Rows rebuilds
+    doc_ids and the text labels (-100 on each document's first token and the padding) exactly."""
+    import datasets
+
+    docs = documents(kind)
+    keep = [c for c in ("input_ids", "labels") if c in docs.column_names]
+    table = docs.select_columns(keep).with_format("arrow")[:]
+    full, compact = (pack.Packer(SEQ, PAD, packing=True, drop_long=False, split_long=split_long, compact=c)(table)
+                     for c in (False, True))
+    assert ("labels" in compact.column_names) == (kind == "labels") and "doc_ids" not in compact.column_names
+    a = Rows(datasets.Dataset(full).cast(pack.features(SEQ)), SEQ, PAD)
+    b = Rows(datasets.Dataset(compact).cast(pack.features(SEQ, compact=True, labels=kind == "labels")), SEQ, PAD)
+    assert len(a) == len(b) > 10
+    order = list(np.random.default_rng(2).permutation(len(a)))
+    (ids_a, docs_a), labels_a = a.batch(order)
+    (ids_b, docs_b), labels_b = b.batch(order)
+    assert ids_a.equal(ids_b) and docs_a.equal(docs_b) and labels_a.equal(labels_b)
+    assert int(docs_a.max()) > 1 and (docs_a == 0).any()  # rows of several documents, and padding
+    (ids, docs), labels = b.batch([])
+    assert ids.shape == (0, SEQ) and labels.shape == (0, SEQ)

@@ -21,15 +21,16 @@ from toolkit.data.formats import IGNORE_INDEX
 
 class Rows:
     """Rows of a (memory-mapped) datasets.Dataset, read a batch at a time as int64 tensors: packed rows of
-    seq_len, or documents of the tokens cache (no doc_ids column: unpacked rows, pack.unpacked) truncated and
+    seq_len (with doc_ids, or compact: pack.features), or documents of the tokens cache (no doc_ids column: unpacked rows, pack.unpacked) truncated and
     padded here to seq_len with `pad_id`, labels -100 on the first token and the padding (a text document's
     labels are its ids)."""
 
     def __init__(self, ds, seq_len: int | None = None, pad_id: int = 0):
         self.ds = ds.with_format("numpy")
         self.classification = "label" in ds.column_names
-        self.ragged = "doc_ids" not in ds.column_names
-        self.table = ds.with_format("arrow") if self.ragged else None
+        self.compact = "doc_lens" in ds.column_names  # packed rows as the cache keeps them
+        self.ragged = not self.compact and "doc_ids" not in ds.column_names
+        self.table = ds.with_format("arrow") if self.ragged or self.compact else None
         self.seq_len, self.pad_id = seq_len, pad_id
         if self.ragged and seq_len is None:
             raise ValueError("unpadded rows need the seq_len to pad them to")
@@ -42,6 +43,8 @@ class Rows:
         idx = [int(i) for i in idx]
         if self.ragged:
             return self._padded(idx)
+        if self.compact:
+            return self._packed(idx)
         cols = self.ds[idx] if idx else {k: [] for k in self.ds.column_names}
         ids, docs = (torch.as_tensor(cols[k], dtype=torch.long).view(len(idx), -1) for k in ("input_ids", "doc_ids"))
         labels = torch.as_tensor(cols["label" if self.classification else "labels"], dtype=torch.long)
@@ -65,6 +68,33 @@ class Rows:
             labels = torch.as_tensor(table.column("label").to_numpy() if n else [], dtype=torch.long).view(n)
         return (ids, docs), labels
 
+    def _packed(self, idx: list):
+        """Packed rows kept compact: doc_ids 1..k from each row's document lengths (0 on the padding); labels as
+        stored, else (text) the ids with -100 on each document's first token and on the padding."""
+        n = len(idx)
+        if not n:
+            empty = torch.zeros((0, self.seq_len), dtype=torch.long)
+            return (empty, empty.clone()), empty.clone()
+        table = self.table[idx]
+        ids = _values(table, "input_ids", None).view(n, -1)
+        width = ids.shape[1]
+        lens = table.column("doc_lens").combine_chunks()
+        counts = np.diff(lens.offsets.to_numpy())
+        sizes = lens.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        row = np.repeat(np.arange(n), counts)
+        number = np.arange(len(sizes)) - np.repeat(np.cumsum(counts) - counts, counts) + 1  # k-th document of its row
+        totals = np.bincount(row, weights=sizes, minlength=n).astype(np.int64)
+        docs = torch.zeros((n, width), dtype=torch.long)
+        docs[torch.arange(width) < torch.from_numpy(totals)[:, None]] = torch.from_numpy(np.repeat(number, sizes))
+        if "labels" in table.column_names:
+            labels = _values(table, "labels", None).view(n, -1)
+        else:
+            labels = ids.clone()
+            labels[docs == 0] = IGNORE_INDEX
+            first = np.cumsum(sizes) - sizes - np.repeat(np.cumsum(totals) - totals, counts)  # within its row
+            labels[torch.from_numpy(row), torch.from_numpy(first)] = IGNORE_INDEX
+        return (ids, docs), labels
+
     @staticmethod
     def _kept(column, width: int):
         """(the (B, width) mask of the tokens kept, their positions in the column's flat values): each row's
@@ -77,9 +107,10 @@ class Rows:
         return torch.arange(width) < torch.from_numpy(lengths)[:, None], take
 
 
-def _values(table, name: str, take: np.ndarray) -> torch.Tensor:
+def _values(table, name: str, take: np.ndarray | None) -> torch.Tensor:
+    """Column `name`'s values (at `take`, else all) as int64."""
     flat = table.column(name).combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    return torch.from_numpy(flat[take].astype(np.int64))
+    return torch.from_numpy((flat if take is None else flat[take]).astype(np.int64))
 
 
 @dataclass

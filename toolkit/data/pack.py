@@ -23,13 +23,16 @@ from toolkit.data.formats import IGNORE_INDEX
 BATCH = 1000  # documents per packing batch; fixed, so the rows never depend on the machine
 
 
-def features(seq_len: int, classification: bool = False):
-    """The Arrow schema of packed or padded rows (fixed-size lists: numpy batches come out (B, seq_len))."""
+def features(seq_len: int, classification: bool = False, compact: bool = False, labels: bool = True):
+    """The Arrow schema of packed or padded rows (fixed-size lists: numpy batches come out (B, seq_len)); compact
+    (the cache's packed rows): each row's document lengths instead of doc_ids, and no labels where they are the
+    ids (text: batches.Rows makes both)."""
     from datasets import Features, Sequence, Value
 
     row = Sequence(Value("int32"), length=seq_len)
-    label = {"label": Value("int64")} if classification else {"labels": row}
-    return Features({"input_ids": row, "doc_ids": row, **label})
+    label = {"label": Value("int64")} if classification else {"labels": row} if labels else {}
+    docs = {"doc_lens": Sequence(Value("int32"))} if compact else {"doc_ids": row}
+    return Features({"input_ids": row, **docs, **label})
 
 
 def unpacked(docs, seq_len: int, drop_long: bool) -> np.ndarray:
@@ -56,9 +59,11 @@ def unpacked(docs, seq_len: int, drop_long: bool) -> np.ndarray:
 class Packer:
     """A batched datasets map function over Arrow batches: documents in, fixed-length rows out (picklable)."""
 
-    def __init__(self, seq_len: int, pad_id: int, packing: bool, drop_long: bool, split_long: bool):
+    def __init__(self, seq_len: int, pad_id: int, packing: bool, drop_long: bool, split_long: bool,
+                 compact: bool = False):
         self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
         self.drop_long, self.split_long = drop_long, split_long
+        self.compact = compact  # rows as the cache keeps them: doc_lens, labels only where they are not the ids
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return pa.table(self.columns(batch))
@@ -70,9 +75,10 @@ class Packer:
             start, length = offsets[:-1][keep], np.minimum(np.diff(offsets), self.seq_len)[keep]
             rows = self.rows(ids, None, start, length, np.arange(len(start)))
             return {**rows, "label": batch.column("label").combine_chunks().filter(pa.array(keep))}
-        labels = tokens.ragged(batch.column("labels"))[0] if "labels" in batch.column_names else ids
+        own = "labels" in batch.column_names  # else a text document's: its ids
+        labels = tokens.ragged(batch.column("labels"))[0] if own else ids
         start, length = self.pieces(offsets, labels)
-        return self.rows(ids, labels, start, length, self.row_of(length))
+        return self.rows(ids, labels if own or not self.compact else None, start, length, self.row_of(length))
 
     def pieces(self, offsets: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(first token, length) of the pieces the documents become: each itself, truncated, split, or none
@@ -113,9 +119,14 @@ class Packer:
         src, dest = start[piece] + within, (row * n + place)[piece] + within
         out_ids = np.full(count * n, self.pad_id, np.int32)
         out_ids[dest] = ids[src]
-        doc_ids = np.zeros(count * n, np.int32)
-        doc_ids[dest] = (np.arange(len(row)) - np.repeat(first, np.diff(np.append(first, len(row)))) + 1)[piece]
-        out = {"input_ids": _rows(out_ids, n), "doc_ids": _rows(doc_ids, n)}
+        if self.compact:
+            lens = pa.ListArray.from_arrays(pa.array(np.append(first, len(row)), pa.int32()),
+                                            pa.array(length, pa.int32()))
+            out = {"input_ids": _rows(out_ids, n), "doc_lens": lens}
+        else:
+            doc_ids = np.zeros(count * n, np.int32)
+            doc_ids[dest] = (np.arange(len(row)) - np.repeat(first, np.diff(np.append(first, len(row)))) + 1)[piece]
+            out = {"input_ids": _rows(out_ids, n), "doc_ids": _rows(doc_ids, n)}
         if labels is not None:
             out_labels = np.full(count * n, IGNORE_INDEX, np.int32)
             out_labels[dest] = np.where(within == 0, IGNORE_INDEX, labels[src])

@@ -32,7 +32,7 @@ from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_tex
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
            "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
-VERSION = 4  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+VERSION = 5  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
 TOKENIZE_BATCH = 2000  # documents per tokenizer call (the rows do not depend on it)
 
@@ -171,13 +171,14 @@ def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str
     if not packing:
         keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
         return docs.select(pack.unpacked(docs, opts.seq_len, opts.drop_long)).select_columns(keep)
-    packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long, split_long=fmt == "text")
+    packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long, split_long=fmt == "text",
+                         compact=True)
     key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
     keep = [c for c in ("input_ids", "labels") if c in docs.column_names]
     return docs.select_columns(keep).with_format("arrow").map(
         packer, batched=True, batch_size=pack.BATCH, remove_columns=keep, new_fingerprint=key,
-        features=pack.features(opts.seq_len), cache_file_name=_cache_file(opts, f"rows-{key}"),
-        desc=f"Packing {name} rows").with_format(None)
+        features=pack.features(opts.seq_len, compact=True, labels="labels" in keep),
+        cache_file_name=_cache_file(opts, f"rows-{key}"), desc=f"Packing {name} rows").with_format(None)
 
 
 def _stats(tokenized: list, opts: DataOptions, packing: bool, fmt: str) -> dict:
