@@ -73,8 +73,8 @@ def test_datasets_scan_runs_only_where_an_object_may_lack_a_key(tmp_path, monkey
     """Objects with every key everywhere need no scan; a null inside one (an explicit null, or a missing key)
     gets datasets' scan, which decides: explicit nulls keep pyarrow's rows, missing keys go datasets' way."""
     scans = []
-    real = source._mixed_objects
-    monkeypatch.setattr(source, "_mixed_objects", lambda path: scans.append(path.name) or real(path))
+    real = source.mixed_objects
+    monkeypatch.setattr(source, "mixed_objects", lambda path: scans.append(path.name) or real(path))
     full = [{"messages": [{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "a"}]}
             for n in range(50)]
     explicit = full + [{"messages": [{"role": "user", "content": None}]}]

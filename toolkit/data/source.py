@@ -203,7 +203,7 @@ def read_jsonl(path: Path, cache_dir: str | None):
                 for batch in reader:
                     writer.write_batch(batch)
                     holes = holes or any(map(_holes, batch.columns))
-            if holes and _mixed_objects(path):
+            if holes and mixed_objects(path):
                 raise pa.ArrowInvalid("objects whose keys differ: datasets makes them Json")
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             partial.unlink(missing_ok=True)
@@ -230,7 +230,7 @@ def _holes(array) -> bool:
     return False
 
 
-def _mixed_objects(path: Path) -> bool:
+def mixed_objects(path: Path) -> bool:
     """datasets' own scan of its loader's first chunk for objects whose keys differ (it makes those fields Json)."""
     import pyarrow as pa
     from datasets.utils.json import find_mixed_struct_types_field_paths, ujson_loads
