@@ -78,7 +78,7 @@ class Encoder:
         self.threads = threads
         self.eos = _eos(tokenizer)
         self.progress = None  # a toolkit.data.progress.Progress, told of each batch (in-process only)
-        self.column, self.ahead = None, None  # read_ahead(): the column; (first row, rows or None: from it, what)
+        self.column, self.ahead = None, None  # read_ahead(): the column; (first row, rows or None, what was read)
 
     def read_ahead(self, ds) -> None:
         """Rows of `ds` (the dataset this encoder maps over, batch after batch in order): while datasets writes a
@@ -124,13 +124,13 @@ class Encoder:
 
     def _text(self, batch, indices: list) -> dict:
         if (ahead := self._ahead(indices)) is not None:
-            encoded = ahead[0].result()  # these rows, read ahead and encoded while the last batch was written
+            encoded = ahead.result()  # these rows, read ahead and encoded while the last batch was written
         else:
             encoded = tokens.encode(self.tok, self._texts(self._strings(batch, self.text_field, indices)), self.threads)
         if self.column is not None and (start := indices[-1] + 1) < len(self.column):
             rows = min(len(indices), len(self.column) - start)
             texts = self._texts(self.column.slice(start, rows).to_pylist())
-            self.ahead = (start, rows, (tokens.submit(self.tok, texts, self.threads),))
+            self.ahead = (start, rows, tokens.submit(self.tok, texts, self.threads))
         values, offsets = _flat([e.ids for e in encoded])
         if self.eos:
             values, offsets = tokens.append(values, offsets, self.eos[0])
@@ -198,8 +198,8 @@ class Encoder:
                 tokens.submit(self.tok, [r[1] for r in part if r[0] == "whole"], self.threads, offsets=True))
 
     def _ahead(self, indices: list) -> tuple | None:
-        """What was read ahead for these rows (read_ahead), if it is them: a text batch of the same rows, or a
-        chat chunk starting at the first."""
+        """What was read ahead for these rows (read_ahead), if it is them: a text batch's Future (the same rows),
+        or a chat chunk's (job, rows) (rows None: a chunk starting at the first)."""
         ahead, self.ahead = self.ahead, None
         if ahead is None or not _contiguous(indices) or ahead[0] != indices[0] or ahead[1] not in (None, len(indices)):
             return None

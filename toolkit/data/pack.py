@@ -45,12 +45,12 @@ def unpacked(docs, seq_len: int, drop_long: bool) -> np.ndarray:
     long = length > seq_len
     if "label" in docs.column_names:  # classification: every row, truncated
         return np.flatnonzero(~long if drop_long else np.ones(len(length), bool))
-    if long.any() and not drop_long:  # trained within the first seq_len tokens only
+    if "labels" not in docs.column_names:  # text: every token after the first is trained
+        trained = np.minimum(length, seq_len) - 1
+    elif long.any() and not drop_long:  # trained within the first seq_len tokens only: read those documents
         where = np.flatnonzero(long)
-        part = docs.select(where).with_format("arrow")[:]
-        labels, offsets = tokens.ragged(part.column("labels" if "labels" in part.column_names else "input_ids"))
-        seen = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)]) if "labels" in part.column_names else \
-            np.arange(len(labels) + 1)
+        labels, offsets = tokens.ragged(docs.select(where).with_format("arrow")[:].column("labels"))
+        seen = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)])
         trained[where] = seen[offsets[:-1] + seq_len] - seen[offsets[:-1] + 1]
     keep = (np.minimum(length, seq_len) > 1) & (trained > 0) & ~(long & drop_long)
     return np.flatnonzero(keep)
