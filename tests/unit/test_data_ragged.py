@@ -106,3 +106,75 @@ def test_compact_packed_rows_read_as_the_full_ones(kind, split_long):
     assert int(docs_a.max()) > 1 and (docs_a == 0).any()  # rows of several documents, and padding
     (ids, docs), labels = b.batch([])
     assert ids.shape == (0, SEQ) and labels.shape == (0, SEQ)
+
+
+@pytest.mark.parametrize("eval_fraction", [0.0, 0.2])
+def test_prepared_unpacked_rows_are_each_splits_documents_that_make_a_row(tmp_path, eval_fraction):
+    """prepare chooses the unpacked rows over all the documents at once, then takes each split's: the same rows,
+    in the same order, as the packer's padded rows of that split's documents."""
+    import datasets
+
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    path, rng, seq = tmp_path / "chat.jsonl", np.random.default_rng(3), 40
+    with open(path, "w") as f:
+        for n in range(120):  # some longer than seq, some with nothing to train on within it
+            reply = "" if n % 9 == 0 else "a" * int(rng.integers(1, 2 * seq))
+            f.write(json.dumps({"messages": [{"role": "user", "content": "q" * int(rng.integers(1, seq))},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+    opts = data.DataOptions(str(path), seq, cache_dir=str(tmp_path / "cache"), eval_fraction=eval_fraction)
+    prepared = data.prepare(opts, tok)
+    tokens = data.load(str(path), "utf-8", opts.cache_dir)  # the documents, tokenized again without the cache
+    from toolkit.data.formats import Encoder
+
+    docs = tokens.with_format("arrow").map(Encoder("chat", tok, str(path)), batched=True, with_indices=True,
+                                           remove_columns=tokens.column_names).with_format(None)
+    halves = data.split_documents(docs, eval_fraction, opts.seed)
+    for rows, half in zip((prepared.train, prepared.eval), halves):
+        if len(half) == 0:
+            assert len(rows) == 0
+            continue
+        fixed = pack.Packer(seq, tok.pad_token_id, packing=False, drop_long=False, split_long=False)(
+            half.select_columns(["input_ids", "labels"]).with_format("arrow")[:])
+        expected = Rows(datasets.Dataset(fixed).cast(pack.features(seq)), seq, tok.pad_token_id)
+        assert len(rows) == len(expected) and 0 < len(rows) < len(half)
+        everything = list(range(len(rows)))
+        assert all(a.equal(b) for a, b in zip(rows.batch(everything)[0] + (rows.batch(everything)[1],),
+                                              expected.batch(everything)[0] + (expected.batch(everything)[1],)))
+    assert len(prepared.eval) > 0 or eval_fraction == 0
+
+
+def test_prepare_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    """prepare freezes the objects alive before it (no full collection walks them while it tokenizes) and
+    unfreezes them after, on success and on a refusal; a caller's own freeze is left alone."""
+    import gc
+
+    from toolkit.errors import ConfigError
+
+    tok = byte_tokenizer()
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {n} " * 5}) + "\n" for n in range(50)))
+    seen, was_frozen = [], gc.get_freeze_count()  # tests/conftest.py freezes what the collection imported
+    gc.unfreeze()
+    gc.callbacks.append(seen_freeze := lambda phase, info: seen.append(gc.get_freeze_count()))
+    try:
+        gc.collect()
+        assert gc.get_freeze_count() == 0
+        data.prepare(data.DataOptions(str(path), SEQ, cache_dir=str(tmp_path / "c")), tok)
+        assert gc.get_freeze_count() == 0
+        with pytest.raises(ConfigError):
+            data.prepare(data.DataOptions(str(path), SEQ, cache_dir=str(tmp_path / "c"), eval_fraction=2.0), tok)
+        assert gc.get_freeze_count() == 0
+        seen.clear()
+        data.prepare(data.DataOptions(str(path), SEQ + 1, cache_dir=str(tmp_path / "c")), tok)
+        gc.collect()
+        assert gc.get_freeze_count() == 0 and seen and seen[0] > 0  # frozen while it ran, then not
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        data.prepare(data.DataOptions(str(path), SEQ, cache_dir=str(tmp_path / "c")), tok)
+        assert gc.get_freeze_count() > frozen // 2  # still frozen (less what died meanwhile)
+    finally:
+        gc.callbacks.remove(seen_freeze)
+        if was_frozen:
+            gc.freeze()

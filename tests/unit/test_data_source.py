@@ -38,7 +38,7 @@ def by_datasets(path, cache):
 
 @pytest.mark.parametrize("kind", list(ROWS) + list(DATASETS_WAY))
 def test_the_rows_and_features_are_datasets_own(tmp_path, kind, monkeypatch):
-    monkeypatch.setattr(source, "JSON_BLOCK", 1 << 16)  # "late": after pyarrow's first block (16 MiB otherwise)
+    monkeypatch.setattr(source, "JSON_BLOCK", 1 << 16)  # "late": after pyarrow's first block (4 MiB otherwise)
     path = write(tmp_path / "data.jsonl", ROWS.get(kind) or DATASETS_WAY[kind])
     got, want = source.load(path, cache_dir=str(tmp_path / "cache")), by_datasets(path, tmp_path / "hf")
     assert got.features == want.features

@@ -12,12 +12,15 @@ reads the cache. One rank per node (per shared file system) builds it, saying ho
 Batches and their order: toolkit.data.batches (re-exported here, and by the package: `from toolkit import data`).
 """
 
+import gc
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from toolkit.errors import ConfigError
@@ -73,6 +76,27 @@ class Prepared:
 def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
     """Load, tokenize, split and pack (or pad) --data; cached by fingerprint. Tokenizing reports its progress
     on stderr (toolkit.data.progress) unless `quiet`."""
+    with _heap_frozen():
+        return _prepare(opts, tokenizer, quiet)
+
+
+@contextmanager
+def _heap_frozen():
+    """The objects alive before preparing (torch, transformers, the model: millions) left out of the garbage
+    collector's passes while it runs: tokenizing makes a container object per message and token list, enough
+    to set off full collections of the whole heap (0.1-0.2 s each, on the thread every tokenizer call waits
+    for). Objects made while preparing are collected as usual. Not where the caller froze objects itself."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
     check_seq_len(opts)
     if not 0 <= opts.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}")
@@ -86,17 +110,17 @@ def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
         infer_format(held.column_names, opts.task, fmt, opts.text_field)  # the same format's columns
         held = _tokenize(held, fmt, opts, tokenizer, opts.eval_data, quiet)
-        train_docs, eval_docs, split = tokens, held, "--eval-data"
+        parts, split = ((tokens, np.arange(len(tokens))), (held, np.arange(len(held)))), "--eval-data"
     else:
-        train_docs, eval_docs = split_documents(tokens, opts.eval_fraction, opts.seed)
+        parts = tuple((tokens, idx) for idx in split_indices(len(tokens), opts.eval_fraction, opts.seed))
         split = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}"
-    train, eval_ = (_pack(d, opts, tokenizer, packing, fmt, name) for d, name in ((train_docs, "train"),
-                                                                                     (eval_docs, "eval")))
+    train, eval_ = (_pack(docs, idx, opts, tokenizer, packing, fmt, name) for (docs, idx), name in zip(
+        parts, ("train", "eval")))
     if len(train) == 0:
         raise ConfigError(f"{opts.path}: no row to train on after tokenizing ({len(tokens)} documents; none has "
                           "a token with a loss within --seq-len); check --format, --train-on and --seq-len")
     info = {"how": how, "format": fmt, "packing": packing, "seq_len": opts.seq_len, "documents": len(tokens),
-            "train_documents": len(train_docs), "eval_documents": len(eval_docs), "split": split,
+            "train_documents": len(parts[0][1]), "eval_documents": len(parts[1][1]), "split": split,
             "train_rows": len(train), "eval_rows": len(eval_), **_stats([tokens, held] if opts.eval_data else [tokens], opts, packing, fmt)}
     if fmt == "classification":  # the head's size: the largest class index seen, + 1
         info["num_labels"] = max(int(d.with_format("numpy", columns=["label"])[:]["label"].max()) for d in (train, eval_)
@@ -156,21 +180,28 @@ def workers(opts: DataOptions) -> int:
 
 
 def split_documents(tokens, eval_fraction: float, seed: int):
-    """(train, eval) documents: a seeded shuffle, the first ceil(N * eval_fraction) go to eval; each
+    """(train, eval) documents: split_indices' of `tokens`."""
+    return tuple(tokens.select(idx) for idx in split_indices(len(tokens), eval_fraction, seed))
+
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) document indices of n: a seeded shuffle, the first ceil(n * eval_fraction) go to eval; each
     side keeps file order (training shuffles its rows every epoch)."""
-    n = len(tokens)
     n_eval = min(n - 1, -int(-n * eval_fraction // 1)) if eval_fraction > 0 else 0
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    eval_idx, train_idx = perm[:n_eval].sort().values, perm[n_eval:].sort().values
-    return tokens.select(train_idx.numpy()), tokens.select(eval_idx.numpy())
+    return perm[n_eval:].sort().values.numpy(), perm[:n_eval].sort().values.numpy()
 
 
-def _pack(docs, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str):
-    """Packed rows (cached); unpacked: the documents that make a row, read from the tokens cache (batches.Rows
-    truncates and pads them)."""
+def _pack(docs, idx: np.ndarray, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str):
+    """The documents `idx` of `docs` as packed rows (cached); unpacked: the documents that make a row, read from
+    the tokens cache (batches.Rows truncates and pads them), chosen over all of `docs` (its columns read as
+    they lie, not gathered through the split's indices)."""
     if not packing:
         keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
-        return docs.select(pack.unpacked(docs, opts.seq_len, opts.drop_long)).select_columns(keep)
+        rows = np.zeros(len(docs), bool)
+        rows[pack.unpacked(docs, opts.seq_len, opts.drop_long)] = True
+        return docs.select(idx[rows[idx]]).select_columns(keep)
+    docs = docs.select(idx) if len(idx) < len(docs) else docs
     packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long, split_long=fmt == "text",
                          compact=True)
     key = _fingerprint(docs._fingerprint, opts.seq_len, packing, opts.drop_long, packer.split_long)
