@@ -21,7 +21,17 @@ RESULTS = Path(__file__).parent / "results"
 
 def machine() -> dict:
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(), "versions": _versions()}
+            "processor": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
+            "versions": _versions()}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo): the same command on another host of this pool can run 30% slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _versions() -> dict:
@@ -103,7 +113,8 @@ def write_markdown(name: str, title: str, lines: list[str]) -> Path:
     RESULTS.mkdir(exist_ok=True)
     info = machine()
     header = [f"## {title}", "", f"Command: `{' '.join([Path(sys.executable).name] + sys.argv)}`  ",
-              f"Machine: {info['processor']}, {info['cpus']} CPUs, Python {info['python']}, "
+              f"Machine: {info['processor']}" + (f" ({info['cpu_model']})" if info["cpu_model"] else "")
+              + f", {info['cpus']} CPUs, Python {info['python']}, "
               + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v) + "  ",
               f"Measured: {time.strftime('%Y-%m-%d %H:%M')}", ""]
     path = RESULTS / f"{name}.md"
