@@ -232,6 +232,16 @@ def processes_naming(text: str) -> list:
     return found
 
 
+def _as_a_foreground_job():
+    """SIGINT and SIGQUIT as a terminal's foreground job has them. A suite started in the background (`pytest &`
+    from a script, nohup) inherits them ignored, and bash cannot trap a signal ignored when it started: launch.sh
+    would sleep through the Ctrl-C and its ranks train on."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("how, code", [("sigterm", 143), ("ctrl-c", 130)])  # SIGINT to the PID: ctrl-c's trap
 def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpoint(tmp_path, how, code):
@@ -247,22 +257,33 @@ def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpo
     args = ["--num-gpus", 2, "--config", config, "--", *COMMON, "--out", out, "--steps", 100000,
             "--save-every", 1, "--no-export"]
     proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), *map(str, args)], cwd=REPO, env=env(),  # a terminal's
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # group
-    latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 240
-    while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert latest.is_file(), proc.communicate(timeout=30)
-    assert len(processes_naming(str(out))) >= 2  # the ranks (and the launcher) are running
-    if how == "ctrl-c":
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: every process in the foreground group
-    else:
-        os.kill(proc.pid, signal.SIGTERM)  # a scheduler's cancel, to launch.sh alone
-    stdout, stderr = proc.communicate(timeout=20)
-    gone = time.monotonic() + 5
-    while processes_naming(str(out)) and time.monotonic() < gone:
-        time.sleep(0.1)
-    assert processes_naming(str(out)) == [], "ranks left running after launch.sh stopped"
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,  # group
+                            preexec_fn=_as_a_foreground_job)
+    try:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 240
+        while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert latest.is_file(), proc.communicate(timeout=30)
+        assert len(processes_naming(str(out))) >= 2  # the ranks (and the launcher) are running
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: every process in the foreground group
+        else:
+            os.kill(proc.pid, signal.SIGTERM)  # a scheduler's cancel, to launch.sh alone
+        stdout, stderr = proc.communicate(timeout=20)
+        gone = time.monotonic() + 5
+        while processes_naming(str(out)) and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert processes_naming(str(out)) == [], "ranks left running after launch.sh stopped"
+    finally:  # a failed check leaves no run training (and checkpointing every step) behind it
+        for pid in processes_naming(str(out)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == code, stderr
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, stderr
     whole = latest.read_text().strip()
