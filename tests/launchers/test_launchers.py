@@ -232,14 +232,12 @@ def processes_naming(text: str) -> list:
     return found
 
 
-def _as_a_foreground_job():
-    """SIGINT and SIGQUIT as a terminal's foreground job has them. A suite started in the background (`pytest &`
-    from a script, nohup) inherits them ignored, and bash cannot trap a signal ignored when it started: launch.sh
-    would sleep through the Ctrl-C and its ranks train on."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+# launch.sh with SIGINT and SIGQUIT as a terminal's foreground job has them. A suite started in the background
+# (`pytest &` from a script, nohup) hands them down ignored, and bash cannot trap a signal ignored when it started:
+# launch.sh would sleep through the Ctrl-C and its ranks train on. (A wrapper that execs bash, not preexec_fn: this
+# process has threads.)
+AS_A_FOREGROUND_JOB = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execvp('bash', ['bash', *sys.argv[1:]])")
 
 
 @pytest.mark.heavy
@@ -256,9 +254,9 @@ def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpo
     config = write_config(tmp_path / "ds.json", run_config(2, 1, 1, clip=CLIP))
     args = ["--num-gpus", 2, "--config", config, "--", *COMMON, "--out", out, "--steps", 100000,
             "--save-every", 1, "--no-export"]
-    proc = subprocess.Popen(["bash", str(REPO / "launch.sh"), *map(str, args)], cwd=REPO, env=env(),  # a terminal's
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,  # group
-                            preexec_fn=_as_a_foreground_job)
+    proc = subprocess.Popen([sys.executable, "-c", AS_A_FOREGROUND_JOB, str(REPO / "launch.sh"), *map(str, args)],
+                            cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a terminal's process group
     try:
         latest = out / "checkpoints" / "latest"
         deadline = time.monotonic() + 240
@@ -282,8 +280,9 @@ def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpo
             except ProcessLookupError:
                 pass
         if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)
+            left = proc.communicate(timeout=10)
+            print("launch.sh did not stop; its output:", *left, sep="\n")  # shown with the failure
     assert proc.returncode == code, stderr
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, stderr
     whole = latest.read_text().strip()

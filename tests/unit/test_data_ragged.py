@@ -169,12 +169,14 @@ def test_prepare_leaves_the_garbage_collector_as_it_found_it(tmp_path):
         seen.clear()
         data.prepare(data.DataOptions(str(path), SEQ + 1, cache_dir=str(tmp_path / "c")), tok)
         gc.collect()
-        assert gc.get_freeze_count() == 0 and seen and seen[0] > 0  # frozen while it ran, then not
+        assert gc.get_freeze_count() == 0 and max(seen, default=0) > 0  # frozen while it ran, then not
         gc.freeze()
         frozen = gc.get_freeze_count()
         data.prepare(data.DataOptions(str(path), SEQ, cache_dir=str(tmp_path / "c")), tok)
         assert gc.get_freeze_count() > frozen // 2  # still frozen (less what died meanwhile)
     finally:
         gc.callbacks.remove(seen_freeze)
+        gc.unfreeze()
         if was_frozen:
+            gc.collect()
             gc.freeze()

@@ -86,3 +86,18 @@ def test_datasets_scan_runs_only_where_an_object_may_lack_a_key(tmp_path, monkey
     assert scans == ["explicit.jsonl", "missing.jsonl"]
     assert {p.name.split("-")[0] for p in (tmp_path / "cache" / "dstk").glob("jsonl-*.arrow")} == {"jsonl"}
     assert len(list((tmp_path / "cache" / "dstk").glob("jsonl-*.arrow"))) == 2  # full and explicit
+
+
+def test_a_row_longer_than_two_blocks_is_read_again_in_blocks_that_hold_it(tmp_path, monkeypatch):
+    """pyarrow refuses a row that straddles two block boundaries; the file is parsed again in larger blocks (not
+    left to datasets' slower loader), with datasets' rows."""
+    monkeypatch.setattr(source, "JSON_BLOCK", 1 << 12)
+    monkeypatch.setattr(source, "LONG_ROW_BLOCK", 1 << 16)
+    rows = [{"text": f"short {n}"} for n in range(20)] + [{"text": "long " * 2000}] + [{"text": "end"}]
+    path = write(tmp_path / "data.jsonl", rows)
+    with pytest.raises(Exception, match="straddl"):  # what the first pass meets
+        list(pj.open_json(path, read_options=pj.ReadOptions(block_size=1 << 12)))
+    got = source.load(path, cache_dir=str(tmp_path / "cache"))
+    assert any((tmp_path / "cache" / "dstk").glob("jsonl-*.arrow")) and not any(
+        (tmp_path / "cache" / "dstk").glob("*.datasets"))
+    assert got.to_list() == by_datasets(path, tmp_path / "hf").to_list() == rows

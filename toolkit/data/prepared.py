@@ -89,6 +89,7 @@ def _heap_frozen():
     if gc.get_freeze_count():
         yield
         return
+    gc.collect(1)  # the young garbage first (cheap): frozen, a cycle would be held until after preparing
     gc.freeze()
     try:
         yield
@@ -114,7 +115,8 @@ def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
     else:
         parts = tuple((tokens, idx) for idx in split_indices(len(tokens), opts.eval_fraction, opts.seed))
         split = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}"
-    train, eval_ = (_pack(docs, idx, opts, tokenizer, packing, fmt, name) for (docs, idx), name in zip(
+    chosen = {}  # unpacked rows: per tokens dataset, which of its documents make a row
+    train, eval_ = (_pack(docs, idx, opts, tokenizer, packing, fmt, name, chosen) for (docs, idx), name in zip(
         parts, ("train", "eval")))
     if len(train) == 0:
         raise ConfigError(f"{opts.path}: no row to train on after tokenizing ({len(tokens)} documents; none has "
@@ -192,14 +194,18 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, 
     return perm[n_eval:].sort().values.numpy(), perm[:n_eval].sort().values.numpy()
 
 
-def _pack(docs, idx: np.ndarray, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str):
+def _pack(docs, idx: np.ndarray, opts: DataOptions, tokenizer, packing: bool, fmt: str, name: str,
+          chosen: dict):
     """The documents `idx` of `docs` as packed rows (cached); unpacked: the documents that make a row, read from
-    the tokens cache (batches.Rows truncates and pads them), chosen over all of `docs` (its columns read as
-    they lie, not gathered through the split's indices)."""
+    the tokens cache (batches.Rows truncates and pads them), chosen once over all of `docs` (its columns read as
+    they lie, not gathered through the split's indices; `chosen` keeps the choice for the other split)."""
     if not packing:
         keep = [c for c in ("input_ids", "labels", "label") if c in docs.column_names]
-        rows = np.zeros(len(docs), bool)
-        rows[pack.unpacked(docs, opts.seq_len, opts.drop_long)] = True
+        if id(docs) not in chosen:
+            rows = np.zeros(len(docs), bool)
+            rows[pack.unpacked(docs, opts.seq_len, opts.drop_long)] = True
+            chosen[id(docs)] = rows
+        rows = chosen[id(docs)]
         return docs.select(idx[rows[idx]]).select_columns(keep)
     docs = docs.select(idx) if len(idx) < len(docs) else docs
     packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long, split_long=fmt == "text",

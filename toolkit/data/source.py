@@ -26,6 +26,7 @@ BUILDERS = {**{s: "text" for s in TEXT_SUFFIXES}, **{s: "json" for s in JSON_SUF
 CHUNK = 1 << 24  # bytes read at a time when checking a text file (16 MiB)
 JSON_BLOCK = 1 << 22  # bytes of JSON lines pyarrow parses at a time, the next ones on its threads meanwhile (4 MiB: ~1.6x
 # faster than 16 MiB on 50 MB, 2 cores); the first block fixes the types (a later change: datasets reads the file)
+LONG_ROW_BLOCK = 1 << 26  # a file with a row longer than two JSON_BLOCKs (pyarrow: "straddling object") is read again
 DATASETS_CHUNK = 10 << 20  # datasets' JSON loader: bytes per chunk, the first scanned for mixed objects
 TRACE_COLUMNS = {"type", "system_prompt"}  # datasets' agent-trace detection needs one of these columns
 
@@ -186,7 +187,6 @@ def read_jsonl(path: Path, cache_dir: str | None):
     keys differ inside a column (datasets' Json feature), columns its agent-trace parser claims."""
     import datasets
     import pyarrow as pa
-    import pyarrow.json as pj
     from datasets.table import MemoryMappedTable
 
     key = file_key(path, "jsonl", pa.__version__, datasets.__version__)
@@ -196,14 +196,12 @@ def read_jsonl(path: Path, cache_dir: str | None):
     if not target.exists():
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         try:
-            reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=JSON_BLOCK))
-            if TRACE_COLUMNS & set(reader.schema.names):
-                raise pa.ArrowInvalid("datasets' agent-trace parser may claim these rows")
-            holes = False
-            with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, reader.schema) as writer:
-                for batch in reader:
-                    writer.write_batch(batch)
-                    holes = holes or any(map(_holes, batch.columns))
+            try:
+                holes = _json_to_arrow(path, partial, JSON_BLOCK)
+            except pa.ArrowInvalid as exc:
+                if "straddl" not in str(exc):  # else a row longer than two blocks: again, in blocks that hold it
+                    raise
+                holes = _json_to_arrow(path, partial, LONG_ROW_BLOCK)
             if holes and mixed_objects(path):
                 raise pa.ArrowInvalid("objects whose keys differ: datasets makes them Json")
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -215,6 +213,23 @@ def read_jsonl(path: Path, cache_dir: str | None):
     if table.num_rows == 0:
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
     return datasets.Dataset(table, fingerprint=key)
+
+
+def _json_to_arrow(path: Path, partial: Path, block: int) -> bool:
+    """JSON lines -> an Arrow stream file, `block` bytes parsed at a time; is there a null or an empty object inside a
+    nested column (_holes)? Raises pyarrow's error where it cannot read the file as one table."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=block))
+    if TRACE_COLUMNS & set(reader.schema.names):
+        raise pa.ArrowInvalid("datasets' agent-trace parser may claim these rows")
+    holes = False
+    with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, reader.schema) as writer:
+        for batch in reader:
+            writer.write_batch(batch)
+            holes = holes or any(map(_holes, batch.columns))
+    return holes
 
 
 def _holes(array) -> bool:
