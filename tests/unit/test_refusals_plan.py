@@ -24,10 +24,13 @@ def run(capsys, *args):
     ["--gpu", "a100-80gb", "--gbs", "8", "--gpus-per-node", "100000000000"],
     ["--gpu", "a100-80gb", "--gbs", "100000000000", "--nodes", "12500000", "--gpus-per-node", "8"],
 ])
-def test_huge_numbers_answer_within_a_second(capsys, args):
+def test_huge_numbers_answer_in_seconds_not_minutes(capsys, args):
+    """A search that grows with the numbers (every divisor of a 10^14 batch, every node of 12.5M) would take minutes
+    to hours; the planner answers these in 0.1-0.7 s (1.3 s in a loaded suite on 2 cores: a 1 s bound failed there
+    once), so the bound is loose enough for a busy machine and still far below a blow-up."""
     start = time.perf_counter()
     code, out, err = run(capsys, *args)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 10.0
     assert code in (0, 1) and "Traceback" not in err and (out or err.startswith("error: "))
 
 
