@@ -2,7 +2,9 @@
 its 1F1B PipelineEngine trains, exports the same model and resumes; and the refusals at `dstk train --check`.
 
 tiny-gpt2 (7 pipeline layers) at pp 2 cuts 4 stages: rank 0 holds the embedding (+ block 0) and the norm
-and tied head, so the tied wte is one module there. small-gpt2 (9 layers) at pp 4 cuts 8 stages.
+and tied head, so the tied wte is one module there. small-gpt2 (9 layers) at pp 4 cuts 8 stages. The DualPipeV
+runs record the sends, receives, batches and collectives DeepSpeed's engine issues (scripts/watch_p2p.py), which
+must be the instruction stream tests/unit/test_dualpipev_nccl_order.py checks under NCCL's rules, and finish there.
 """
 
 import json
@@ -14,21 +16,45 @@ from tests.configs import run_config
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "toolkit" / "corpus" / "corpus.txt"
+WATCH = Path(__file__).parent / "scripts" / "watch_p2p.py"
 STEPS, SEQ = 5, 32
 
 
 def train(tmp: Path, name: str, procs: int, pp: int, gas: int, *flags, model: str = "tiny-gpt2",
-          steps: int = STEPS, out: Path | None = None, **pipeline) -> Path:
-    """`dstk train` on `procs` forked ranks -> its --out (`pipeline`: more keys of the config's pipeline section)."""
-    from tests.ranks import run_train
+          steps: int = STEPS, out: Path | None = None, watch: bool = False, **pipeline) -> Path:
+    """`dstk train` on `procs` forked ranks -> its --out (`pipeline`: more keys of the config's pipeline section).
+    watch: through scripts/watch_p2p.py, recording each rank's p2p units in the folder ordered(out)."""
+    from tests.ranks import run_ranks, run_train
 
     cfg = tmp / f"{name}.json"
     cfg.write_text(json.dumps(run_config(2, gas, pp, clip=1.0, **pipeline)))
     out = out or tmp / name
-    rc, log = run_train(["--config", cfg, "--model", model, "--data", CORPUS, "--seq-len", SEQ, "--no-progress",
-                         "--steps", steps, "--eval-fraction", "0.005", "--out", out, *flags], procs)
+    args = ["--config", cfg, "--model", model, "--data", CORPUS, "--seq-len", SEQ, "--no-progress", "--steps", steps,
+            "--eval-fraction", "0.005", "--out", out, *flags]
+    rc, log = run_ranks([WATCH, ordered(out), *args], procs) if watch else run_train(args, procs)
     assert rc == 0, log[-3000:]
     return out
+
+
+def ordered(out: Path) -> Path:
+    return out.with_name(out.name + "_p2p")
+
+
+def check_order(out: Path, pp: int, gas: int, dp: int = 1) -> list:
+    """The recorded run's engine units (init and the first train_batch) are tests/p2p_order.py's DualPipeV stream,
+    and all it issued (every step and eval) finishes under NCCL's rules (both ways torch makes communicators).
+    Returns the recorded units per rank."""
+    from tests.p2p_order import dualpipev_programs, stuck
+
+    def p2p(units):
+        return [(u["kind"], [tuple(op[:2]) for op in u["ops"]]) for u in units if u["kind"] != "coll"]
+
+    runs = [json.loads((ordered(out) / f"rank{r}.json").read_text()) for r in range(pp * dp)]
+    first = [p2p(u for u in units if u["at"] in ("init", "train 1")) for units in runs]
+    assert first == [p2p(units) for units in dualpipev_programs(pp, gas, dp)]
+    assert any(u["at"].startswith("eval") for u in runs[0]) and any(u["at"] == f"train {STEPS}" for u in runs[0])
+    assert stuck(runs) == {} and stuck(runs, "lazy") == {}
+    return runs
 
 
 def losses(out: Path) -> dict:
@@ -57,7 +83,7 @@ def weights(folder: Path) -> dict:
 def pp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dualpipev")
     runs = {"1f1b": train(tmp, "1f1b", 2, 2, 4, "--eval-every", "2"),
-            "dualpipev": train(tmp, "dpv", 2, 2, 4, "--eval-every", "2", "--schedule", "dualpipev")}
+            "dualpipev": train(tmp, "dpv", 2, 2, 4, "--eval-every", "2", "--schedule", "dualpipev", watch=True)}
     return tmp, runs
 
 
@@ -73,6 +99,12 @@ def test_pp2_dualpipev_trains_1f1bs_losses_and_eval_loss(pp2):
     assert sorted(mid[1]) == [2, 4] and not far(mid[1], mid[0], 1e-5), mid  # eval_batch between train_batches
     manifest = json.loads((runs["dualpipev"] / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert manifest["schedule"] == "dualpipev" and len(manifest["parts"]) == 2 * 2 + 1, manifest["parts"]
+
+
+@pytest.mark.distributed
+def test_pp2_dualpipev_issues_an_order_that_finishes_on_nccl(pp2):
+    _, runs = pp2
+    check_order(runs["dualpipev"], pp=2, gas=4)
 
 
 @pytest.mark.distributed
@@ -105,9 +137,23 @@ def test_dualpipev_resumes_its_own_checkpoint_and_a_1f1b_one(pp2):
 @pytest.mark.heavy
 def test_pp4_dualpipev_on_4_ranks_trains_1f1bs_losses(tmp_path):
     ref = losses(train(tmp_path, "1f1b4", 4, 4, 8, "--no-export", model="small-gpt2"))
-    got = losses(train(tmp_path, "dpv4", 4, 4, 8, "--no-export", "--schedule", "dualpipev", model="small-gpt2"))
+    dpv = train(tmp_path, "dpv4", 4, 4, 8, "--no-export", "--schedule", "dualpipev", model="small-gpt2", watch=True)
+    got = losses(dpv)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert not far(got, ref, 1e-4), far(got, ref, 1e-4)
+    runs = check_order(dpv, pp=4, gas=8)
+    # had WORLD no NCCL communicator yet, stage 1's first batch would make it while stage 2 waits for its shapes
+    from tests.p2p_order import stuck
+
+    hung = stuck(runs, "lazy", world_ready=False)
+    assert hung[2][1]["kind"] == "recv" and hung[1][1]["name"] == "create world", hung
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+def test_pp2_dp2_dualpipev_issues_an_order_that_finishes_on_nccl(tmp_path):
+    check_order(train(tmp_path, "dpv22", 4, 2, 4, "--no-export", "--eval-every", "2", "--schedule", "dualpipev",
+                      watch=True), pp=2, gas=4, dp=2)
 
 
 @pytest.mark.distributed

@@ -212,7 +212,7 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=
     port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
     deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port, verbose=verbose,
                                **({"timeout": timeout} if timeout is not None else {}))
-    if use_cuda:
+    if use_cuda:  # WORLD's first NCCL collective, before any engine: see _print_devices
         _print_devices(tdist)
     return tdist
 
@@ -271,7 +271,12 @@ def device_line(devices: list) -> str:
 
 
 def _print_devices(tdist) -> None:
-    """Rank 0 prints which GPU every rank took, once."""
+    """Rank 0 prints which GPU every rank took, once. Its all_gather is also WORLD's first NCCL collective, made
+    with every rank present. This matters where torch makes communicators lazily, because DeepSpeed binds no
+    device_id there (2.6.0 < torch < 2.7.1, i.e. torch 2.7.0). Without it, DualPipeV's first batch_isend_irecv
+    would make WORLD's communicator, which needs every rank; from pp 3 on, stage 2 would be waiting in a blocking
+    recv of shapes that stage 1 sends only after that batch (docs/deepspeed.md, "DualPipeV on NCCL"). Keep this
+    unconditional on GPUs."""
     import torch
 
     mine = (socket.gethostname(), local_rank(), torch.cuda.current_device(), torch.cuda.device_count(),
