@@ -14,6 +14,9 @@ toolkit.config.generate.build_config writes (`dstk generate-config --precision b
 --world-size W --mbs M --gas G`: torch's AdamW, "torch_adam" with torch's fused kernel, unless --fused-adam;
 no op is JIT-built):
     pp1-zero1  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, sdpa
+    pp1-zero1-hf 1 GPU  the same under HF Trainer (bench/hf_trainer.py: transformers' Trainer, the same config file,
+                        model directory, rows in the same order, seq and batch), started by DeepSpeed's launcher;
+                        skipped without accelerate
     pp1-fa2    1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --attention flash_attention_2 (skipped without flash_attn)
     pp1-lora   1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --lora (r 16, every block linear)
     pp1-qlora  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --qlora (4-bit NF4 base: bitsandbytes; skipped without it)
@@ -27,13 +30,16 @@ A case needing more GPUs than torch.cuda.device_count() (or --gpus N: the first 
 failed, with the tail of its log; with --budget S, a case that cannot start S seconds after this script did
 is reported as skipped, and the one running then is stopped.
 
-Per case: tokens/s over the steps after the warm-up ones (metrics.jsonl's per-step rates); MFU = tokens/s
-x FLOPs per token / (GPUs x peak): FLOPs per token from the planner's cost model (toolkit.plan.cost.mfu: 6N +
-attention's 12 L s h_attn, LoRA's frozen weights without weight gradients), peak = the dense bf16 TFLOPs
-of the toolkit.plan.gpus preset matched from the device name (--gpu, --peak-tflops to choose). Peak GPU
-memory: the summary's peak_gpu_mib_per_rank (largest rank) next to `dstk plan`'s estimate for the same
-layout (toolkit.plan.layouts.planner.estimate_layout; none for QLoRA: the planner has no 4-bit base). Loss: first
-and last step. Writes bench/results/gpu.json and gpu.md (--dry-run: into --out-dir or a temp dir, never
+Per case: tokens/s over the steps after the warm-up ones (metrics.jsonl's per-step rates: every position of
+every row, padding included) and rows/s; MFU = tokens/s x FLOPs per token / (GPUs x peak): FLOPs per token
+from the planner's cost model (toolkit.plan.cost.mfu: 6N + attention's 12 L s h_attn, LoRA's frozen weights
+without weight gradients), peak = the dense bf16 TFLOPs of the toolkit.plan.gpus preset matched from the
+device name (--gpu, --peak-tflops to choose). Peak GPU memory: the summary's peak_gpu_mib_per_rank (largest
+rank), counted from just before the first step (the load's peak beside it), next to `dstk plan`'s estimate
+for the same layout (toolkit.plan.layouts.planner.estimate_layout; none for QLoRA: the planner has no 4-bit
+base). Loss: first and last step. dstk against HF Trainer (gpu_report.anchor_lines): tokens/s, trained
+tokens/s (positions with a loss target, counted on the rows both trained), rows/s and both peaks, side by
+side with their ratios. Writes bench/results/gpu.json and gpu.md (--dry-run: into --out-dir or a temp dir, never
 over real figures), with gpu.sh's steps (--step) and their failures. Checkpoints (the trainer saves one at
 the end, ~14 GB at 1B) are deleted per case.
 """
@@ -75,6 +81,7 @@ class Case:
     adapters: str = ""  # "", "lora" or "qlora": the dstk train flag
     attention: str = "sdpa"  # dstk train --attention
     data: str = "text"  # "text" (the corpus, packed) or "chat" (chat rows, --packing)
+    trainer: str = "dstk"  # or "hf": transformers' Trainer on the same config, model and rows (bench/hf_trainer.py)
 
     @property
     def world(self) -> int:
@@ -85,7 +92,8 @@ class Case:
         return self.mbs * self.gas * self.dp
 
 
-CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-fa2", 1, 1, 1, 4, 2, attention="flash_attention_2"),
+CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-zero1-hf", 1, 1, 1, 4, 2, trainer="hf"),
+         Case("pp1-fa2", 1, 1, 1, 4, 2, attention="flash_attention_2"),
          Case("pp1-lora", 1, 1, 1, 4, 2, "lora"), Case("pp1-qlora", 1, 1, 1, 4, 2, "qlora"),
          Case("pp1-chat", 1, 1, 1, 4, 2, data="chat"), Case("pp1-zero3", 1, 1, 3, 4, 2),
          Case("pp2", 2, 1, 1, 2, 4), Case("pp2-lora", 2, 1, 1, 2, 4, "lora"), Case("pp2-dp2", 2, 2, 1, 2, 4)]
@@ -117,6 +125,8 @@ def plan_cases(names: list[str], gpus: int, dry_run: bool) -> list[tuple[Case, s
         elif case.attention == "flash_attention_2" and (dry_run or importlib.util.find_spec("flash_attn") is None):
             why = ("flash_attention_2 needs CUDA and the flash-attn package, which is not installed "
                    "(pip install flash-attn --no-build-isolation)")
+        elif case.trainer == "hf" and importlib.util.find_spec("accelerate") is None:
+            why = "HF Trainer needs the accelerate package, which is not installed (pip install accelerate)"
         elif case.world > gpus:
             why = (f"needs {case.world} CPU processes; the dry run starts at most {gpus} (--gpus {case.world} "
                    f"includes it, about a minute on 2 cores)" if dry_run else
@@ -141,11 +151,26 @@ def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int |
 
 
 def launch_command(case: Case, config: Path, data: Path, model: Path, out: Path, opts) -> list[str]:
+    """dstk's case: `launch.sh ... -- dstk train's flags`; HF Trainer's (hf_command): DeepSpeed's launcher on
+    bench/hf_trainer.py with the same config, model, data, sequence length and steps."""
+    if case.trainer == "hf":
+        return hf_command(case, config, data, model, out, opts)
     return ["bash", str(REPO / "launch.sh"), "--num-gpus", str(case.world), "--config", str(config), "--",
             "--model", str(model), "--data", str(data), "--seq-len", str(opts.seq_len),
             "--steps", str(opts.warmup + opts.steps), "--attention", case.attention, "--no-export",
             "--eval-fraction", "0", "--out", str(out), *(["--packing"] if case.data == "chat" else []),
             *([f"--{case.adapters}", "--lora-r", str(LORA_R)] if case.adapters else [])]
+
+
+def hf_command(case: Case, config: Path, data: Path, model: Path, out: Path, opts) -> list[str]:
+    """What launch.sh runs for dstk, with HF Trainer's program in place of toolkit.train: DeepSpeed's launcher
+    on a free port, its INFO lines off."""
+    from toolkit.distributed.process_group import free_port
+
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(case.world), "--master_port",
+            str(free_port()), "--log_level", "critical", str(BENCH / "hf_trainer.py"), "--config", str(config),
+            "--model", str(model), "--data", str(data), "--seq-len", str(opts.seq_len),
+            "--steps", str(opts.warmup + opts.steps), "--attention", case.attention, "--out", str(out)]
 
 
 def child_env(dry_run: bool) -> dict:
@@ -165,10 +190,22 @@ def read_metrics(out: Path) -> tuple[list[dict], dict | None]:
     return [r for r in lines if "step" in r], summaries[-1] if summaries else None
 
 
+def timed_seconds(records: list[dict], warmup: int, tokens_per_step: int) -> tuple[int, float]:
+    """(steps, their summed seconds) after `warmup`, from each record's tokens/s."""
+    timed = [r["tokens_per_s"] for r in records if r["step"] > warmup]
+    return len(timed), sum(tokens_per_step / r for r in timed)
+
+
 def timed_rate(records: list[dict], warmup: int, tokens_per_step: int) -> float | None:
     """Tokens/s over the steps after `warmup`: their tokens over their summed step times."""
-    timed = [r["tokens_per_s"] for r in records if r["step"] > warmup]
-    return len(timed) * tokens_per_step / sum(tokens_per_step / r for r in timed) if timed else None
+    steps, seconds = timed_seconds(records, warmup, tokens_per_step)
+    return steps * tokens_per_step / seconds if steps else None
+
+
+def _most(values) -> float | None:
+    """The largest rank's figure in MiB as bytes (None where no rank has one: off CUDA)."""
+    known = [m for m in values or [] if m is not None]
+    return max(known) * 2**20 if known else None
 
 
 def run_case(case: Case, ctx: dict, opts, timeout: float) -> dict:
@@ -177,7 +214,10 @@ def run_case(case: Case, ctx: dict, opts, timeout: float) -> dict:
     config.write_text(json.dumps(ds_config(case, opts.fused_adam, cpu=opts.dry_run), indent=2))
     out, log = ctx["work"] / case.name, ctx["work"] / f"{case.name}.log"
     cmd = launch_command(case, config, ctx["data"][case.data], ctx["model_dir"], out, opts)
-    rc, wall = common.launch(cmd, log, child_env(opts.dry_run), timeout)
+    env = child_env(opts.dry_run)
+    if opts.dry_run and case.trainer == "hf":  # the CPU threads launch.sh gives a dstk rank (cores / processes)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // case.world)))
+    rc, wall = common.launch(cmd, log, env, timeout)
     records, summary = read_metrics(out)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     entry = {**asdict(case), "world": case.world, "gbs": case.gbs, "seq_len": opts.seq_len, "command": cmd,
@@ -194,14 +234,19 @@ def figures(case: Case, records: list[dict], summary: dict, ctx: dict, opts) -> 
     from toolkit.plan.cost.mfu import flops_per_token, utilisation
 
     rate = timed_rate(records, opts.warmup, case.gbs * opts.seq_len)
+    steps, seconds = timed_seconds(records, opts.warmup, case.gbs * opts.seq_len)
     flops = flops_per_token(ctx["arch"], opts.seq_len, LORA_R if case.adapters else None)
-    gpu_mib = [m for m in summary["peak_gpu_mib_per_rank"] if m is not None]
-    measured = max(gpu_mib) * 2**20 if gpu_mib else None
+    measured = _most(summary["peak_gpu_mib_per_rank"])
     predicted = predicted_bytes(case, opts.seq_len, ctx["model_dir"], ctx["preset"] or "h100-sxm")
-    return {"tokens_per_s": rate, "flops_per_token": flops,
+    counted = {key: [r[key] for r in records if r["step"] > opts.warmup and key in r] for key in ("targets", "padding")}
+    return {"tokens_per_s": rate, "rows_per_s": rate / opts.seq_len if rate else None, "timed_steps": steps,
+            "timed_seconds": seconds, **{f"timed_{key}": sum(v) if steps and len(v) == steps else None
+                                         for key, v in counted.items()},
+            "flops_per_token": flops,
             "mfu": utilisation(rate, flops, case.world, ctx["peak_tflops"]) if rate and ctx["peak_tflops"] else None,
-            "trainer_mfu": summary.get("mfu"),  # the trainer's own, over every step (warm-up included)
-            "peak_gpu_bytes": measured, "predicted_bytes": predicted,
+            "trainer_mfu": summary.get("mfu"),  # the trainer's own, over its steps after the first
+            "peak_gpu_bytes": measured, "load_peak_gpu_bytes": _most(summary.get("load_peak_gpu_mib_per_rank")),
+            "predicted_bytes": predicted,
             "predicted_error": predicted / measured - 1 if measured and predicted else None,
             "first_loss": summary["first_loss"], "last_loss": summary["last_loss"],
             "loss_fell": summary["last_loss"] < summary["first_loss"], "losses": [r["loss"] for r in records],

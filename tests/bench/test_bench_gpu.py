@@ -70,7 +70,8 @@ def test_cases_that_cannot_run_are_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(gpu_finetune.importlib.util, "find_spec",
                         lambda name: None if name in ("flash_attn", "bitsandbytes") else real(name))
     one = dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 1, dry_run=False))
-    assert [name for name, why in one.items() if why is None] == ["pp1-zero1", "pp1-lora", "pp1-chat", "pp1-zero3"]
+    assert [name for name, why in one.items() if why is None] == ["pp1-zero1", "pp1-zero1-hf", "pp1-lora", "pp1-chat",
+                                                                   "pp1-zero3"]
     assert one["pp2"].startswith("needs 2 GPUs, 1 available") and "NCCL refuses two ranks on one GPU" in one["pp2"]
     assert one["pp2-dp2"].startswith("needs 4 GPUs, 1 available")
     assert "flash-attn package, which is not installed" in one["pp1-fa2"] and "bitsandbytes" in one["pp1-qlora"]
@@ -79,6 +80,10 @@ def test_cases_that_cannot_run_are_skipped_with_the_reason(monkeypatch):
     assert all(why is None for why in four.values())
     dry = dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 2, True))
     assert "bitsandbytes" in dry["pp1-qlora"] and "flash-attn" in dry["pp1-fa2"]  # CUDA only: never in a dry run
+    assert dry["pp1-zero1-hf"] is None  # HF Trainer runs on CPU processes too
+    monkeypatch.setattr(gpu_finetune.importlib.util, "find_spec", lambda name: None if name == "accelerate" else object())
+    hf = dict((c.name, why) for c, why in gpu_finetune.plan_cases(["pp1-zero1-hf"], 1, dry_run=False))
+    assert hf["pp1-zero1-hf"] == "HF Trainer needs the accelerate package, which is not installed (pip install accelerate)"
 
 
 def test_the_case_runs_the_trainer_through_launch_sh_on_the_saved_model():
@@ -97,6 +102,76 @@ def test_the_case_runs_the_trainer_through_launch_sh_on_the_saved_model():
     assert "--attention flash_attention_2" in " ".join(fa2)
     chat = gpu_finetune.launch_command(cases["pp1-chat"], Path("c.json"), Path("chat.jsonl"), Path("m"), Path("o"), opts)
     assert chat[-1] == "--packing" and "--data chat.jsonl" in " ".join(chat)
+
+
+def test_the_hf_case_runs_hf_trainer_on_the_same_config_model_data_and_steps():
+    """DeepSpeed's launcher (launch.sh's, without dstk's program) on bench/hf_trainer.py, with every input the
+    dstk case of its layout gets."""
+    opts = gpu_finetune.parse_args([])
+    cases = {c.name: c for c in gpu_finetune.CASES}
+    ours, hf = cases["pp1-zero1"], cases["pp1-zero1-hf"]
+    assert {k: v for k, v in vars(ours).items() if k not in ("name", "trainer")} == \
+        {k: v for k, v in vars(hf).items() if k not in ("name", "trainer")}
+    assert gpu_finetune.ds_config(ours, False, False) == gpu_finetune.ds_config(hf, False, False)
+    cmd = gpu_finetune.launch_command(hf, Path("c.json"), Path("d.txt"), Path("m"), Path("out"), opts)
+    assert cmd[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1"]
+    assert cmd[cmd.index("--log_level") + 2] == str(ROOT / "bench" / "hf_trainer.py")
+    args = " ".join(cmd[cmd.index("--log_level") + 3:])
+    assert args == "--config c.json --model m --data d.txt --seq-len 2048 --steps 33 --attention sdpa --out out"
+    import hf_trainer
+
+    parsed = hf_trainer.parse_args(cmd[cmd.index("--log_level") + 3:] + ["--local_rank=0"])  # the launcher adds it
+    assert (parsed.seq_len, parsed.steps, parsed.seed) == (2048, 33, 1234)  # dstk train's default seed: its rows
+
+
+@pytest.mark.parametrize("fused,cpu", [(False, False), (True, False), (False, True)])
+def test_hf_trainers_arguments_match_every_value_it_checks_in_the_config(fused, cpu):
+    """transformers' own check (HfTrainerDeepSpeedConfig.trainer_config_process, run when TrainingArguments is
+    made, raising at the first step) finds no value of the case's config that differs from the arguments."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    import hf_trainer
+
+    for case in (c for c in gpu_finetune.CASES if c.trainer == "hf"):
+        cfg = gpu_finetune.ds_config(case, fused, cpu)
+        kwargs = hf_trainer.training_arguments(cfg, "out", 33, 1234, cpu)
+        assert kwargs["deepspeed"] is cfg and kwargs["lr_scheduler_type"] == "constant"  # the config has no scheduler
+        assert kwargs["train_sampling_strategy"] == "sequential" and kwargs["use_cpu"] is cpu
+        checked = HfTrainerDeepSpeedConfig(json.loads(json.dumps(cfg)))
+        checked.trainer_config_process(SimpleNamespace(**kwargs, world_size=case.world, fp16_full_eval=False,
+                                                       bf16_full_eval=False, save_on_each_node=False))
+        assert checked.mismatches == []
+        wrong = SimpleNamespace(**{**kwargs, "learning_rate": 3e-4}, world_size=case.world, fp16_full_eval=False,
+                                bf16_full_eval=False, save_on_each_node=False)
+        checked.trainer_config_process(wrong)
+        assert checked.mismatches == ["- ds optimizer.params.lr=0.0001 vs hf learning_rate=0.0003"]  # the check bites
+
+
+def test_hf_trainer_gets_each_micro_batch_as_dstks_forward_does():
+    """Packed rows: position_ids restarting per document and no attention mask (HF's packed-sequence format,
+    models.attention.model_inputs); a row of one document: its padding mask. Targets and padding per step."""
+    import torch
+
+    import hf_trainer
+    from models.attention import model_inputs
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32)
+    config._attn_implementation = "sdpa"
+    docs = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 2, 2, 2, 2]])
+    labels = torch.tensor([-100, 1, 2, -100, 4, -100])
+    rows = [{"input_ids": torch.arange(6) + 10 * r, "doc_ids": docs[r], "labels": labels} for r in range(2)]
+    batch = hf_trainer.collator(config)(rows)
+    expected = model_inputs(docs, config)
+    assert set(batch) == {"input_ids", "labels", "position_ids", "use_cache"} and expected["attention_mask"] is None
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]] and batch["use_cache"] is False
+    assert torch.equal(batch["input_ids"][1], torch.arange(6) + 10)
+    single = hf_trainer.collator(config)([{**rows[0], "doc_ids": torch.tensor([1, 1, 1, 1, 0, 0])}])
+    assert single["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0]]
+    # targets: labels after the causal shift that are not -100 (1, 2, 4 in each row); padding: doc id 0 (one position)
+    assert hf_trainer.step_counts(rows, 2) == ([6], [1]) and hf_trainer.step_counts(rows, 1) == ([3, 3], [1, 0])
 
 
 def test_tokens_per_s_leaves_out_the_warmup_steps():
@@ -123,6 +198,40 @@ def test_figures_of_a_finished_run(monkeypatch):
     assert out["flops_per_token"] == flops and out["trainer_mfu"] == 0.1
     assert out["peak_gpu_bytes"] == 2 * 2**30 and out["predicted_error"] == pytest.approx(0.1)
     assert out["loss_fell"] and len(out["losses"]) == 33
+    assert out["rows_per_s"] == pytest.approx(1e4 / 2048) and out["timed_steps"] == 30
+    assert out["timed_seconds"] == pytest.approx(30 * 8 * 2048 / 1e4) and out["timed_targets"] is None  # dstk's: uncounted
+    assert out["load_peak_gpu_bytes"] is None  # a summary from before the load's peak was kept
+    hf = gpu_finetune.figures(case, [{**r, "targets": 100, "padding": 7} for r in records],
+                              {**summary, "load_peak_gpu_mib_per_rank": [3072.0, None]}, ctx, opts)
+    assert (hf["timed_targets"], hf["timed_padding"], hf["load_peak_gpu_bytes"]) == (3000, 210, 3 * 2**30)
+
+
+def _finished(name: str, seconds: float, peak_gib: float, load_gib: float, **extra) -> dict:
+    """A gpu.json entry of a finished pp1-zero1-shaped case: 30 timed steps of 8 x 2048 tokens in `seconds`."""
+    case = next(c for c in gpu_finetune.CASES if c.name == name)
+    rate = 30 * 8 * 2048 / seconds
+    return {**vars(case), "world": 1, "gbs": 8, "seq_len": 2048, "status": "ok", "tokens_per_s": rate,
+            "rows_per_s": rate / 2048, "timed_steps": 30, "timed_seconds": seconds, "mfu": 0.4, "predicted_bytes": None,
+            "predicted_error": None, "peak_gpu_bytes": peak_gib * 2**30, "load_peak_gpu_bytes": load_gib * 2**30,
+            "first_loss": 5.6, "last_loss": 4.1, **extra}
+
+
+def test_the_report_sets_dstk_beside_hf_trainer():
+    """The rates of the same tokens side by side (trained tokens: the targets HF's run counted on the rows both
+    trained, over each run's own seconds), both peaks, the ratios; one line saying why when a side is missing."""
+    ours = _finished("pp1-zero1", 20.0, 30.0, 33.0, timed_targets=None, timed_padding=None)
+    hf = _finished("pp1-zero1-hf", 25.0, 36.0, 34.0, timed_targets=400_000, timed_padding=4915)
+    text = "\n".join(gpu_report.markdown(META, [ours, hf]))
+    assert "| tokens/s (row positions, padding included) | 24,576 | 19,661 | 1.250x |" in text
+    assert "| trained tokens/s (positions with a loss target) | 20,000 | 16,000 | 1.250x |" in text
+    assert "| rows/s | 12.00 | 9.60 | 1.250x |" in text
+    assert "| peak GPU memory in training (GiB) | 30.00 | 36.00 | 0.833x |" in text
+    assert "| peak GPU memory at load (GiB) | 33.00 | 34.00 | 0.971x |" in text
+    assert "| loss, first -> last step | 5.600 -> 4.100 | 5.600 -> 4.100 | |" in text
+    assert "(1.0% of the timed positions are padding" in text  # 4915 of 30 x 8 x 2048
+    failed = {**hf, "status": "failed", "reason": "exit code 1"}
+    text = "\n".join(gpu_report.markdown(META, [ours, failed]))
+    assert "**dstk vs HF Trainer:** not compared (pp1-zero1-hf failed: exit code 1)." in text
 
 
 def test_no_prediction_for_qlora():
@@ -268,10 +377,11 @@ exit 0
 
 
 @pytest.mark.distributed
-@pytest.mark.heavy  # six real launches through launch.sh, the bench's own path (~3 min on 2 cores)
+@pytest.mark.heavy  # seven real launches, six through launch.sh, the bench's own path (~4 min on 2 cores)
 def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     """Every case two CPU processes allow runs the trainer (tiny-llama saved with save_pretrained in bf16, seq
-    128, 2 steps); flash_attention_2, QLoRA (CUDA) and pp2 x dp2 are reported as skipped."""
+    128, 2 steps), HF Trainer's case too (bench/hf_trainer.py under DeepSpeed's launcher), set beside dstk's in
+    the report; flash_attention_2, QLoRA (CUDA) and pp2 x dp2 are reported as skipped."""
     import torch
 
     if torch.cuda.is_available():
@@ -295,16 +405,21 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     for case in (c for c in cases.values() if c["status"] == "ok"):
         per_rank = case["summary"]["params_per_rank"]  # the trainer's own summary, one entry per rank
         assert len(per_rank) == case["pp"] * case["dp"] and min(per_rank) > 0
-        assert case["config"]["pipeline"]["stages"] == case["pp"] and "launch.sh" in case["command"][1]
+        program = "hf_trainer.py" if case["trainer"] == "hf" else "launch.sh"
+        assert case["config"]["pipeline"]["stages"] == case["pp"] and any(program in part for part in case["command"])
         assert case["command"][case["command"].index("--model") + 1] == str(model)  # the saved directory, every case
         assert len(case["losses"]) == 2 and case["first_loss"] == case["losses"][0]
         assert case["last_loss"] == case["losses"][-1] and case["tokens_per_s"] > 0 and case["predicted_bytes"] > 0
         assert case["flops_per_token"] > 0 and case["mfu"] is None and case["summary"]["mfu"] is None  # no GPU peak
+    hf, ours = cases["pp1-zero1-hf"], cases["pp1-zero1"]
+    assert hf["summary"]["trainer"] == "transformers.Trainer" and hf["timed_targets"] > 0 and hf["config"] == ours["config"]
+    assert abs(hf["first_loss"] - ours["first_loss"]) < 0.01  # the same weights on the same first rows
     chat = cases["pp1-chat"]["summary"]["data"]
     assert chat["format"] == "chat" and chat["packing"] is True
     assert sum(cases["pp2"]["summary"]["params_per_rank"]) == result["matmul_params"]  # two stages, one model
     assert result["script_steps"] == [{"name": "gpu_finetune.py", "status": "ok", "detail": None}]
     md = (tmp_path / "out" / "gpu.md").read_text()
     assert "| pp2 | 2 | 2 x 1 | 1 | 2 x 4 |" in md and "| pp2-dp2 | 4 | 2 x 2 | 1 | 2 x 4 | sdpa | text | skipped:" in md
+    assert "**dstk vs HF Trainer** (pp1-zero1 / pp1-zero1-hf" in md and "| rows/s |" in md
     real = ROOT / "bench" / "results" / "gpu.json"
     assert not real.exists() or "CPU" not in real.read_text()  # a dry run never overwrites GPU figures

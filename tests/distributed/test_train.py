@@ -79,12 +79,14 @@ def test_rank0_opens_with_what_the_run_is_and_the_whole_summary_goes_to_summary_
     whole = json.loads((layouts / "pp2dp1" / "summary.json").read_text())
     assert whole["run"]["params"] == whole["run"]["trainable"] == params and whole["steps"] == 10
     assert len(whole["params_per_rank"]) == 2 and f"summary: {layouts / 'pp2dp1' / 'summary.json'}" in log
+    assert all(m > 0 for m in whole["load_peak_rss_mib_per_rank"] + whole["peak_rss_mib_per_rank"])  # load, training
     assert "\r" not in log  # no progress bar in a log file (datasets' included)
 
 
 def test_the_last_line_gives_tokens_per_s_and_no_mfu_on_cpu(train_runs):
-    """Every run ends with its tokens/s; MFU only on CUDA: here the summary says why there is none, with the
-    FLOPs per token it would have used (the planner's cost model of the run's saved config)."""
+    """Every run ends with its tokens/s, over the steps after the first (the warm-up); MFU only on CUDA: here the
+    summary says why there is none, with the FLOPs per token it would have used (the planner's cost model of the
+    run's saved config)."""
     import re
 
     from toolkit.plan.arch import load_arch
@@ -94,6 +96,9 @@ def test_the_last_line_gives_tokens_per_s_and_no_mfu_on_cpu(train_runs):
     last = [line for line in (out.parent / "pp2dp1.log").read_text().splitlines() if " -> " in line][-1]
     assert re.fullmatch(r"loss \d+\.\d{3} -> \d+\.\d{3}(, eval \d+\.\d{3})?, \d+ tokens/s, \d+ s", last), last
     got = summary(out)
+    rates = [json.loads(line)["tokens_per_s"] for line in (out / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert (got["timed_steps"], got["warmup_steps"]) == (9, 1)  # steps 2-10: their tokens over their seconds
+    assert got["tokens_per_s"] == pytest.approx(9 / sum(1 / r for r in rates[1:]), rel=1e-9)
     assert got["gpu"] is None and got["mfu"] is None and got["mfu_note"].startswith("no CUDA device")
     assert got["flops_per_token"] == flops_per_token(load_arch(str(out / "checkpoints" / "dstk")), 32)
 

@@ -77,6 +77,9 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa",
               show_default=True, help="Attention kernel, the same at every pp (flash_attention_2: CUDA and the "
               "flash-attn package).")
+@click.option("--tf32", is_flag=True, help="fp32 matmuls and convolutions on TF32 tensor cores (NVIDIA Ampere and "
+              "later: several times the fp32 peak, a 10-bit mantissa), as HF Trainer's --tf32; torch leaves TF32 off. "
+              "On a CPU or an older GPU it does nothing, and the run's opening lines say so.")
 @click.option("--lora", is_flag=True, help="Train LoRA adapters (peft) on a frozen base, at any pp x dp; exports "
               "OUT/adapter (PEFT format) and OUT/hf with them merged.")
 @click.option("--qlora", is_flag=True, help="LoRA on a 4-bit NF4 base (bitsandbytes): CUDA GPUs, pp 1, ZeRO 0-2, "

@@ -21,8 +21,9 @@ from toolkit.distributed.sequence_parallel import backward_scale
 from toolkit import data
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
-from toolkit.train import hf, wrappers
-from toolkit.train.report import ProgressLog, per_rank
+from toolkit.train import hf, tf32, wrappers
+from toolkit.train.report import ProgressLog, memory, per_rank
+from toolkit.train.report.summary import throughput
 from toolkit.train.report.step_stats import StepStats
 
 
@@ -70,6 +71,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
     if resume_tag:
         manifest.check_same_model(ckpt_dir, config)
+    tf32_on, tf32_line = tf32.apply(args.tf32, rank_device(), dtype_of(cfg))  # before the model's first matmul
     model, record = model_of_rank(args, config, topo, cfg)
     mark("model")
     _quiet_packed_rows()
@@ -88,7 +90,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     steps = args.steps or sampler.steps_per_epoch
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
                      {"tag": resume_tag, "saved": saved} if resume_tag else None)
-    about["startup"] = clock.phases() if clock is not None else None
+    about.update(tf32=tf32_on, tf32_note=tf32_line, startup=clock.phases() if clock is not None else None)
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
                steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp, sp_rank=topo.sp_rank(dist.get_rank()),
                backward_scale=backward_scale(cfg, topo.sp),
@@ -102,8 +104,7 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
     from toolkit.train.footprint import parameter_counts
 
     params, trainable = parameter_counts(engine, topo, record)
-    dtype = "bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp16" if (cfg.get("fp16") or {}).get("enabled") \
-        else "fp32"
+    dtype = dtype_of(cfg)
     name = (args.hub_ids or {}).get("--model") or Path(args.model).name or args.model  # a hub id, not its commit
     return {"model": args.model, "model_name": name, "from_dir": Path(args.model).is_dir(),
             "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
@@ -111,6 +112,20 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len, "lora": record.get("lora"),
             "start_step": start, "steps": steps, "resume": resume}
+
+
+def dtype_of(cfg: dict) -> str:
+    """The run's precision as the opening block names it: bf16, fp16 or fp32 (hf.param_dtype: as DeepSpeed
+    reads the config, its old "bfloat16" key included)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(hf.param_dtype(cfg), "fp32")
+
+
+def rank_device():
+    """The device this rank's engine will use: the GPU process_group.init selected, else the CPU."""
+    from toolkit.distributed.process_group import engine_args
+
+    chosen = engine_args()
+    return torch.device("cpu") if chosen is None else torch.device("cuda", chosen.device_rank)
 
 
 def read_inputs(args, cfg: dict, topo) -> tuple:
@@ -436,21 +451,24 @@ def eval_loss(job: Job) -> float | None:
 
 
 def run_steps(args, job: Job, is_logger: bool) -> dict:
-    """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary."""
+    """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary. Its tokens/s (and
+    MFU) leave out the run's first step (report.summary.throughput); its peak memory counts from just before
+    that step, the load's peak beside it (report.memory.reset_peaks)."""
     from toolkit.train.report.trackers import check_report_to
 
     it = (stage_batch(job, batch) for batch in job.train.micro_batches(job.start_step))
     stats = StepStats(job.engine, job.pipeline)  # on every rank: each step's measures are gathered
     log = ProgressLog(RunFolder(args.out), job, args, check_report_to(args.report_to)) if is_logger else None
-    losses, rates, start = [], [], time.perf_counter()
+    load_peaks = memory.reset_peaks(job.engine.device)  # built, not yet stepped: training's peaks count from here
+    losses, step_seconds, start = [], [], time.perf_counter()
     for step in range(job.start_step + 1, job.steps + 1):
         stats.start()
         t0 = time.perf_counter()
         loss = train_step(job, it)
         seconds = time.perf_counter() - t0
-        rates.append(job.tokens_per_step / seconds)  # tokens/s of this step
+        step_seconds.append(seconds)
         record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], **stats.gather(),
-                  "tokens_per_s": rates[-1], "samples_per_s": job.rows_per_step / seconds}
+                  "tokens_per_s": job.tokens_per_step / seconds, "samples_per_s": job.rows_per_step / seconds}
         if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
             record["eval_loss"] = eval_loss(job)
             record["eval_ppl"] = _perplexity(record["eval_loss"])
@@ -466,8 +484,8 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
                "eval_ppl": _perplexity(final_eval), "data": job.data_info,
-               "tokens_per_s": sum(rates) / max(len(rates), 1), "seconds": time.perf_counter() - start,
-               "run": job.about, **per_rank(job.engine)}
+               **throughput(step_seconds, job.tokens_per_step, job.rows_per_step),
+               "seconds": time.perf_counter() - start, "run": job.about, **per_rank(job.engine, load_peaks)}
     if log:
         log.close(summary)
     return summary

@@ -51,6 +51,7 @@ class TrainArgs:
     data_cache: str | None = None  # where tokenized rows are cached (None: HF_DATASETS_CACHE)
     data_workers: int | None = None  # tokenizing threads; None: the cores, at most 8
     attention: str = "sdpa"  # eager | sdpa | flash_attention_2 (CUDA + flash-attn)
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (CUDA, Ampere and later; toolkit.train.tf32)
     lora: bool = False  # adapters through peft; the base frozen (toolkit.train.lora)
     lora_r: int = 16
     lora_alpha: int | None = None  # None: 2 r

@@ -52,6 +52,8 @@ def start_lines(about: dict) -> list:
     lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} = {lay['dp'] * lay['pp'] * lay['tp']} ranks, "
                  f"ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp {lay['dp']} = "
                  f"{about['gbs']} rows of {about['seq_len']} tokens per step")
+    if about.get("tf32_note"):  # toolkit.train.tf32: an fp32 run on a GPU with TF32 left off, or what --tf32 did
+        lines.append(about["tf32_note"])
     lora = about.get("lora")
     trains = f"{_count(about['trainable'])} ({100 * about['trainable'] / max(about['params'], 1):.2f}%)"
     if lora:

@@ -96,9 +96,9 @@ def grad_norm(engine) -> float:
 class StepStats:
     """Every rank's measures of a step, one collective (toolkit.distributed.process_group.all_gather_rows):
     call start() before the step and gather() after it, on every rank. gather() returns the log's fields
-    (the same on every rank): grad_norm, peak_mem_mib (the most any rank has held: GPU memory allocated
-    on CUDA, else the host's resident set) and at pp > 1 stage_forward_s and stage_backward_s, per stage,
-    the mean over the stage's ranks."""
+    (the same on every rank): grad_norm, peak_mem_mib (the most any rank has held since training began:
+    GPU memory allocated on CUDA, else the host's resident set; report.memory) and at pp > 1
+    stage_forward_s and stage_backward_s, per stage, the mean over the stage's ranks."""
 
     def __init__(self, engine, pipeline: bool):
         self.engine = engine
@@ -111,6 +111,7 @@ class StepStats:
 
     def gather(self) -> dict:
         from toolkit.distributed.process_group import all_gather_rows
+        from toolkit.train.report.memory import peak_memory_mib
 
         engine = self.engine
         forward, backward = self.clock.take() if self.clock is not None else (0.0, 0.0)
@@ -124,15 +125,3 @@ class StepStats:
                 per_stage = [[r[i] for r in rows if int(r[0]) == s] for s in stages]
                 out[key] = [round(sum(v) / len(v), 6) for v in per_stage]
         return out
-
-
-def peak_memory_mib(device) -> float:
-    """The most memory this process has held: on CUDA what torch allocated on `device`, else the host's
-    resident set (ru_maxrss, KiB on Linux)."""
-    if device.type == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -43,6 +43,22 @@ def _mfu_text(summary: dict) -> str:
     return f", MFU {value} ({summary.get('mfu_note')})"
 
 
+def throughput(step_seconds: list, tokens_per_step: int, rows_per_step: int, warmup: int = 1) -> dict:
+    """The summary's steady-state rates: tokens_per_s (row positions, padding included, as each step record
+    counts them) and samples_per_s (rows) over this run's steps after its first `warmup` (the first step
+    pays for kernel selection, allocator growth and lazy set-up: not the rate the run trains at), their
+    tokens over their summed seconds; timed_steps and warmup_steps say which. A run of `warmup` steps or
+    fewer times them all (warmup_steps 0)."""
+    warmup = warmup if len(step_seconds) > warmup else 0
+    timed = step_seconds[warmup:]
+    seconds = sum(timed)
+    if seconds <= 0:
+        return {"tokens_per_s": 0.0, "samples_per_s": 0.0, "timed_steps": 0, "warmup_steps": warmup}
+    n = len(timed)
+    return {"tokens_per_s": tokens_per_step * n / seconds, "samples_per_s": rows_per_step * n / seconds,
+            "timed_steps": n, "warmup_steps": warmup}
+
+
 def mfu_fields(tokens_per_s: float, model_config: dict, run, precision: str, gpu: str | None, gpus: int) -> dict:
     """The summary's throughput fields: flops_per_token (toolkit.plan.cost.mfu: the planner's cost model of the
     model in `model_config`, a HF config.json dict, at run.seq_len, with run.lora_r under --lora/--qlora),
@@ -85,8 +101,12 @@ def run_throughput(summary: dict, job, args) -> dict:
         gpu = torch.cuda.get_device_name(engine.device)
     if not saved.is_file():
         return {"flops_per_token": None, "gpu": gpu, "mfu": None, "mfu_note": f"no {saved} to count FLOPs from"}
-    return mfu_fields(summary["tokens_per_s"], json.loads(saved.read_text()), args, precision, gpu,
-                      dist.get_world_size())
+    fields = mfu_fields(summary["tokens_per_s"], json.loads(saved.read_text()), args, precision, gpu,
+                        dist.get_world_size())
+    if precision == "fp32" and gpu is not None and (job.about or {}).get("tf32"):  # not the fp32 peak's to judge
+        fields.update(mfu=None, mfu_note="fp32 on TF32 tensor cores (--tf32): toolkit.plan.gpus holds no TF32 peak "
+                                         "to measure MFU against")
+    return fields
 
 
 def loss_png(steps: list, summary: dict | None, path) -> Path:
@@ -113,25 +133,27 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
     return Path(path)
 
 
-def per_rank(engine) -> dict:
+def per_rank(engine, load: dict | None = None) -> dict:
     """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
     own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
-    engine holds at the end (toolkit.train.footprint: weights, gradients, masters, optimizer states); and
-    the most memory (MiB) held so far: host (ru_maxrss, KiB on Linux) and, on a GPU,
-    torch.cuda.max_memory_allocated (None without CUDA)."""
-    import resource
-
-    import torch
+    engine holds at the end (toolkit.train.footprint: weights, gradients, masters, optimizer states); the
+    most memory (MiB) held in training, from just before its first step (report.memory): host (resident
+    set) and GPU (torch.cuda.max_memory_allocated; None off CUDA); and, from `load` (what
+    memory.reset_peaks returned then), the same two peaks up to that point: loading the model, data and
+    engine (load_peak_*; None when not given)."""
     import torch.distributed as dist
 
     from toolkit.train.footprint import held_bytes
+    from toolkit.train.report.memory import gpu_peak_mib, host_peak_mib
 
     params = [p for p in engine.module.parameters()]
+    gpu = gpu_peak_mib(engine.device)
+    load = load or {}
     mine = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
-            round(held_bytes(engine) / 2**20, 2), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None)
+            round(held_bytes(engine) / 2**20, 2), round(host_peak_mib(), 1), None if gpu is None else round(gpu, 1),
+            load.get("host_mib"), load.get("gpu_mib"))
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     keys = ("params_per_rank", "trainable_params_per_rank", "model_state_mib_per_rank", "peak_rss_mib_per_rank",
-            "peak_gpu_mib_per_rank")
+            "peak_gpu_mib_per_rank", "load_peak_rss_mib_per_rank", "load_peak_gpu_mib_per_rank")
     return {key: [r[i] for r in out] for i, key in enumerate(keys)}
