@@ -151,10 +151,13 @@ def test_closing_stops_the_thread_and_closes_its_source():
         finally:
             closed.append(True)
 
+    before = set(threading.enumerate())
     items = prefetched(source(), 3)
     assert list(islice(items, 5)) == list(range(5))
+    started = [t for t in threading.enumerate() if t not in before]
+    assert [t.name for t in started] == ["dstk-prefetch"]
     items.close()
-    assert closed == [True] and not any(t.name == "dstk-prefetch" for t in threading.enumerate())
+    assert closed == [True] and not started[0].is_alive()
 
 
 def bad_rows(folder, bad: int, n: int = 2300):
