@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import child_env
-from tests.unit.test_train_refusals import CORPUS, REPO, check_unusable_data, train_config, write_rows
+from tests.unit.test_train_refusals import CORPUS, REPO, check_unusable_data, refused, train_config, write_rows
 
 
 def test_an_in_process_check_is_a_world_of_one_inside_a_slurm_allocation():
@@ -39,3 +39,13 @@ def train_cli(tmp_path, *args, env=None, data=CORPUS, config=None):
 ])
 def test_unusable_data_is_refused_naming_the_file_and_the_way_out(tmp_path, make, code, fragments):
     check_unusable_data(train_cli, tmp_path, make, code, fragments)
+
+
+def test_a_streaming_row_that_fails_on_the_prefetch_thread_stops_the_run_with_that_one_line(tmp_path):
+    """--streaming tokenizes on a thread of its own (toolkit.data.transfer.prefetched): row 11's failure there is
+    the training thread's refusal, as when it tokenized there: one line, exit 1, no traceback."""
+    from tests.unit.test_data_transfer import bad_rows
+
+    path = bad_rows(tmp_path, 10, 40)
+    result = train_cli(tmp_path, "--streaming", "--steps", "4", "--eval-fraction", "0", "--no-export", data=path)
+    refused(result, 1, f"{path} row 11: 'text' is missing, not a string; fix the row")

@@ -106,3 +106,17 @@ def test_a_position_of_another_dp_layout_is_refused(corpus):
     with pytest.raises(UnusableInput,
                        match="resume a streaming run with the data-parallel degree it was saved with"):
         stream.resume_from({"pass": 0, "docs": 0, "rows": 4, "dp": 4, "dp_rank": 0})
+
+
+def test_micro_batches_take_the_rows_in_order_across_packing_batches(corpus):
+    """mbs 3 against mbs 1, 3000 rows: the packing batches hold 1141, 1285 and 385 rows, so micro-batches join the
+    end of one and the start of the next (and the next pass's first): no row lost, repeated or out of order."""
+    tok = byte_tokenizer()
+    ones = take(StreamBatches(opts(corpus), tok, 1, 1, 1, 0), 3000)
+    threes = take(StreamBatches(opts(corpus), tok, 3, 1, 1, 0), 1000)
+    grouped = []
+    for k in range(0, 3000, 3):
+        rows = ones[k: k + 3]
+        grouped.append(((torch.cat([r[0][0] for r in rows]), torch.cat([r[0][1] for r in rows])),
+                        torch.cat([r[1] for r in rows])))
+    assert same(threes, grouped)

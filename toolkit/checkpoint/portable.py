@@ -283,7 +283,18 @@ def restore(engine, state: PortableState, names: dict) -> None:
         restore_optimizer = {Keeper.FRAGMENTS: _restore_fragments, Keeper.FP16_WRAPPER: _restore_fp16_wrapper,
                              Keeper.TORCH: _restore_torch}[keeper]
         restore_optimizer(engine.optimizer, state, trained)
+        placed_as_loaded(engine.optimizer if keeper is Keeper.TORCH else engine.optimizer.optimizer)
     _restore_counters(engine, state.engine)
+
+
+def placed_as_loaded(optimizer) -> None:
+    """Every state tensor of torch optimizer `optimizer` put where its own load_state_dict puts it (DeepSpeed's
+    resume on the saved layout loads the base optimizer that way): moments in the parameter's dtype on its device;
+    the step as given (a CPU tensor) unless the group is fused or capturable, then float32 on the parameter's
+    device (torch/optim/optimizer.py _process_value_according_to_param_policy), where those kernels read it:
+    a CPU step under the fused CUDA AdamW is an illegal memory access at the first step. Tensors already in
+    place are kept, not copied: the fragments DeepSpeed links into the flat moments (ZeRO-1/2, bf16) stay views."""
+    optimizer.load_state_dict(optimizer.state_dict())
 
 
 def _weight_and_moments(state: PortableState, hf: str, shape) -> tuple:
@@ -301,6 +312,11 @@ def _restore_zero3(optimizer, state: PortableState, trained: dict) -> None:
         base.state[flat] = {"step": _step(base, state.optimizer_step), **{k: torch.zeros_like(flat) for k in MOMENTS}}
     for p, hf in trained.items():
         _set_zero3(optimizer, p, *_weight_and_moments(state, hf, p.ds_shape))
+    optimizer._set_fp32_optimizer_param_groups()  # the base optimizer holds its partitions only around a step and
+    try:  # a load (DeepSpeed's _rigid_load_state_dict brackets its load_state_dict so)
+        placed_as_loaded(base)
+    finally:
+        optimizer._clear_fp32_optimizer_param_groups()
 
 
 def _restore_fragments(optimizer, state: PortableState, trained: dict) -> None:
@@ -351,8 +367,8 @@ def _set_zero3(optimizer, p, weight, moments: dict) -> None:
 
 
 def _step(optimizer, step: int):
-    """Adam's step count as `optimizer` keeps it: torch's optimizers a float tensor, DeepSpeed's FusedAdam
-    (CUDA) an int."""
+    """Adam's step count as `optimizer` keeps it: torch's optimizers a float tensor (on the host; placed_as_loaded
+    moves it where a fused or capturable group reads it), DeepSpeed's FusedAdam (CUDA) an int."""
     import torch
 
     return torch.tensor(float(step)) if type(optimizer).__module__.startswith("torch.") else int(step)

@@ -8,6 +8,8 @@
     progress.py  the preparing rank's progress line (rows/s, ETA)
     batches.py   this rank's micro-batches: order, resume, whole-split eval
     prepared.py  the whole preparation (tokenize, split, pack; cached, once per node): prepare, DataOptions
+    stream.py    --streaming: rows read from --data as they are needed, tokenized on a prefetch thread
+    transfer.py  batches to the accelerator: pinned memory, non-blocking copies, the prefetch thread
 
 `from toolkit import data` gives prepared.py's names (data.prepare, data.DataOptions, data.ShardedBatches,
 ...), loaded on first use: checking a --data file (source.py) before launch imports no torch.

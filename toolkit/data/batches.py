@@ -17,6 +17,7 @@ import torch
 
 from toolkit.errors import ConfigError
 from toolkit.data.formats import IGNORE_INDEX
+from toolkit.data.transfer import pin_wanted, pinned
 
 
 class Rows:
@@ -152,14 +153,17 @@ class ShardedBatches:
         perm = torch.randperm(len(self.data), generator=g)[: self.steps_per_epoch * self.gbs]
         return perm.view(-1, self.mbs)[self.dp_rank :: self.dp].reshape(-1)  # (micro-batches, mbs) -> this rank's
 
-    def micro_batches(self, start_step: int = 0):
-        """Endless (inputs, labels) micro-batches from optimizer step start_step on (for resume)."""
+    def micro_batches(self, start_step: int = 0, pin_for=None):
+        """Endless (inputs, labels) micro-batches from optimizer step start_step on (for resume). pin_for: the
+        device they will be copied to; pinned (transfer.pinned) where that is a CUDA one."""
+        pin = pin_for is not None and pin_wanted(pin_for)
         epoch, step = divmod(start_step, self.steps_per_epoch)
         first = step * self.gas  # micro-batch index inside the epoch
         while True:
             rows = self.epoch_rows(epoch)
             for k in range(first, self.steps_per_epoch * self.gas):
-                yield self.data.batch(rows[k * self.mbs : (k + 1) * self.mbs])
+                batch = self.data.batch(rows[k * self.mbs : (k + 1) * self.mbs])
+                yield pinned(batch) if pin else batch
             epoch, first = epoch + 1, 0
 
 

@@ -10,6 +10,10 @@ position of a rank, saved with every checkpoint (manifest.save's data_position),
 share before the packing batch it is in, packed rows of that batch already used): a resumed run skips those
 rows unread (IterableDataset.skip), packs that batch again (the same documents: the same rows) and drops the
 used rows, so it sees the micro-batches the uninterrupted run saw after that step.
+
+Reading, tokenizing and packing run on a thread of their own (transfer.prefetched), AHEAD packing batches ahead:
+while the training thread takes one batch's micro-batches, the next one is tokenized, so it waits on the tokenizer
+only for the first. A row that fails there is raised on the training thread, as it was.
 """
 
 from pathlib import Path
@@ -18,6 +22,7 @@ from toolkit.data.source import BUILDERS, TEXT_SUFFIXES, check_path
 from toolkit.errors import ConfigError, UnusableInput
 
 STREAM_BUILDERS = ("text", "json", "parquet")  # what datasets streams from a local file as the prepared path reads it
+AHEAD = 2  # packing batches (pack.BATCH documents each) the prefetch thread makes ahead of the micro-batch taken
 
 
 def check_streamable(data: str, eval_fraction: float, eval_data: str | None, steps: int | None,
@@ -97,14 +102,13 @@ class StreamBatches:
         for rows in self.rows.skip(docs * self.dp).with_format("arrow").iter(batch_size=pack.BATCH * self.dp):
             yield rows.take(np.arange(self.dp_rank, rows.num_rows, self.dp))
 
-    def packed(self):
+    def packed(self, p: dict):
         """(pass, docs before the batch, docs after it, first unused row, the batch's packed rows as a pyarrow
-        Table) from self.position on, endless."""
+        Table) from position `p` on, endless."""
         import pyarrow as pa
 
         from toolkit.data import pack
 
-        p = self.position
         epoch, docs, first = p["pass"], p["docs"], p["rows"]
         while True:
             read = 0
@@ -120,24 +124,36 @@ class StreamBatches:
                                     f"documents than dp ({self.dp}); add data or lower dp")
             epoch, docs, first = epoch + 1, 0, 0
 
-    def micro_batches(self, start_step: int = 0):
+    def micro_batches(self, start_step: int = 0, pin_for=None):
         """Endless ((input_ids, doc_ids), labels) micro-batches from self.position (start_step: the resumed
-        step, whose position resume_from set). A micro-batch may take rows of two packing batches."""
-        import torch
+        step, whose position resume_from set); self.position follows the micro-batch last taken. The packing
+        batches come from the prefetch thread, up to AHEAD of them (pinned there where pin_for, the device they
+        will be copied to, is a CUDA one); a micro-batch is a view of one, or joins two (the only copy)."""
+        from toolkit.data.transfer import prefetched
 
-        pending = []  # this micro-batch's rows so far: {column: (seq_len,) or () int64}
-        for epoch, docs, after, first, table in self.packed():
-            n = table.num_rows
-            cols = {k: torch.from_numpy(_values(table.column(k)).astype("int64")).view(n, -1)
-                    for k in table.column_names}
-            for r in range(first, n):
-                pending.append({k: v[r] for k, v in cols.items()})
-                if len(pending) < self.mbs:
-                    continue
-                at = (epoch, docs, r + 1) if r + 1 < n else (epoch, after, 0)
+        pending, held = [], 0  # this micro-batch's pieces so far: (columns, first row, end row); their rows
+        for epoch, docs, after, first, cols in prefetched(self.columns(dict(self.position)), AHEAD, pin_for):
+            n, r = len(cols["input_ids"]), first
+            while r < n:
+                take = min(self.mbs - held, n - r)
+                pending.append((cols, r, r + take))
+                held, r = held + take, r + take
+                if held < self.mbs:
+                    continue  # this packing batch ran out first
+                at = (epoch, docs, r) if r < n else (epoch, after, 0)
                 self.position = {**self.position, "pass": at[0], "docs": at[1], "rows": at[2]}
                 yield _batch(pending)
-                pending = []
+                pending, held = [], 0
+
+    def columns(self, start: dict):
+        """What the prefetch thread makes: (pass, docs before the batch, docs after it, first unused row, {column:
+        (rows, seq_len) or (rows, 1) int64 tensor}) per packing batch, from position `start` on, endless."""
+        import torch
+
+        for epoch, docs, after, first, table in self.packed(start):
+            n = table.num_rows
+            yield epoch, docs, after, first, {k: torch.from_numpy(_values(table.column(k)).astype("int64")).view(n, -1)
+                                              for k in table.column_names}
 
 
 def _values(column):
@@ -146,10 +162,15 @@ def _values(column):
     return (column.flatten() if hasattr(column, "flatten") else column).to_numpy(zero_copy_only=False)
 
 
-def _batch(rows: list):
-    """((input_ids, doc_ids), labels) of mbs rows: (mbs, seq_len) int64 each; labels (mbs,) for a classifier."""
+def _batch(pieces: list):
+    """((input_ids, doc_ids), labels) of mbs rows: (mbs, seq_len) int64 each; labels (mbs,) for a classifier.
+    pieces: (columns, first row, end row), mbs rows in all: one piece is a view of its packing batch's tensors
+    (pinned ones stay pinned), two are joined."""
     import torch
 
-    ids, docs = (torch.stack([r[k] for r in rows]) for k in ("input_ids", "doc_ids"))
-    labels = torch.stack([r["labels"] for r in rows]) if "labels" in rows[0] else torch.cat([r["label"] for r in rows])
-    return (ids, docs), labels
+    def rows(k):
+        parts = [columns[k][a:b] for columns, a, b in pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    labels = rows("labels") if "labels" in pieces[0][0] else rows("label").view(-1)
+    return (rows("input_ids"), rows("doc_ids")), labels

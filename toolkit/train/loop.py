@@ -19,6 +19,7 @@ from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import config_batch
 from toolkit.distributed.sequence_parallel import backward_scale
 from toolkit import data
+from toolkit.data.transfer import to_device
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
 from toolkit.train import hf, tf32, wrappers
@@ -364,13 +365,19 @@ def train_step(job: Job, it) -> float:
 
 
 def stage_batch(job: Job, batch):
-    """A micro-batch as the engine takes it: a pipeline under sp gets this rank's slice of the sequence
-    (toolkit.distributed.sequence_parallel.stage_batch); otherwise as read."""
-    if not (job.pipeline and job.sp > 1):
+    """A micro-batch as the engine takes it. pp = 1: as read (forward_loss builds the model's inputs on the host,
+    then moves them). A pipeline's: under sp this rank's slice of the sequence (toolkit.distributed.
+    sequence_parallel.stage_batch), copied to the device here (to_device: non-blocking, from pinned memory on CUDA)
+    on the current stream, the one DeepSpeed's PipelineEngine runs on: its _exec_load_micro_batch, which calls
+    next() on this iterator, then clones the tensors on the device and its blocking .to(device) copies nothing.
+    Only first and last stages pull micro-batches; each copies both halves (a few KiB it may not read)."""
+    if not job.pipeline:
         return batch
-    from toolkit.distributed.sequence_parallel import stage_batch as sliced
+    if job.sp > 1:
+        from toolkit.distributed.sequence_parallel import stage_batch as sliced
 
-    return sliced(batch, job.sp, job.sp_rank)
+        batch = sliced(batch, job.sp, job.sp_rank)
+    return to_device(batch, job.engine.device)
 
 
 def forward_loss(engine, batch, sp: int = 1, sp_rank: int = 0) -> torch.Tensor:
@@ -378,22 +385,20 @@ def forward_loss(engine, batch, sp: int = 1, sp_rank: int = 0) -> torch.Tensor:
     restart and attention stays inside each document, models.attention.model_inputs, built on the host:
     no device sync). DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does).
     sp > 1: this rank's slice of the sequence; its loss is its share of the micro-batch's mean, the sp
-    group's shares summing to it (toolkit.distributed.sequence_parallel)."""
+    group's shares summing to it (toolkit.distributed.sequence_parallel). Every tensor reaches the device through
+    to_device: non-blocking, from pinned memory on CUDA, on the stream the forward then runs on."""
     from models.attention import model_inputs
 
     if sp > 1:
         from toolkit.distributed.sequence_parallel import shard
 
-        inputs = shard(batch, sp, sp_rank)
-        return engine(**{k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}).loss
+        return engine(**to_device(shard(batch, sp, sp_rank), engine.device)).loss
     (input_ids, doc_ids), labels = batch
-    device = engine.device
     if labels.dim() == 1:  # a classifier (BERT): never packed, a padding mask
         inputs = {"attention_mask": doc_ids}
     else:
         inputs = model_inputs(doc_ids, engine.module.config)
-    inputs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    return engine(input_ids=input_ids.to(device), labels=labels.to(device), **inputs).loss
+    return engine(**to_device({"input_ids": input_ids, "labels": labels, **inputs}, engine.device)).loss
 
 
 class _NoPaddingMaskWarning:
@@ -456,7 +461,8 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
     that step, the load's peak beside it (report.memory.reset_peaks)."""
     from toolkit.train.report.trackers import check_report_to
 
-    it = (stage_batch(job, batch) for batch in job.train.micro_batches(job.start_step))
+    # pinned where the engine's device is a CUDA one (on the stream's prefetch thread when --streaming)
+    it = (stage_batch(job, batch) for batch in job.train.micro_batches(job.start_step, pin_for=job.engine.device))
     stats = StepStats(job.engine, job.pipeline)  # on every rank: each step's measures are gathered
     log = ProgressLog(RunFolder(args.out), job, args, check_report_to(args.report_to)) if is_logger else None
     load_peaks = memory.reset_peaks(job.engine.device)  # built, not yet stepped: training's peaks count from here
