@@ -8,6 +8,7 @@
     progress.py  the preparing rank's progress line (rows/s, ETA)
     batches.py   this rank's micro-batches: order, resume, whole-split eval
     prepared.py  the whole preparation (tokenize, split, pack; cached, once per node): prepare, DataOptions
+    fingerprint.py  the content of every input of the token stream, as a resume compares it with its checkpoint
 
 `from toolkit import data` gives prepared.py's names (data.prepare, data.DataOptions, data.ShardedBatches,
 ...), loaded on first use: checking a --data file (source.py) before launch imports no torch.
