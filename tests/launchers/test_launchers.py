@@ -288,6 +288,7 @@ def test_a_signal_to_launch_sh_stops_every_rank_and_names_the_last_whole_checkpo
     whole = latest.read_text().strip()
     assert f"the last whole checkpoint is {out / 'checkpoints' / whole}" in stderr, stderr
     assert (out / "checkpoints" / whole).is_dir()
+    assert not (out / ".dstk.lock").exists()  # rank 0 released --out's lock as it stopped: `--resume` may start
 
 
 @pytest.mark.heavy

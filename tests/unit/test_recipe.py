@@ -171,3 +171,50 @@ def test_the_saved_recipe_reads_back_as_the_same_flags_without_the_command_line_
     again = parsed("--recipe", write(tmp_path / "saved" / "run.yaml", saved), "--resume")
     assert {k: v for k, v in again.params.items() if k not in COMMAND_LINE_ONLY} == \
            {k: v for k, v in ctx.params.items() if k not in COMMAND_LINE_ONLY}
+
+
+# values as a user writes them, the same text in a recipe and after a flag
+TYPED = ["2.7", "3", "0", "-2", "1e-4", "0.5", "7.0", "true", "false", "x", "1e3", "2024-01-01"]
+
+
+def outcome(make):
+    try:
+        ctx = make()
+    except (click.ClickException, UnusableInput):
+        return "refused"
+    return ctx
+
+
+def recipe_options():
+    from toolkit.config.recipe import recipe_keys
+
+    found = {p.name: p for p, _ in recipe_keys(train, COMMAND_LINE_ONLY).values()}
+    return [found[name] for name in sorted(found)]
+
+
+def typed(param, flag: str, text: str):
+    """What a user types on the command line for `text`: after the flag; a flag's true or false as the flag or its
+    off switch (or nothing); None where nothing can say it (a flag takes no value)."""
+    if not param.is_flag:
+        return [f"--{flag}", text]
+    return [param.opts[0]] if text == "true" else list(param.secondary_opts[:1]) if text == "false" else None
+
+
+@pytest.mark.parametrize("param", recipe_options(), ids=lambda p: p.name)
+def test_a_recipe_value_passes_the_options_own_type_as_the_command_line_would(tmp_path, param):
+    """Every option: what a recipe's value becomes is what the same text after the flag becomes, refused where that
+    is (`steps: 2.7` ran 2 steps and saved `steps: 2`, where `--steps 2.7` is refused). A flag takes true or false."""
+    from toolkit.config.recipe import long_name
+
+    flag = long_name(param)
+    required = write(tmp_path / "required.yaml", base(tmp_path))
+    plain = {k: v for k, v in base(tmp_path).items() if k != param.name}
+    for text in ["true", "false", "2.7"] if param.is_flag else TYPED:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(yaml.safe_dump(plain, sort_keys=False) + f"{flag}: {text}\n")
+        from_recipe = outcome(lambda: parsed("--recipe", recipe))
+        line = typed(param, flag, text)
+        from_line = "refused" if line is None else outcome(lambda: parsed("--recipe", required, *line))
+        got = from_recipe if from_recipe == "refused" else from_recipe.params[param.name]
+        want = from_line if from_line == "refused" else from_line.params[param.name]
+        assert got == want, (flag, text, got, want)

@@ -86,8 +86,9 @@ def test_resuming_with_other_data_is_refused_before_anything_is_built(ds_world1,
     run(_args(tmp_path, 0, steps=2, export=False, eval_fraction=0))
     other = tmp_path / "other.txt"
     other.write_text("another corpus\n\nwith two documents\n")
-    with pytest.raises(ConfigError, match=r"another run \(data\.path: checkpoint '[^']*corpus.txt', now '[^']*other"
-                                          r"\.txt'; data\.seed: checkpoint 1234, now 7\)"):
+    with pytest.raises(ConfigError, match=r"another run \(--data [^ ]*other\.txt: not the content the checkpoint read "
+                                          r"from [^ ]*corpus\.txt \(sha256 \w{12}, 220692 bytes then; \w{12}, 35 bytes "
+                                          r"now\); data\.seed: checkpoint 1234, now 7\)"):
         run(_args(tmp_path, 0, steps=4, export=False, eval_fraction=0, resume=True, data=str(other), seed=7))
 
 

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from toolkit.checkpoint.deepspeed_files import first_line
+from toolkit.data.fingerprint import compare as compare_inputs  # (the module: `toolkit.data` would load torch)
 from toolkit.distributed.process_group import patient_group
 from toolkit.errors import ConfigError, UnusableInput
 
@@ -333,7 +334,10 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
         from models import task_named
 
         saved = {**saved, "task": task_named(saved["task"])}
-    diffs = {k: _diff(k, saved[k], now.get(k)) for k in RUN_KEYS if k in saved}
+    changed, moved, _ = compare_inputs(saved, now)  # the token stream's files by content: moved is the same
+    diffs = {k: _diff(k, saved[k], now.get(k), skip={*changed, *moved}) for k in RUN_KEYS if k in saved}
+    if changed:
+        diffs["data"] = "; ".join([*changed.values(), *filter(None, [diffs.get("data")])])
     strict = [d for k, d in diffs.items() if d and not (new_data and k in TOKEN_KEYS)]
     if strict:
         tokens = all(k in TOKEN_KEYS for k, d in diffs.items() if d)
@@ -359,13 +363,22 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     return moved
 
 
-def _diff(key: str, saved, now) -> str:
+def _diff(key: str, saved, now, skip=()) -> str:
     """`key: checkpoint A, now B`, or "" when they agree. A group of settings (data) is compared on the keys
-    the checkpoint recorded (an older dstk recorded fewer), naming only the ones that differ."""
+    the checkpoint recorded (an older dstk recorded fewer), naming only the ones that differ. `skip`: dotted keys
+    compared by content instead (fingerprint.compare), and the fingerprints themselves ("data.content")."""
     if isinstance(saved, dict) and isinstance(now, dict):
-        return "; ".join(f"{key}.{k}: checkpoint {saved[k]!r}, now {now.get(k)!r}"
-                         for k in sorted(saved) if saved[k] != now.get(k))
-    return f"{key}: checkpoint {saved!r}, now {now!r}" if saved != now else ""
+        return "; ".join(f"{key}.{k}: checkpoint {saved[k]!r}, now {now.get(k)!r}" for k in sorted(saved)
+                         if saved[k] != now.get(k) and k != "content" and f"{key}.{k}" not in skip)
+    return f"{key}: checkpoint {saved!r}, now {now!r}" if saved != now and key not in skip else ""
+
+
+def resume_notes(saved: dict, now: dict, new_data: bool = False) -> list:
+    """What a resume accepted that its user should read: an input at another path with the same content, a checkpoint
+    whose inputs' content could not be checked, new content taken on purpose (--resume-with-new-data)."""
+    changed, moved, notes = compare_inputs(saved, now)
+    taken = [f"{said} (--resume-with-new-data)" for said in changed.values()] if new_data else []
+    return [*moved.values(), *notes, *taken]
 
 
 def _shape_keys(config) -> dict:

@@ -4,7 +4,8 @@ OUT becomes a run folder whose checkpoints/ holds the tag's whole training state
 (toolkit.checkpoint.portable: fp32 weights, Adam moments, optimizer step, LR scheduler, step counters) and
 the run's dstk/ folder with the target layout in its manifest; `dstk train --out OUT --resume` on that
 layout reads from it only the tensors its rank holds. (`--resume` straight from the original checkpoint on
-another layout also works: then every rank reads the DeepSpeed files itself.) OUT is written whole or not at all.
+another layout also works: then every rank reads the DeepSpeed files itself.) OUT is written whole or not at all,
+under its lock (toolkit.checkpoint.lock: a run folder is written by one process at a time).
 """
 
 import shutil
@@ -12,8 +13,10 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.files import as_umask, check_writable
+from toolkit.files import check_writable
 from toolkit.checkpoint import portable
+from toolkit.checkpoint.lock import RunLock, is_lock_file
+from toolkit.checkpoint.run_folder import check_not_in_use
 from toolkit.checkpoint.manifest import META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 
@@ -26,8 +29,8 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     tag = resolve_tag(ckpt_dir, tag)
     out = Path(out)
     check_writable(out, "OUT_DIR", beside=True)  # a file above it, a link to nowhere, a place this process cannot write
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} already holds files; give a new OUT folder (reshard never overwrites a run)")
+    check_not_in_use(out, "OUT_DIR")  # a run writing there now
+    _check_empty(out)
     manifest = read_manifest(ckpt_dir)
     if manifest.get("tp", 1) > 1:
         raise ConfigError(f"{ckpt_dir} is a tensor-parallel run (tp {manifest['tp']}): its tensors are tp shards, "
@@ -41,19 +44,15 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     parent = out.absolute().parent
     if not parent.is_dir():
         raise ConfigError(f"cannot write {out}: directory {parent} does not exist; create it first")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.dstk-", dir=parent))
+    made = not out.exists()
     try:
-        folder = tmp / "checkpoints"
-        shutil.copytree(ckpt_dir / META, folder / META)
-        write_manifest(folder, {**manifest, **target, "portable": True})  # an older run's layout.json goes
-        size = portable.write(state, folder / tag / portable.PORTABLE)
-        write_latest(folder, tag)
-        as_umask(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
+        with RunLock(out, "dstk reshard", "OUT_DIR") as held:  # OUT made and locked: no run starts there meanwhile
+            held.take()
+            _check_empty(out)
+            size = _write(out, ckpt_dir, tag, {**manifest, **target, "portable": True}, state)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # written whole or not at all
         raise
     return {"checkpoint": str(ckpt_dir), "tag": tag, "out": str(out), "from": source, "to": target,
             "tensors": len(state.weights), "bytes": size, "optimizer_step": state.optimizer_step,
@@ -61,6 +60,27 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
                       f"dp {target['dp']}, ZeRO {target['zero_stage']}"
                       + (f', "sequence_parallel_size": {target["sp"]}' if target["sp"] > 1 else "") + ")"
                       + (" --schedule dualpipev" if target["schedule"] == "dualpipev" else "")}
+
+
+def _check_empty(out: Path) -> None:
+    if out.exists() and any(not is_lock_file(p.name) for p in out.iterdir()):
+        raise ConfigError(f"{out} already holds files; give a new OUT folder (reshard never overwrites a run)")
+
+
+def _write(out: Path, ckpt_dir: Path, tag: str, manifest: dict, state) -> int:
+    """OUT/checkpoints: the run's dstk/ with `manifest`, the tag's state by HF name, `latest`; written in a
+    temporary folder beside OUT and renamed into it, whole. Returns the state's bytes."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.dstk-", dir=out.absolute().parent))
+    try:
+        folder = tmp / "checkpoints"
+        shutil.copytree(ckpt_dir / META, folder / META)
+        write_manifest(folder, manifest)  # an older run's layout.json goes
+        size = portable.write(state, folder / tag / portable.PORTABLE)
+        write_latest(folder, tag)
+        folder.rename(out / "checkpoints")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return size
 
 
 def _check_target(ckpt_dir: Path, manifest: dict, target: dict, layers) -> None:

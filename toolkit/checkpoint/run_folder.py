@@ -5,14 +5,18 @@
     OUT/hf/            the export at the end
     OUT/recipe.yaml    the flags the run was started with (`--recipe OUT/recipe.yaml --resume` continues it)
 
+    OUT/.dstk.lock     who is writing the folder now (lock.py): one run at a time
+
 A fresh run needs an empty (or missing) OUT; --resume continues the run OUT holds; --overwrite
-deletes OUT's contents first (rank 0, once every rank has agreed to start).
+deletes OUT's contents first (rank 0, once every rank has agreed to start and it holds OUT's lock).
 """
 
 import shutil
 from pathlib import Path
 
+from toolkit.checkpoint import lock
 from toolkit.checkpoint.manifest import check_whole, read_latest, step_of
+from toolkit.distributed.process_group import env_world_size
 from toolkit.errors import ConfigError
 from toolkit.files import check_writable
 
@@ -35,7 +39,11 @@ class RunFolder:
 
 def check_out(out, resume: bool, overwrite: bool, inputs: dict | None = None) -> None:
     """Refuse, before anything is built or written, a run that would mix with or lose another, or
-    whose --overwrite would delete more than a run (`inputs`: flag -> path of what the run reads)."""
+    whose --overwrite would delete more than a run (`inputs`: flag -> path of what the run reads).
+    What OUT holds (a run writing there now, its files) is judged here in one process (--check, a run of one);
+    one rank of several leaves it to rank 0, which judges it holding OUT's lock (RunLock.take_on_rank0 with
+    check_held): ranks looking at a folder another run is writing, or at a lock from each one's own host, could
+    disagree, and a refusal on some ranks only would leave the others waiting."""
     out = Path(out)
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in --out, "
@@ -43,16 +51,45 @@ def check_out(out, resume: bool, overwrite: bool, inputs: dict | None = None) ->
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; --out names the run's folder (checkpoints/, metrics.jsonl, hf/)")
     check_writable(out, "--out")
+    if env_world_size() == 1:
+        lock.check_free(out)  # a run writing there now (its rank 0 holds OUT/.dstk.lock)
+        check_held(out, resume, overwrite, inputs)
+    elif resume:
+        check_resume_tag(RunFolder(out).checkpoints)  # what the resume checks (check_resumable) read
+
+
+def check_held(out, resume: bool, overwrite: bool, inputs: dict | None = None) -> None:
+    """What OUT holds must be what the run does there: a whole checkpoint to resume, else nothing, or what
+    --overwrite may delete (a run's lock files are not the run's content)."""
+    out = Path(out)
     if resume:
         check_resume_tag(RunFolder(out).checkpoints)
         return
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = sorted(p.name for p in out.iterdir() if not lock.is_lock_file(p.name)) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         raise ConfigError(f"--out {out} already holds files ({shown}); pass --resume to continue that run, "
                           "--overwrite to delete it and start again, or another --out")
     if held and overwrite:
         check_deletable(out, inputs or {})
+
+
+def check_not_in_use(path, flag: str) -> None:
+    """Refuse writing `path` where a run another process holds writes: its run folder, or a file or folder the
+    run makes in it (hf/, adapter/, checkpoints/, metrics.jsonl, ...); a folder of one's own inside it is fine."""
+    path = Path(path).absolute()
+    for folder in (path, *path.parents):
+        held = lock.holder(folder)
+        if held is None:
+            continue
+        inside = path.relative_to(folder).parts
+        names = {p.name for key, p in vars(RunFolder(folder)).items() if key != "out"}
+        if not inside or inside[0] in names:
+            what = f"{inside[0]} of run folder {folder}" if inside else f"run folder {folder}"
+            hint = f" (a folder of its own inside the run is fine: {folder / (inside[0] + '_copy')})" if inside else ""
+            raise ConfigError(f"{flag} {path} is {what}, in use by {lock.who(held)}: that run writes there (its "
+                              f"checkpoints, metrics and export). Wait for it to end, or choose another {flag}{hint}. "
+                              f"If that run is over, check, then remove the lock: rm {folder / lock.LOCK}")
 
 
 def check_deletable(out: Path, inputs: dict) -> None:
@@ -85,11 +122,14 @@ def check_resume_tag(ckpt_dir: Path) -> None:
 
 
 def clear(out) -> None:
-    """Delete what OUT holds (not OUT itself: it may be a mount point or carry permissions)."""
+    """Delete what OUT holds (not OUT itself: it may be a mount point or carry permissions; nor its lock, held by
+    the run that clears it)."""
     out = Path(out)
     if not out.is_dir():
         return
     for entry in out.iterdir():
+        if entry.name == lock.LOCK:
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:

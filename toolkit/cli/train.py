@@ -107,8 +107,8 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "group (launch.sh runs this first): the config (for --world-size) and any recorded pipeline.parts "
               "against --model; the model folder (config.json, safetensors headers, tokenizer files; a hub id's from "
               "the cache alone: one not cached yet is refused offline, downloaded by the ranks online); the data file; "
-              "--chat-template; --out (writable; used or not); with --resume, that the latest checkpoint is whole "
-              "and was written by this run on this token stream.")
+              "--chat-template; --out (writable; used or not; not in use by a run training there); with --resume, that "
+              "the latest checkpoint is whole and was written by this run on this token stream (its files by content).")
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")
 @click.option("--crash-at-step", type=int, hidden=True)
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")

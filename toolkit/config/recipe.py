@@ -113,7 +113,8 @@ def match_key(command, keys: dict, command_line_only: tuple, key, path: str):
 
 
 def convert(ctx, param: click.Option, key: str, value, path: str, negated: bool):
-    """The value as the option's own type converts it, or a refusal naming the key and what it takes."""
+    """The value (its text as written: read_mapping) as the option's own type converts it from the command line, or
+    a refusal naming the key and what it takes."""
     if param.multiple and not isinstance(value, (list, tuple)):
         value = [value]  # `report-to: tensorboard` is a list of one
     if isinstance(value, (dict, list)) and not (param.multiple or param.nargs != 1):
@@ -158,7 +159,7 @@ def read_mapping(path: str) -> dict:
     if file.stat().st_size > MAX_BYTES:
         raise UnusableInput(f"recipe {path}: {file.stat().st_size} bytes; a recipe is a short YAML file")
     try:
-        data = yaml.load(file.read_text(encoding="utf-8"), Loader=loader())
+        data, nodes = as_written(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
@@ -168,7 +169,38 @@ def read_mapping(path: str) -> dict:
         return {}
     if not isinstance(data, dict):
         raise UnusableInput(f"recipe {path}: holds a {type(data).__name__}; a recipe is a mapping of flag: value")
-    return data
+    return {key: text(nodes.get(key), value) for key, value in data.items()}
+
+
+def as_written(source: str) -> tuple:
+    """(the document as YAML reads it, {top-level key: its value's node}: the nodes keep each scalar's text as
+    written)."""
+    import yaml
+
+    reader = loader()(source)
+    try:
+        node = reader.get_single_node()
+        data = reader.construct_document(node) if node is not None else None
+        pairs = node.value if isinstance(node, yaml.MappingNode) else []
+        return data, {reader.construct_object(k): v for k, v in pairs if k.tag != "tag:yaml.org,2002:merge"}
+    finally:
+        reader.dispose()
+
+
+def text(node, value):
+    """A value as a command line would carry it: a scalar's text as written in the file (`steps: 2.7` is "2.7", as
+    `--steps 2.7`: click's types convert a Python value more loosely than text: int(2.7) is 2), a list's items so;
+    null stays None (the flag's default) and a mapping as YAML read it (an inline config, or refused by the type)."""
+    import yaml
+
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(node, yaml.ScalarNode):
+        return node.value
+    if isinstance(node, yaml.SequenceNode) and isinstance(value, list):
+        return [item.value if isinstance(item, yaml.ScalarNode) and v is not None else v
+                for item, v in zip(node.value, value)]
+    return value
 
 
 def loader():

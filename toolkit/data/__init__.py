@@ -8,6 +8,7 @@
     progress.py  the preparing rank's progress line (rows/s, ETA)
     batches.py   this rank's micro-batches: order, resume, whole-split eval
     prepared.py  the whole preparation (tokenize, split, pack; cached, once per node): prepare, DataOptions
+    fingerprint.py  the content of every input of the token stream, as a resume compares it with its checkpoint
     stream.py    --streaming: rows read from --data as they are needed, tokenized on a prefetch thread
     transfer.py  batches to the accelerator: pinned memory, non-blocking copies, the prefetch thread
 

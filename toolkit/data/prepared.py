@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from toolkit.errors import ConfigError
-from toolkit.data import pack
+from toolkit.data import fingerprint, pack
 from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_count,
                                         eval_micro_batches, loss_weight)
 from toolkit.data.chat import check_chat_template, plain_messages
@@ -102,6 +102,7 @@ def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
     if not 0 <= opts.eval_fraction < 1:
         raise ConfigError(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}")
     ds = load(opts.path, opts.encoding, opts.cache_dir)
+    fingerprint.of_input(opts.path, opts.cache_dir)  # hashed here, by the preparing rank: the others read its record
     fmt, how = infer_format(ds.column_names, opts.task, opts.format, opts.text_field)
     if fmt in CHAT_FORMATS:
         check_chat_template(tokenizer)
@@ -109,6 +110,7 @@ def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
     tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path, quiet)
     if opts.eval_data:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
+        fingerprint.of_input(opts.eval_data, opts.cache_dir)
         infer_format(held.column_names, opts.task, fmt, opts.text_field)  # the same format's columns
         held = _tokenize(held, fmt, opts, tokenizer, opts.eval_data, quiet)
         parts, split = ((tokens, np.arange(len(tokens))), (held, np.arange(len(held)))), "--eval-data"

@@ -22,6 +22,7 @@ from toolkit.errors import ConfigError, UnusableInput
 from toolkit.files import as_umask, check_writable
 from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
+from toolkit.checkpoint.run_folder import check_not_in_use
 from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
 from toolkit.train.lora import PEFT_PREFIX, is_adapter
 
@@ -246,6 +247,7 @@ def _with_adapters(model, settings: dict, task: str):
 def _check_out(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file; OUT_DIR names the folder to write the HF model into")
+    check_not_in_use(out_dir, "OUT_DIR")  # e.g. RUN/hf while RUN trains: its own export would replace it
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{out_dir} already holds files; pass --force to replace it, or give another OUT_DIR")
     parent = out_dir.absolute().parent

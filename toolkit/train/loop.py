@@ -90,7 +90,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
         mark("resume")
     steps = args.steps or sampler.steps_per_epoch
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
-                     {"tag": resume_tag, "saved": saved} if resume_tag else None)
+                     {"tag": resume_tag, "saved": saved, "notes": manifest.resume_notes(
+                         saved, record, args.resume_with_new_data)} if resume_tag else None)
     about.update(tf32=tf32_on, tf32_note=tf32_line, startup=clock.phases() if clock is not None else None)
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
                steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp, sp_rank=topo.sp_rank(dist.get_rank()),
@@ -277,10 +278,12 @@ def param_groups(model, cfg: dict) -> list:
 def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
     """What a resumed run must share with the checkpoint it continues (manifest.RUN_KEYS), and its layout
     (with `topo` and `cfg`). "data" holds every input of the token stream: another file, format, template,
-    --train-on, tokenizer file or seed would resume mid-epoch on other tokens."""
+    --train-on, tokenizer file or seed would resume mid-epoch on other tokens; each file by its content
+    (toolkit.data.fingerprint: one edited in place is another input, one moved the same)."""
     def where(path):
         return str(Path(path).resolve()) if path and Path(path).exists() else path
 
+    from toolkit.data.fingerprint import digest, of_input
     from toolkit.train.hf import TOKENIZER_FILES
     from toolkit.train.lora import settings_of
 
@@ -291,9 +294,11 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
                 "data": {"path": where(args.data), "format": args.format, "packing": args.packing,
                          "eval_fraction": args.eval_fraction, "eval_data": where(args.eval_data), "seed": args.seed,
                          "train_on": args.train_on, "text_field": args.text_field, "encoding": args.encoding,
-                         "chat_template": _digest([args.chat_template]) if args.chat_template else None,
-                         "tokenizer_files": _digest([Path(tokenizer_dir) / name for name in TOKENIZER_FILES])
-                         if tokenizer_dir else None}}
+                         "chat_template": digest([args.chat_template]) if args.chat_template else None,
+                         "tokenizer_files": digest([Path(tokenizer_dir) / name for name in TOKENIZER_FILES])
+                         if tokenizer_dir else None,
+                         "content": {"--data": of_input(args.data, args.data_cache, args.streaming),
+                                     "--eval-data": of_input(args.eval_data, args.data_cache)}}}
     if args.streaming:  # another order of rows (this rank's share, file order): not a non-streaming run's to resume
         identity["data"]["streaming"] = True
     if args.hub_ids:  # recorded, not compared: "model" and "tokenizer" are their snapshot folders (one commit)
@@ -304,17 +309,6 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
         if topo.pp > 1 and args.schedule != "1f1b":  # absent: 1f1b (manifest.LAYOUT_DEFAULTS)
             identity["schedule"] = args.schedule
     return identity
-
-
-def _digest(paths) -> str:
-    """sha256 (first 16 hex digits) over the files that exist among `paths`, named and in order."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for path in map(Path, paths):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 def make_model(args, config, topo, cfg: dict):

@@ -231,10 +231,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
-    run_folder.check_out(args.out, args.resume, args.overwrite,
-                         {"--model": (local or args).model, "--data": args.data, "--eval-data": args.eval_data,
-                          "--config": args.config, "--tokenizer": (local or args).tokenizer,
-                          "--chat-template": args.chat_template})
+    run_folder.check_out(args.out, args.resume, args.overwrite, out_inputs(local or args))
     if args.resume_with_new_data and not args.resume:
         raise ConfigError("--resume-with-new-data continues a run: pass it with --resume")
     if args.resume and local is not None:  # the run's own token stream and model, before any rank starts
@@ -244,6 +241,12 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         folder = run_folder.RunFolder(args.out)
         manifest.check_resumable(folder.checkpoints, run_identity(local), manifest.read_latest(folder.checkpoints),
                                  new_data=args.resume_with_new_data, layout=False)
+
+
+def out_inputs(args: TrainArgs) -> dict:
+    """What the run reads, by flag: --overwrite never deletes a folder holding one of them."""
+    return {"--model": args.model, "--data": args.data, "--eval-data": args.eval_data, "--config": args.config,
+            "--tokenizer": args.tokenizer, "--chat-template": args.chat_template}
 
 
 def _log_levels(verbose: bool) -> None:
@@ -270,6 +273,15 @@ def _log_levels(verbose: bool) -> None:
 
 
 def run(args: TrainArgs, teardown: bool = False, recipe: str | None = None) -> dict:
+    """Train, checkpoint and export (run_locked) holding --out's lock: rank 0 takes it once the process group is up,
+    before anything is written there, and releases it however the run ends (toolkit.checkpoint.lock)."""
+    from toolkit.checkpoint.lock import RunLock
+
+    with RunLock(args.out, "dstk train") as out_lock:
+        return run_locked(args, out_lock, teardown, recipe)
+
+
+def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | None = None) -> dict:
     """Train, checkpoint and export; returns the summary (the same dict on every rank).
 
     recipe: the flags of this run as a YAML recipe (toolkit.config.recipe.recorded), which rank 0 saves as
@@ -294,6 +306,9 @@ def run(args: TrainArgs, teardown: bool = False, recipe: str | None = None) -> d
     clock.mark("process group")
     cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
     try:
+        out_lock.take_on_rank0(lambda: run_folder.check_held(args.out, args.resume, args.overwrite, out_inputs(args)))
+        if out_lock.note:
+            print(f"note: {out_lock.note}", file=sys.stderr, flush=True)
         check_shared_out(args.out)
         local = local_inputs(args, fetch=True)  # hub ids -> folders in the cache, downloaded once per node
         if local is not args:

@@ -67,6 +67,7 @@ def start_lines(about: dict) -> list:
         saved = resume["saved"]
         lines.append(f"resume: from {resume['tag']} (step {about['start_step']}), written on dp {saved.get('dp')} x pp "
                      f"{saved.get('pp')} x tp {saved.get('tp', 1)}, ZeRO {saved.get('zero_stage')}; {steps}")
+        lines += [f"note: {note}" for note in resume.get("notes") or []]  # an input moved, or not checkable
     else:
         lines.append(f"fresh run: {steps}")
     took = dict(about.get("startup") or {})
