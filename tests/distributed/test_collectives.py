@@ -108,7 +108,7 @@ process_group.shutdown()
 def test_ranks_wait_for_a_slow_tokenizer_past_the_groups_timeout(tmp_path):
     """Local rank 0 tokenizes --data (4 s, twice the 2 s timeout of this world) while rank 1 waits for it in
     toolkit.data's exchange: nobody times out, rank 1 reads the same rows from the cache (it never tokenizes),
-    and the preparing rank alone says what it did (toolkit.data.progress)."""
+    and the preparing rank alone says what it did (toolkit.data.tokens.Progress)."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_DATA)
     rc, log = run_ranks([script, Path(__file__).parents[2] / "toolkit" / "corpus" / "corpus.txt", tmp_path / "cache"], 2,

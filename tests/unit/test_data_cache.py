@@ -170,7 +170,7 @@ def test_tokenizing_reports_rows_per_second_and_an_eta_in_a_log_and_nothing_when
 def test_on_a_terminal_the_line_is_rewritten_in_place():
     import io
 
-    from toolkit.data.progress import Progress
+    from toolkit.data.tokens import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):

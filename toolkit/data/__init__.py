@@ -3,9 +3,8 @@
     source.py    local files / save_to_disk folders -> a datasets.Dataset, checked before any rank starts
     formats.py   text, prompt-completion, chat, alpaca, sharegpt rows -> token ids and labels, a batch at a time
     chat.py      chat rows -> checked messages -> the template's text and the assistant turns in it
-    tokens.py    a batch of strings -> ids at the tokenizer's own speed; ragged ids <-> Arrow
+    tokens.py    a batch of strings -> ids at the tokenizer's own speed; ragged ids <-> Arrow; the preparing rank's progress line (rows/s, ETA)
     pack.py      documents -> fixed-length rows (packed with document ids, or padded), NumPy over batches
-    progress.py  the preparing rank's progress line (rows/s, ETA)
     batches.py   this rank's micro-batches: order, resume, whole-split eval
     prepared.py  the whole preparation (tokenize, split, pack; cached, once per node): prepare, DataOptions
     fingerprint.py  the content of every input of the token stream, as a resume compares it with its checkpoint

@@ -77,7 +77,7 @@ class Encoder:
         self.strip = strip  # plain-text files: a paragraph without its surrounding blank lines
         self.threads = threads
         self.eos = _eos(tokenizer)
-        self.progress = None  # a toolkit.data.progress.Progress, told of each batch (in-process only)
+        self.progress = None  # a toolkit.data.tokens.Progress, told of each batch (in-process only)
         self.column, self.ahead = None, None  # read_ahead(): the column; (first row, rows or None, what was read)
 
     def read_ahead(self, ds) -> None:

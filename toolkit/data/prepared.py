@@ -7,7 +7,7 @@ Every step is a HF `datasets` map whose Arrow output is cached under --data-cach
 HF_DATASETS_CACHE) with a fingerprint of what changes tokens (the file, the tokenizer's files, the chat
 template, the format, seq-len, packing, train-on) and nothing else: a second run with the same inputs
 reads the cache. One rank per node (per shared file system) builds it, saying how far it is
-(progress.py); the others wait for it with no timeout, then memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
+(tokens.Progress); the others wait for it with no timeout, then memory-map it. No rank holds more than the memory-mapped rows and the batch it is building.
 
 Batches and their order: toolkit.data.batches (re-exported here, and by the package: `from toolkit import data`).
 """
@@ -29,7 +29,7 @@ from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_co
                                         eval_micro_batches, loss_weight)
 from toolkit.data.chat import check_chat_template, plain_messages
 from toolkit.data.formats import IGNORE_INDEX, Encoder, infer_format
-from toolkit.data.progress import Progress
+from toolkit.data.tokens import Progress
 from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_text, decode_text, load
 
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
@@ -75,7 +75,7 @@ class Prepared:
 
 def prepare(opts: DataOptions, tokenizer, quiet: bool = False) -> Prepared:
     """Load, tokenize, split and pack (or pad) --data; cached by fingerprint. Tokenizing reports its progress
-    on stderr (toolkit.data.progress) unless `quiet`."""
+    on stderr (toolkit.data.tokens.Progress) unless `quiet`."""
     with _heap_frozen():
         return _prepare(opts, tokenizer, quiet)
 
