@@ -16,8 +16,12 @@ HF's packed-sequence format (positions restart at each document, padding a segme
     flattened documents, which is how transformers' flash path keeps documents apart at any batch size
     (from position_ids it finds packing only at batch size 1).
 No host synchronisation: nothing here reads a value of the device tensors, except flash's variable
-lengths (their count is the data's), which cost one device-to-host copy of the document starts per
-micro-batch and stage.
+lengths and, under Ulysses, the documents' bounds (their count is the data's), each one device-to-host
+copy of the document starts per micro-batch and stage.
+
+At pp = 1 the HF model's forward builds its own masks, one per layer kind and micro-batch, shared by its
+layers: `share_additive_masks` has them built additive under sdpa (torch would otherwise convert the bool
+mask at every layer, a (B, 1, T, T) copy each kept for backward).
 """
 
 import weakref
@@ -57,10 +61,41 @@ def positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return _memo(doc_ids, "positions", build)
 
 
-def slice_positions(doc_ids: torch.Tensor, length: int, rank: int) -> torch.Tensor:
-    """(B, length) positions of slice `rank` of the rows (Ulysses sequence parallelism: each rank's hidden state
-    holds `length` tokens of the whole rows' T); once per micro-batch."""
-    return _memo(doc_ids, ("slice", length, rank), lambda: positions(doc_ids)[:, rank * length:(rank + 1) * length].contiguous())
+def slice_inputs(doc_ids: torch.Tensor, length: int, rank: int) -> dict:
+    """A decoder block's keyword arguments under Ulysses (sequence parallelism: each rank's hidden state holds
+    `length` tokens of the whole rows' T): the (B, length) positions of slice `rank`, and the whole rows'
+    `Documents` for the core attention (one device-to-host copy); once per micro-batch."""
+    return {"position_ids": _memo(doc_ids, ("slice", length, rank),
+                                  lambda: positions(doc_ids)[:, rank * length:(rank + 1) * length].contiguous()),
+            "documents": _memo(doc_ids, "documents", lambda: document_bounds(positions(doc_ids)))}
+
+
+class Documents:
+    """Where the documents of a micro-batch's whole (B, T) rows lie, on the host, for attention that takes each
+    document alone (toolkit.distributed.sequence_parallel.document_sdpa): rows[r] = (0, starts ..., T). Built
+    once per micro-batch and handed to every layer, whose device tensors it keeps in `cache` (the sliding
+    window's band mask), so no layer reads a device value."""
+
+    def __init__(self, rows: tuple):
+        self.rows = rows
+        self.cache = {}
+
+    def groups(self) -> list:
+        """[(rows, bounds)]: every row at once where all share their bounds (one-document rows), else each."""
+        if all(bounds == self.rows[0] for bounds in self.rows):
+            return [(slice(None), self.rows[0])]
+        return [(slice(row, row + 1), bounds) for row, bounds in enumerate(self.rows)]
+
+
+def document_bounds(position_ids: torch.Tensor) -> Documents:
+    """The documents of (B, T) position ids: one starts where a position does not follow its predecessor's.
+    A device tensor costs one device-to-host copy of the (B, T - 1) starts."""
+    rows, length = position_ids.shape
+    starts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).cpu().nonzero().tolist()  # [(row, t - 1)]
+    bounds = [[0] for _ in range(rows)]
+    for row, before in starts:
+        bounds[row].append(before + 1)
+    return Documents(tuple(tuple(cuts + [length]) for cuts in bounds))
 
 
 def _rows_rule(doc_ids: torch.Tensor):
@@ -131,9 +166,44 @@ def hf_document_mask(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_f
 
 def _additive(mask, hidden: torch.Tensor, config):
     if config._attn_implementation == "sdpa" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(hidden.dtype).min)
+        mask = additive(mask, hidden.dtype)
     return mask
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: attend) as sdpa's additive one in `dtype`: 0 where True, the dtype's lowest where
+    False (HF's eager_mask). A mask broadcast over its batch (stride 0) stays broadcast."""
+    if mask.dim() == 4 and mask.shape[0] > 1 and mask.stride(0) == 0:
+        return additive(mask[:1], dtype).expand(mask.shape)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def share_additive_masks(config) -> None:
+    """pp = 1 under sdpa: HF's mask builder for sdpa made to return its mask additive, in the activations' dtype
+    (additive_sdpa_mask). The model's forward builds one mask per layer kind and micro-batch and hands it to
+    all the layers of that kind; a bool one torch converts at every layer into a (B, 1, T, T) additive copy that
+    the memory-efficient kernel keeps for backward (128 MiB a row and layer at T 8192 in bf16: 8 GiB over 64
+    layers). Process-wide (each rank is its own process), as Ulysses' attention is; other implementations are
+    left as they are."""
+    from transformers import masking_utils as mu
+
+    if config._attn_implementation == "sdpa":
+        mu.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = additive_sdpa_mask
+
+
+def additive_sdpa_mask(*args, dtype: torch.dtype | None = None, **kwargs):
+    """transformers' sdpa_mask (the packed rows', padding's, window's rule: HF's own), additive in `dtype` (the
+    builders pass inputs_embeds' dtype; under torch.autocast, the autocast dtype sdpa computes in). None (the
+    causal kernel without a mask) stays None."""
+    from transformers import masking_utils as mu
+
+    mask = mu.sdpa_mask(*args, **kwargs)
+    if dtype is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return mask
+    device = mask.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    return additive(mask, dtype)
 
 
 def varlen_arguments(doc_ids: torch.Tensor) -> dict:

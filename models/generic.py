@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import FLASH, layer_inputs, slice_positions
+from models.attention import FLASH, layer_inputs, slice_inputs
 from models.moe import RouterAux, RouterCapture
 from models.spec import PipelineSpec, causal_lm_loss, needs_grad
 from toolkit.errors import ConfigError
@@ -64,7 +64,7 @@ class DecoderBlock(nn.Module):
         if self.sequence_shard is None:
             kwargs = layer_inputs(doc_ids, hidden, self.config, self.mask_fn)  # attention_mask, position_ids[, varlen]
         else:  # the slice's positions, no mask: Ulysses' core attention keeps the documents apart
-            kwargs = {"position_ids": slice_positions(doc_ids, hidden.shape[1], self.sequence_shard[1])}
+            kwargs = slice_inputs(doc_ids, hidden.shape[1], self.sequence_shard[1])  # position_ids, documents
         rope = self.rotary(hidden, kwargs["position_ids"], **self.rope_kwargs) if self.rotary is not None else None
         kwargs["position_embeddings"] = rope
         if self.takes is not None:

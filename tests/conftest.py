@@ -56,6 +56,18 @@ def ds_world1():
     return group
 
 
+@pytest.fixture
+def interfaces(monkeypatch):
+    """transformers' attention and mask interfaces (ALL_ATTENTION_FUNCTIONS, returned, and ALL_MASK_ATTENTION_FUNCTIONS)
+    as they are, restored after the test: dstk installs attention and mask functions process-wide in a rank."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for interface in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
+        monkeypatch.setattr(interface, "_local_mapping", dict(interface._local_mapping))
+    return ALL_ATTENTION_FUNCTIONS
+
+
 HEAVY = ("torch", "deepspeed", "transformers")
 
 

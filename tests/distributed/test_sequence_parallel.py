@@ -5,8 +5,10 @@ sp 2 splits both). DeepSpeed's UlyssesSPAttentionHF with dstk's document-masking
 loss (1e-4, fp32, gbs 8: mbs 2 x gas 4) on packed text, whose documents one process keeps apart (so the
 sp run masks them too: plain Ulysses under sdpa would not); the same under ZeRO-3, on chat rows with
 LoRA, sp 2 x dp 2 (4 ranks), and inside pipeline stages: pp 2 x sp 2 (4 ranks) on packed text and on chat
-rows with LoRA (dstk's own sp-inside-stages, toolkit.distributed.sequence_parallel). A run resumed from an sp 2 or a pp 2 x sp 2 checkpoint (DeepSpeed's own load) continues
-with the uninterrupted run's losses.
+rows with LoRA (dstk's own sp-inside-stages, toolkit.distributed.sequence_parallel); a Mistral of tiny-llama's
+sizes with an 8-token sliding window (shorter than the rows and most documents: the core's blocks over each
+window) at sp 2 against one process. A run resumed from an sp 2 or a pp 2 x sp 2 checkpoint (DeepSpeed's own
+load) continues with the uninterrupted run's losses.
 """
 
 import json
@@ -26,10 +28,11 @@ TEXT = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "32", "--no
 CHAT = ["--model", "tiny-llama", "--data", str(REPO / "toolkit" / "corpus" / "chat.jsonl"), "--chat-template",
         str(REPO / "toolkit" / "corpus" / "chatml.jinja"), "--seq-len", "160", "--no-progress", "--eval-fraction",
         "0.1", "--lora", "--lora-r", "4"]
+WINDOWED = ["--model", "WINDOWED_MODEL", *TEXT[2:]]  # the saved Mistral (Runs.windowed_model)
 RUNS = {  # procs, sp, ZeRO stage, model arguments[, pipeline stages]
     "sp1": (1, 1, 1, TEXT), "sp2": (2, 2, 1, TEXT), "sp2z3": (2, 2, 3, TEXT), "dp2sp2": (4, 2, 2, TEXT),
     "chat_sp1": (1, 1, 0, CHAT), "chat_sp2": (2, 2, 0, CHAT), "pp2sp2": (4, 2, 1, TEXT, 2),
-    "chat_pp2sp2": (4, 2, 0, CHAT, 2)}
+    "chat_pp2sp2": (4, 2, 0, CHAT, 2), "window_sp1": (1, 1, 1, WINDOWED), "window_sp2": (2, 2, 1, WINDOWED)}
 STEPS = 6
 
 
@@ -49,6 +52,7 @@ class Runs:
         base = name.removesuffix("_resumed")
         procs, sp, zero, args, *pp = RUNS[base]
         pp = pp[0] if pp else None
+        args = [str(self.windowed_model()) if a == "WINDOWED_MODEL" else a for a in args]
         cfg = write_config(self.tmp / f"{base}.json", mbs=2, gas=4 * sp * (pp or 1) // procs, optimizer=OPTIMIZER,
                            zero=zero, pp=pp, gradient_clipping=1.0, **({"sequence_parallel_size": sp} if sp > 1 else {}),
                            **QUIET)
@@ -59,6 +63,23 @@ class Runs:
             resumed_from(self / base, 3, self.tmp / name)
             rc, log = launch(cfg, self.tmp / name, procs, "--steps", STEPS, "--resume", "--no-export", model_args=args)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
+
+    def windowed_model(self) -> Path:
+        """tiny-llama's sizes as a Mistral with sliding_window 8, random weights, saved with the byte tokenizer."""
+        import torch
+        from transformers import LlamaConfig, MistralConfig, MistralForCausalLM
+
+        from toolkit.train import hf
+
+        out = self.tmp / "mistral_window8"
+        if not out.exists():
+            llama = hf.load_config("tiny-llama", hf.byte_tokenizer(), "causal-lm").to_dict()
+            fields = {k: llama[k] for k in LlamaConfig().to_dict() if k in MistralConfig().to_dict() and k in llama
+                      and k not in ("model_type", "transformers_version", "architectures")}
+            torch.manual_seed(0)
+            MistralForCausalLM(MistralConfig(**fields, sliding_window=8)).save_pretrained(out)
+            hf.byte_tokenizer().save_pretrained(out)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +96,8 @@ def same(got: dict, want: dict, rel=1e-4) -> bool:
 
 
 @pytest.mark.parametrize("name, reference", [("sp2", "sp1"), ("sp2z3", "sp1"), ("chat_sp2", "chat_sp1"),
-                                             ("dp2sp2", "sp1"), ("pp2sp2", "sp1"), ("chat_pp2sp2", "chat_sp1")])
+                                             ("dp2sp2", "sp1"), ("pp2sp2", "sp1"), ("chat_pp2sp2", "chat_sp1"),
+                                             ("window_sp2", "window_sp1")])
 def test_sp_gives_the_losses_grad_norms_and_eval_loss_of_one_process(runs, name, reference):
     got, want = records(runs / name), records(runs / reference)
     assert sorted(got) == list(range(1, STEPS + 1))

@@ -4,7 +4,10 @@
 - flash_attention_2 with packed rows and micro-batch > 1 keeps documents apart, through the pipeline and
   through the HF model at pp = 1. flash-attn cannot run here: a stand-in computes what flash-attn's kernels
   compute (the variable-length kernel over cu_seq_lens, else causal attention over each whole row), so
-  the check is that dstk hands transformers' flash path the arguments that keep documents apart.
+  the check is that dstk hands transformers' flash path the arguments that keep documents apart;
+- at pp = 1 under sdpa, every layer of a kind gets one additive mask of the micro-batch (HF's own, made
+  additive once by models.attention.share_additive_masks), not a bool one torch converts at every layer: the
+  same loss and gradients, L - 1 masks fewer held for backward, in the engine's dtype.
 """
 
 import pytest
@@ -143,3 +146,82 @@ def test_the_flash_stand_in_would_catch_documents_attending_to_each_other(ds_wor
     with torch.no_grad():
         out = hf(input_ids=ids, labels=labels, **inputs)
         assert packed_vs_alone(out.logits, out.loss, hf, docs)[0] > 1e-2
+
+
+def _loss_grads_masks(hf, batch, interfaces):
+    """(loss, gradients, [(layer kind, mask)] each layer's attention got) of a pp = 1 forward and backward."""
+    from toolkit.train.parity import grads_of
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((getattr(module, "sliding_window", None), attention_mask))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    interfaces["sdpa"] = spy
+    (ids, doc_ids), labels = batch[:2]
+    loss = hf(input_ids=ids, labels=labels, **model_inputs(doc_ids, hf.config)).loss
+    loss.backward()
+    return float(loss), grads_of(hf), seen
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("rows", ["packed", "padded"])
+def test_pp1_layers_share_one_additive_mask_per_kind(interfaces, model_type, rows):
+    """pp = 1, sdpa: the HF model builds its masks (packed rows: positions restart per document; padded rows: the
+    padding mask) once per layer kind; with dstk's builder (share_additive_masks, installed at engine start) the
+    mask every layer of a kind gets is one additive (float) tensor, where torch would convert a bool one at
+    every layer and keep each copy for backward. Loss and gradients are unchanged."""
+    from toolkit.train.parity import packed_batch
+
+    hf = small_model(model_type, attn_implementation="sdpa", **DENSE[model_type])
+    made = packed_batch(hf.config) if rows == "packed" else batch(hf.config, "causal-lm", seq_len=16)
+    want = _loss_grads_masks(hf, made, interfaces)
+    models.attention.share_additive_masks(hf.config)
+    loss, grads, seen = _loss_grads_masks(hf, made, interfaces)
+    masks = {}
+    for kind, mask in seen:
+        assert isinstance(mask, torch.Tensor) and mask.dtype == torch.float32, (kind, mask)
+        assert masks.setdefault(kind, mask) is mask  # the same tensor for every layer of the kind
+    assert abs(loss - want[0]) <= TOLERANCE
+    assert max(float((grads[n] - g).abs().max()) for n, g in want[1].items()) <= TOLERANCE
+
+
+def test_a_pp1_engine_hands_every_layer_one_additive_mask_in_its_dtype(ds_world1, interfaces):
+    """What toolkit.train.loop does at pp = 1: start_engine installs the builder, forward_loss runs the engine (bf16
+    here: the mask in the activations' dtype, not the batch's or fp32)."""
+    from tests.configs import ds_config
+    from toolkit.distributed.topology import Topology
+    from toolkit.train.loop import forward_loss, start_engine
+    from toolkit.train.parity import packed_batch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    hf = small_model("llama", attn_implementation="sdpa")
+    engine, _ = start_engine(hf, {"pp": 1}, ds_config(2, 1, bf16=True), Topology(1))
+    seen = []
+    interfaces["sdpa"] = lambda module, q, k, v, mask, **kw: seen.append(mask) or sdpa_attention_forward(
+        module, q, k, v, mask, **kw)
+    engine.backward(forward_loss(engine, packed_batch(hf.config)[:2]))
+    assert len(seen) == hf.config.num_hidden_layers and all(mask is seen[0] for mask in seen)
+    assert seen[0].dtype == torch.bfloat16 and seen[0].shape == (2, 1, 16, 16)
+
+
+def test_pp1_packed_rows_hold_one_mask_for_backward_not_one_per_layer(interfaces):
+    """The bytes a pp = 1 forward leaves held for backward (what torch's ops allocate, tests/unit/test_costs.py's
+    LiveBytes): with HF's bool mask torch keeps an additive copy per layer; with share_additive_masks one, so
+    L - 1 masks (B x T x T x 4 bytes in fp32) fewer."""
+    from tests.unit.test_costs import LiveBytes
+    from toolkit.train.parity import packed_batch
+
+    hf = small_model("llama", attn_implementation="sdpa", num_hidden_layers=4, max_position_embeddings=256)
+    (ids, doc_ids), labels, _ = packed_batch(hf.config, rows=((100, 156), (30, 200, 26)), seq_len=256)
+    held = []
+    for shared in (False, True):
+        if shared:
+            models.attention.share_additive_masks(hf.config)
+        with LiveBytes() as live:
+            loss = hf(input_ids=ids, labels=labels, **model_inputs(doc_ids, hf.config)).loss
+            held.append(live.live)
+            loss.backward()
+    assert held[0] - held[1] == (4 - 1) * 2 * 256 * 256 * 4

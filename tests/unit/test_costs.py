@@ -103,7 +103,8 @@ def test_bad_shapes():
 
 
 def test_the_planner_counts_the_attention_mask_once_per_stage_and_micro_batch_in_flight():
-    """mbs * T^2 * 2 bytes (bf16) per micro-batch in flight on each stage under sdpa; none with flash."""
+    """mbs * T^2 * 2 bytes (bf16) per micro-batch in flight on each stage under sdpa (pp = 1: one for the
+    model); none with flash."""
     from toolkit.plan.layouts.estimate import Layout
     from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 
@@ -113,6 +114,11 @@ def test_the_planner_counts_the_attention_mask_once_per_stage_and_micro_batch_in
         req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=2, gpu="h100-sxm", seq_len=T, attention=attention)
         held[attention] = estimate_layout(req, layout).activations  # the heaviest stage: 2 in flight
     assert held["sdpa"] - held["flash_attention_2"] == 2 * (2 * T * T * 2)  # 1 GiB: in flight x mbs * T^2 * bf16
+    layout = Layout(pp=1, dp=2, zero=1, mbs=2, gas=4)  # pp = 1: HF's mask for the model, made additive once
+    for attention in ("sdpa", "flash_attention_2"):
+        req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=2, gpu="h100-sxm", seq_len=T, attention=attention)
+        held[attention] = estimate_layout(req, layout).activations
+    assert held["sdpa"] - held["flash_attention_2"] == 2 * T * T * 2  # one, not one per block (16)
 
 
 class LiveBytes(TorchDispatchMode):

@@ -7,11 +7,21 @@ a slice's last position lives on the next rank), as UlyssesSPDataLoaderAdapter d
 whole rows, so slicing needs no collective (the adapter gathers rows because each of its ranks read others).
 
 Attention: UlyssesSPAttentionHF all-to-alls q, k, v to the full sequence for heads / sp heads, gathers the
-position ids, and calls the core attention with NO mask (it drops HF's, built for the local slice). Under
-sdpa that is plain causal attention: packed documents would see each other. `document_sdpa` is the core
-attention dstk hands it instead: causal AND inside each document, the documents read from the gathered
-position ids (a document starts where a position does not follow its predecessor), one causal sdpa call per
-document, with no (T x T) mask (that would be 16 GiB a row at 131072 tokens).
+position ids, and calls the core attention with NO mask (it drops HF's, built for the local slice). So HF
+builds none: `register` makes its mask builder for the implementation return None, and each rank's model
+gets an all-ones (B, T / sp) padding mask, with which HF does not look for packed documents in the slice's
+positions either (a device-to-host read). Otherwise a slice holding a document start makes HF build a
+(B, 1, T / sp, T / sp) bool mask for nothing: 4 GiB a row at T 131072, sp 2.
+Under sdpa Ulysses' call is plain causal attention: packed documents would see each other.
+`document_sdpa` is the core attention dstk hands it instead: causal AND inside each document, one causal
+sdpa call per document, with no (T x T) mask (that would be 16 GiB a row at 131072 tokens). The documents
+(models.attention.Documents: the whole rows' bounds, on the host) are computed once per micro-batch where
+the rows are whole (`shard`, on the host at pp = 1; a stage's first block at pp > 1) and reach every layer's
+core as the `documents` keyword, so no layer reads a device value. A sliding-window layer (mistral, gemma)
+runs a document longer than its window as its first `window` tokens (plain causal) and then blocks of
+step = min(window, BLOCK) queries, each over its window of keys with a corner of one (step, step + window)
+band mask shared by all blocks and layers: exact, memory linear in T, where a (B, 1, T, T) mask would be
+2 GiB a layer at T 32768 once sdpa made it additive.
 flash_attention_2 finds documents from the gathered position ids itself, at batch size 1 only.
 
 Loss: each rank's loss is its slice's summed token losses / the micro-batch's targets (num_items_in_batch),
@@ -28,7 +38,8 @@ Inside pipeline stages (pp > 1), which DeepSpeed does not offer (its PipelineMod
   sequence-sharded, 1/sp of the hidden state per send. Only the (B, T) document ids travel whole (8 bytes
   a token against 2-4 x hidden / sp).
 - The stage layers: the embedding, final norm and head work token by token on the slice; each decoder block
-  (models.generic.DecoderBlock, `sequence_shard`) gets its slice's positions and no mask, and its HF
+  (models.generic.DecoderBlock, `sequence_shard`) gets its slice's positions, the rows' documents (found by
+  the stage's first block: one device-to-host copy per micro-batch) and no mask, and its HF
   attention is Ulysses' (registered process-wide, as at pp = 1) with `document_sdpa` as the core.
 - The loss: the engine averages gradients and the reported loss over dp * sp ranks, so each rank's loss
   is sp x its slice's summed token losses / the micro-batch's targets (`PipelineLoss`): the mean over the
@@ -54,45 +65,82 @@ def check_attention(attention: str, sp: int, mbs: int) -> None:
                           "(raise gas to keep the global batch), or --attention sdpa")
 
 
-def documents(position_ids: "torch.Tensor") -> "torch.Tensor":
-    """(B, T) segment ids: a new segment where a position is not its predecessor's + 1."""
-    import torch.nn.functional as F
-
-    starts = F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True)
-    return starts.long().cumsum(dim=1)
-
-
 def document_sdpa(module, query, key, value, attention_mask, **kwargs):
     """HF's sdpa attention over the full sequence Ulysses hands it (query (B, heads/sp, T, hs)), causal and
-    inside each document of the gathered kwargs["position_ids"] (B, T), without a (T x T) mask: a row of one
-    document is one causal call (torch's flash / memory-efficient kernels: memory linear in T), a packed row
-    one causal call per document (their bounds: one device-to-host copy per layer). A sliding window shorter
-    than the sequence (kwargs["sliding_window"], mistral, qwen2) is a mask: built then, (B, 1, T, T) bool."""
+    inside each document of kwargs["documents"] (models.attention.Documents of the whole rows; without it,
+    read from the gathered kwargs["position_ids"] (B, T): one device-to-host copy per layer), without a
+    (T x T) mask: one causal call per document (torch's flash / memory-efficient kernels: memory linear in
+    T), all rows in one call where they share their documents. A sliding window shorter than a document
+    (kwargs["sliding_window"], mistral, qwen2, gemma): `_windowed`. Returns (B, T, heads/sp, hs), None."""
     import torch
+
+    from models.attention import document_bounds
+
+    documents = kwargs.get("documents")
+    if documents is None:
+        documents = document_bounds(kwargs["position_ids"])
+    if documents.rows[0][-1] != query.shape[2]:
+        raise ValueError(f"documents of {documents.rows[0][-1]} tokens for attention over {query.shape[2]}")
+    out = []
+    for rows, bounds in documents.groups():
+        pieces = [piece for a, b in zip(bounds, bounds[1:])
+                  for piece in _document(module, query[rows], key[rows], value[rows], a, b, documents, kwargs)]
+        out.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])  # (rows, T, heads, hs)
+    return (torch.cat(out) if len(out) > 1 else out[0]), None
+
+
+BLOCK = 1024  # queries per call in a sliding-window document longer than its window
+
+
+def _document(module, query, key, value, a: int, b: int, documents, kwargs) -> list:
+    """The attention output of document [a, b) of these rows, in pieces (rows, tokens, heads, hs): one causal
+    call where the sliding window (if any) covers the document."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    position_ids = kwargs["position_ids"].to(query.device)
-    rows, length = position_ids.shape
     window = kwargs.get("sliding_window")
-    if window is not None and window < length:
-        docs = documents(position_ids)
-        index = torch.arange(length, device=query.device)
-        near = (index[:, None] >= index[None, :]) & (index[:, None] - index[None, :] < window)
-        mask = (docs[:, None, :, None] == docs[:, None, None, :]) & near  # (B, 1, T, T)
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-    starts = (position_ids[:, 1:] != position_ids[:, :-1] + 1).nonzero().cpu().tolist()  # [(row, t - 1)]
-    if not starts:
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-    bounds = [[0] for _ in range(rows)]
-    for row, before in starts:
-        bounds[row].append(before + 1)
-    out = []
-    for row, cuts in enumerate(bounds):
-        cuts.append(length)
-        pieces = [sdpa_attention_forward(module, query[row:row + 1, :, a:b], key[row:row + 1, :, a:b],
-                                         value[row:row + 1, :, a:b], None, **kwargs)[0] for a, b in zip(cuts, cuts[1:])]
-        out.append(torch.cat(pieces, dim=1))  # (1, T, heads, hs), as sdpa_attention_forward returns
-    return torch.cat(out, dim=0), None
+    if window is None or b - a <= window:
+        return [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]]
+    return _windowed(module, query, key, value, a, b, window, documents, kwargs)
+
+
+def _windowed(module, query, key, value, a: int, b: int, window: int, documents, kwargs) -> list:
+    """Document [a, b), longer than the window: its first `window` tokens in one causal call (the window does
+    not bite there), then query blocks [s, e) of `step` tokens, each over keys [s - window, e) with the band
+    mask's top-left (e - s, e - s + window) corner (_band). The document's keys and values are repeated to the
+    query heads once (as HF's sdpa does when it gets a mask)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    step, groups, head = min(window, BLOCK), query.shape[1] // key.shape[1], a + window
+    band = _band(documents, step, window, query.dtype, query.device)
+    pieces = [sdpa_attention_forward(module, query[:, :, a:head], key[:, :, a:head], value[:, :, a:head], None,
+                                     **kwargs)[0]]
+    key, value = repeat_kv(key[:, :, a:b], groups), repeat_kv(value[:, :, a:b], groups)  # (rows, heads, b - a, hs)
+    for s in range(head, b, step):
+        e = min(s + step, b)
+        keys = slice(s - window - a, e - a)
+        out = F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, keys], value[:, :, keys],
+                                             attn_mask=band[None, None, :e - s, :e - s + window],
+                                             dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+        pieces.append(out.transpose(1, 2))  # (rows, e - s, heads, hs), as sdpa_attention_forward returns
+    return pieces
+
+
+def _band(documents, step: int, window: int, dtype, device):
+    """The additive mask of a query block [s, s + step) over keys [s - window, s + step): query i sees key j
+    where 0 <= (s + i) - (s - window + j) < window, i.e. i < j <= i + window. (step, step + window) rounded up
+    to 16 columns, so that its corners are views sdpa's memory-efficient kernel takes as they are (rows 16-
+    aligned). One per micro-batch, dtype and device (kept in the Documents), shared by every block and layer."""
+    import torch
+
+    from models.attention import additive
+
+    made = ("band", step, window, dtype, device)
+    if made not in documents.cache:
+        i = torch.arange(step, device=device)[:, None]
+        j = torch.arange(-(-(step + window) // 16) * 16, device=device)[None, :]
+        documents.cache[made] = additive((i < j) & (j <= i + window), dtype)
+    return documents.cache[made]
 
 
 def register(config, sp: int, mbs: int):
@@ -102,14 +150,28 @@ def register(config, sp: int, mbs: int):
     from types import SimpleNamespace
 
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = config._attn_implementation
-    if attention == "sdpa":
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the core Ulysses calls after its all-to-all
+    attention_for_ulysses(attention)
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=SimpleNamespace(config=config), core_attn_implementation=attention,
         sequence_parallel_size=sp, micro_batch_size=mbs, seq_length_is_variable=True)
+
+
+def attention_for_ulysses(attention: str) -> None:
+    """What transformers calls under Ulysses in this process (before Ulysses wraps the attention): under sdpa,
+    `document_sdpa` as the core, and for any implementation no mask builder (module doc)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if attention == "sdpa":
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the core Ulysses calls after its all-to-all
+    ALL_MASK_ATTENTION_FUNCTIONS[attention] = no_mask
+
+
+def no_mask(*args, **kwargs) -> None:
+    """HF's mask builder under Ulysses: no mask, which Ulysses' attention would drop."""
+    return None
 
 
 def shard_stage(module, kinds: list, sp: int, sp_rank: int) -> None:
@@ -156,15 +218,19 @@ def _slices(batch, sp: int, sp_rank: int) -> tuple:
 
 
 def shard(batch, sp: int, sp_rank: int) -> dict:
-    """A micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows -> this rank's keyword arguments
-    for the HF model: its T / sp slice of input_ids, position_ids and shift_labels (labels shifted left
-    over the whole row), and num_items_in_batch, the targets of the whole micro-batch."""
-    from models.attention import positions
+    """A micro-batch ((input_ids, doc_ids), labels) of whole (B, T) rows, on the host -> this rank's keyword
+    arguments for the HF model: its T / sp slice of input_ids, position_ids and shift_labels (labels shifted
+    left over the whole row), num_items_in_batch (the targets of the whole micro-batch), an all-ones padding
+    mask of the slice and the whole rows' documents for the core attention (module doc)."""
+    import torch
+
+    from models.attention import document_bounds, positions
 
     input_ids, shift, part, targets = _slices(batch, sp, sp_rank)
-    doc_ids = batch[0][1]
+    whole = positions(batch[0][1])  # (B, T), on the host
     mine = shift[:, part].contiguous()
-    return {"input_ids": input_ids[:, part].contiguous(), "position_ids": positions(doc_ids)[:, part].contiguous(),
+    return {"input_ids": input_ids[:, part].contiguous(), "position_ids": whole[:, part].contiguous(),
+            "attention_mask": torch.ones(mine.shape, dtype=torch.bool), "documents": document_bounds(whole),
             "labels": mine, "shift_labels": mine, "num_items_in_batch": targets, "use_cache": False}
 
 

@@ -180,11 +180,15 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
     if topo.pp == 1:
         record["param_groups"] = param_names
     mpu = None
+    config = (getattr(model, "config", None) or model.get_base_model().config) if topo.pp == 1 else None
     if topo.sp > 1 and topo.pp == 1:  # Ulysses' groups and attention, before the engine (it takes the groups as
         from toolkit.distributed.sequence_parallel import register  # its mpu; pipelines: toolkit.distributed.pipeline)
 
-        mpu = register(getattr(model, "config", None) or model.get_base_model().config, topo.sp,
-                       config_batch(cfg, topo.dp).mbs)
+        mpu = register(config, topo.sp, config_batch(cfg, topo.dp).mbs)
+    elif topo.pp == 1:  # HF's masks (padded or packed rows) built additive: one per micro-batch for all layers
+        from models.attention import share_additive_masks
+
+        share_additive_masks(config)
     return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
 
 

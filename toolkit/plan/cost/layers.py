@@ -69,8 +69,9 @@ temporaries (an MLP's backward) are small next to it and not modelled.
 Attention mask (mask_bytes), for padded or packed rows: e*B*T^2, the (B, 1, T, T) additive mask in the
 activations' dtype that sdpa's memory-efficient kernel and eager keep for backward. A pipeline stage builds
 one per micro-batch (models/attention.py) that all its blocks share: once per stage and micro-batch in
-flight (toolkit.plan.layouts.estimate). At pp = 1 HF passes sdpa a bool mask, which torch converts at every layer:
-one per block. flash_attention_2 takes variable-length offsets instead: 0. (Unpadded one-document rows at
+flight (toolkit.plan.layouts.estimate). At pp = 1 the HF model builds one per layer kind and micro-batch, which
+dstk has built additive (models.attention.share_additive_masks; a bool one torch would convert at every layer):
+counted as one. flash_attention_2 takes variable-length offsets instead: 0. (Unpadded one-document rows at
 pp = 1 need none: HF then lets sdpa run causal without a mask. Not modelled: the planner assumes a mask.)
 Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
 """

@@ -151,7 +151,6 @@ class Model:
     tp_comm: float = 0.0  # bytes a tp rank sends per micro-batch of one sequence (0 without tp)
     tp_recompute: float = 0.0  # of which again with activation checkpointing (the recomputed forward)
     stage_act: int = 0  # bytes each stage holds once per micro-batch in flight (its attention mask)
-    masks: list | None = None  # per layer, of `act` the attention masks (none under sp: Ulysses' core builds none)
     peak: list | None = None  # per layer, transient bytes on top, once per stage (the head's loss)
     attn_bytes: float = 0.0  # q, k, v and the attention output of one sequence, summed over the attention
     # layers: what Ulysses' 4 all-to-alls per layer carry (toolkit.plan.layouts.planner.model_of)
@@ -216,8 +215,7 @@ def dualpipev_bubble(pp: int, micro_batches: int) -> float:
 
 def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
     # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
-    masks = model.masks or [0] * len(model.act)
-    per_layer = [(a - m) * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a, m in zip(model.act, masks)]
+    per_layer = [a * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a in model.act]
     ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
     stages, dual = len(parts) - 1, lay.schedule == "dualpipev"
     flights = [in_flight_dualpipev(lay.pp, s) if dual else in_flight(lay.pp, lay.gas, s) for s in range(stages)]

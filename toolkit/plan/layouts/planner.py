@@ -194,9 +194,12 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
     """Per-layer figures of one rank: the whole layer, or with tp > 1 one AutoTP shard of it. pipeline:
     the layout has pp > 1, where tp shards only the decoder blocks (the embedding, final norm and head
     stay whole on every tp rank; toolkit.plan.tp.shard_layers)."""
-    from toolkit.plan.cost.layers import boundary_bytes
+    from toolkit.plan.cost.layers import boundary_bytes, mask_bytes
     from toolkit.plan.tp import shard_layers, tp_comm_bytes
 
+    # the attention mask, whole on every tp rank: one per pipeline stage, shared by its blocks; at pp = 1 one
+    # for the model (HF's, per layer kind, made additive once: models.attention.share_additive_masks)
+    stage_act = mask_bytes(seq, 1, req.precision, req.attention)
     # p2p model kept as at tp = 1, also with tp inside stages: the whole (1, seq, h) hidden state is
     # counted per rank on the boundary link, and no all-gather. DeepSpeed's pipeline engine sends 1/tp of
     # it per tp rank and all-gathers it on the receiving stage inside the node (pipe_partitioned), so
@@ -207,16 +210,14 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
         per_rank = shard_layers(arch, costs, seq, req.precision, tp, pipeline)
         comm = tp_comm_bytes(arch, seq, 1, req.precision, tp, pipeline=pipeline)
         recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
-        act, stage_act, masks = _with_masks(per_rank["act"], costs, seq, req, pipeline)  # every tp rank: whole masks
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
-                     _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
-                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"],
-                     masks=masks)
-    act, stage_act, masks = _with_masks([c.act_bytes for c in costs], costs, seq, req, pipeline)
+                     _held_logits(per_rank["act"], costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
+                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"])
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
-                 [c.fwd_flops for c in costs], _held_logits(act, costs, arch, seq, req, pipeline), boundary, seq,
+                 [c.fwd_flops for c in costs], _held_logits([c.act_bytes for c in costs], costs, arch, seq, req,
+                                                            pipeline), boundary, seq,
                  trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act,
-                 peak=[c.peak_bytes for c in costs], masks=masks,
+                 peak=[c.peak_bytes for c in costs],
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs))
 
@@ -232,20 +233,6 @@ def _held_logits(act: list, costs, arch, seq: int, req, pipeline: bool) -> list:
         return act
     logits = logits_bytes(arch, seq, 1, PRECISIONS[req.precision].act)
     return [a - (logits if c.kind == "head" else 0) for a, c in zip(act, costs)]
-
-
-def _with_masks(act: list, costs, seq: int, req, pipeline: bool) -> tuple:
-    """(activation bytes per layer, bytes per stage, of the first the masks' per layer: Model.masks) with the
-    attention mask (toolkit.plan.cost.layers.mask_bytes): one per pipeline stage, shared by its blocks; at
-    pp = 1 under sdpa one per block (torch's conversion of HF's bool mask at every layer), under eager one
-    for the model."""
-    from toolkit.plan.cost.layers import mask_bytes
-
-    mask = mask_bytes(seq, 1, req.precision, req.attention)
-    if pipeline or req.attention != "sdpa":
-        return act, mask, None
-    masks = [mask if c.kind == "block" else 0 for c in costs]
-    return [a + m for a, m in zip(act, masks)], 0, masks
 
 
 def _stage_tp_comm(model: Model, costs: list, parts: list) -> Model:
