@@ -108,6 +108,7 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
     return {"model": args.model, "model_name": name, "from_dir": Path(args.model).is_dir(),
             "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
             "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp, "sp": topo.sp,
+                       "schedule": args.schedule if topo.pp > 1 else None,  # pp 1 runs no pipeline schedule
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len, "lora": record.get("lora"),
             "start_step": start, "steps": steps, "resume": resume}
@@ -163,11 +164,11 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
     if topo.pp == 1:
         record["param_groups"] = param_names
     mpu = None
-    if topo.sp > 1 and topo.pp == 1:  # Ulysses' groups and attention, before the engine (it takes the groups as
-        from toolkit.distributed.sequence_parallel import register  # its mpu; pipelines: toolkit.distributed.pipeline)
+    if topo.sp > 1 and topo.pp == 1:  # Ulysses' groups and attention before the engine, which takes the groups as
+        from toolkit.distributed.sequence_parallel import UlyssesGroups, register  # its mpu (pipelines: pipeline.py)
 
-        mpu = register(getattr(model, "config", None) or model.get_base_model().config, topo.sp,
-                       config_batch(cfg, topo.dp).mbs)
+        mpu = UlyssesGroups(register(getattr(model, "config", None) or model.get_base_model().config, topo.sp,
+                                     config_batch(cfg, topo.dp).mbs))
     return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
 
 
