@@ -13,7 +13,7 @@ import pytest
 
 from tests.configs import run_config, write_config
 from tests.distributed.launch import CORPUS, launch
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, server
 
 pytestmark = pytest.mark.distributed
 
@@ -23,6 +23,12 @@ SKIP_CHECK = Path(__file__).parent / "scripts" / "no_prelaunch_rows_check.py"
 FAULT = Path(__file__).parent / "scripts" / "fault_on_rank.py"
 QUICK_S = 60  # what "within seconds" allows on 2 loaded cores (a hang: gloo's 600 s, cut at the timeout below)
 TIMEOUT_S = 150
+
+
+@pytest.fixture(autouse=True)
+def warm_ranks():
+    """The rank server started before any clock here does (its imports take 15-25 s on 2 busy cores)."""
+    server()
 
 
 def one_line(rc: int, log: str, seconds: float, *fragments) -> None:
