@@ -7,3 +7,8 @@ class ConfigError(ValueError):
 
 class UnusableInput(ConfigError):
     """Input that cannot be read at all (missing file, binary, broken JSON): exit code 2."""
+
+
+class RankFailed(ConfigError):
+    """Another rank failed with an error that is no refusal (its traceback is in that rank's output): what the
+    ranks that agreed on it (toolkit.distributed.agreement) raise, so it ends them with one line, exit code 1."""

@@ -72,8 +72,8 @@ def test_rank0_opens_with_what_the_run_is_and_the_whole_summary_goes_to_summary_
     params = sum(p.numel() for p in hf.builtin_model("tiny-gpt2").parameters())
     count = f"{params / 1e3:.2f}K"
     assert f"model: tiny-gpt2, random weights (seed 1234), fp32; {count} parameters" in head, head
-    assert "layout: dp 1 x pp 2 x tp 1 = 2 ranks, ZeRO 0; batch: micro-batch 2 x gas 4 x dp 1 = 8 rows of 32 " \
-           "tokens per step" in head, head
+    assert "layout: dp 1 x pp 2 x tp 1 x sp 1 = 2 ranks, schedule 1f1b, ZeRO 0; batch: micro-batch 2 x gas 4 x dp 1 = " \
+           "8 rows of 32 tokens per step" in head, head
     assert f"training: all {count} (100.00%) trainable parameters" in head and "fresh run: steps 1..10" in head
     assert head.index("model: ") < head.index("data: ")  # the data line follows the block
     whole = json.loads((layouts / "pp2dp1" / "summary.json").read_text())

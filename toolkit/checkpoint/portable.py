@@ -103,35 +103,28 @@ def stage(ckpt_dir: Path, tag: str) -> bool:
     so that every rank then reads only the tensors it holds instead of each one reading the whole
     checkpoint. True when the folder is a staged one (the caller removes it once every rank has read
     it; one left by a move that failed is used and removed); a failure on rank 0 is raised on every
-    rank. The others wait for rank 0 in toolkit.distributed.process_group.patient_group, not within the process group's
-    timeout: reading and writing a large model's state can take longer."""
+    rank (toolkit.distributed.agreement). The others wait for rank 0 in the agreement's patient group, not within
+    the process group's timeout: reading and writing a large model's state can take longer."""
     import os
     import shutil
 
     import torch.distributed as dist
 
-    from toolkit.distributed.process_group import patient_group
+    from toolkit.distributed.agreement import agree
 
     tag_dir = Path(ckpt_dir) / tag
-    waiting = patient_group()
-    failure = None
-    if dist.get_rank() == 0 and not is_portable(tag_dir):
-        for old in tag_dir.glob(f".{PORTABLE}.*"):  # a temp folder of a staging that was killed
-            shutil.rmtree(old, ignore_errors=True)
-        tmp = tag_dir / f".{PORTABLE}.{os.getpid()}"
-        try:
-            write(read(ckpt_dir, tag), tmp)
-            (tmp / STAGED).touch()
-            tmp.rename(tag_dir / PORTABLE)
-        except Exception as exc:  # every rank must hear of it, or the others wait forever
-            shutil.rmtree(tmp, ignore_errors=True)
-            failure = exc
-    box = [None if failure is None else str(failure)]
-    dist.broadcast_object_list(box, src=0, group=waiting)
-    if failure is not None:
-        raise failure
-    if box[0] is not None:
-        raise UnusableInput(box[0])
+    with agree("staging the checkpoint for the move", name_ranks=False):  # however long rank 0 takes
+        if dist.get_rank() == 0 and not is_portable(tag_dir):
+            for old in tag_dir.glob(f".{PORTABLE}.*"):  # a temp folder of a staging that was killed
+                shutil.rmtree(old, ignore_errors=True)
+            tmp = tag_dir / f".{PORTABLE}.{os.getpid()}"
+            try:
+                write(read(ckpt_dir, tag), tmp)
+                (tmp / STAGED).touch()
+                tmp.rename(tag_dir / PORTABLE)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     return (tag_dir / PORTABLE / STAGED).is_file()
 
 

@@ -106,7 +106,8 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--check", "check_only", is_flag=True, help="Only check, then exit 0 or refuse; starts no process "
               "group (launch.sh runs this first): the config (for --world-size) and any recorded pipeline.parts "
               "against --model; the model folder (config.json, safetensors headers, tokenizer files; a hub id's from "
-              "the cache alone: one not cached yet is refused offline, downloaded by the ranks online); the data file; "
+              "the cache alone: one not cached yet is refused offline, downloaded by the ranks online); the data file "
+              "(--streaming with --world-size: a document for every dp rank); "
               "--chat-template; --out (writable; used or not; not in use by a run training there); with --resume, that "
               "the latest checkpoint is whole and was written by this run on this token stream (its files by content).")
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")

@@ -44,6 +44,27 @@ def check_streamable(data: str, eval_fraction: float, eval_data: str | None, ste
                           "it is read; pass --steps N")
 
 
+def check_rows_for_dp(opts, dp: int) -> None:
+    """Refused before any rank starts (train --check) when --data has fewer documents than dp: document i goes to
+    dp rank i % dp, so the last ranks would have none. Counts at most dp documents, with the ranks' own reader."""
+    if dp > 1:
+        have = count_rows(open_stream(opts)[0], dp)
+        if have < dp:
+            raise UnusableInput(too_few_rows(opts.path, have, dp))
+
+
+def count_rows(rows, most: int) -> int:
+    """The documents of a stream, counted up to `most`."""
+    return sum(1 for _ in rows.take(most))
+
+
+def too_few_rows(path, have: int, dp: int) -> str:
+    ranks = f"dp rank {dp - 1}" if have == dp - 1 else f"dp ranks {have}-{dp - 1}"
+    return (f"--streaming: --data {path} has {have} document(s) and dp is {dp}: document i goes to dp rank i % dp, "
+            f"so {ranks} would have none to read; add documents to --data, or train on at most {max(have, 1)} "
+            "data-parallel replicas (fewer processes, or more pp/tp/sp)")
+
+
 def open_stream(opts):
     """(the rows of --data as an IterableDataset, their format)."""
     import datasets
@@ -76,6 +97,8 @@ class StreamBatches:
         check_seq_len(opts)
         self.mbs, self.gas, self.dp, self.dp_rank = mbs, gas, dp, dp_rank
         self.rows, fmt = open_stream(opts)
+        if next(iter(self.rows.skip(dp_rank).take(1)), None) is None:  # this rank's share is empty
+            raise UnusableInput(too_few_rows(opts.path, count_rows(self.rows, dp), dp))
         if fmt in CHAT_FORMATS:
             check_chat_template(tokenizer)
         self.encoder = Encoder(fmt, tokenizer, str(opts.path), opts.train_on, opts.text_field,
@@ -119,9 +142,8 @@ class StreamBatches:
                 keep = [c for c in ("input_ids", "labels", "label") if c in tokens.column_names]
                 yield epoch, docs, docs + batch.num_rows, first, pa.table(self.packer.columns(tokens.select(keep)))
                 docs, first, read = docs + batch.num_rows, 0, read + batch.num_rows
-            if read == 0 and docs == 0:
-                raise UnusableInput(f"dp rank {self.dp_rank} has no row of --data to stream: the file has fewer "
-                                    f"documents than dp ({self.dp}); add data or lower dp")
+            if read == 0 and docs == 0:  # refused in __init__ already; a file emptied since
+                raise UnusableInput(too_few_rows(self.encoder.source, 0, self.dp))
             epoch, docs, first = epoch + 1, 0, 0
 
     def micro_batches(self, start_step: int = 0, pin_for=None):

@@ -28,7 +28,8 @@ import os
 import re
 import socket
 
-from toolkit.errors import ConfigError, UnusableInput
+from toolkit.distributed.agreement import agree, patient_group  # noqa: F401  patient_group: read from here too
+from toolkit.errors import ConfigError
 
 # Variables that mean "a launcher started this process as one rank of many", first match wins.
 LAUNCHER_VARS = {
@@ -312,7 +313,6 @@ def all_gather_rows(values: list, device) -> list:
     return torch.stack(rows).tolist()
 
 
-_PATIENT = {}
 SHARED_WAIT = 10.0  # seconds a rank looks for rank 0's marker (NFS clients may cache a directory that long)
 
 
@@ -328,9 +328,10 @@ def shared_with_rank0(directory) -> list:
 
     group, directory = patient_group(), Path(directory)
     box = [secrets.token_hex(8)]
-    if tdist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / f".dstk-shared-{box[0]}").write_text(box[0])
+    with agree(f"writing into {directory}", name_ranks=False):  # rank 0 may fail alone (read-only): before a broadcast
+        if tdist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f".dstk-shared-{box[0]}").write_text(box[0])
     tdist.broadcast_object_list(box, src=0, group=group)
     marker, deadline = directory / f".dstk-shared-{box[0]}", time.monotonic() + SHARED_WAIT
     while not (seen := marker.name in _listing(directory)) and time.monotonic() < deadline:
@@ -354,47 +355,20 @@ def once_per_node(work, what: str, shared_dir=None) -> tuple:
     per node runs `work` (its local rank 0) while the others wait, however long (patient_group: a download or
     a tokenizing pass outlasts the process group's timeout); with `shared_dir`, global rank 0 alone where that
     folder is one for every node (shared_with_rank0: nodes writing the same files at once would race). A
-    refusal there (ConfigError, UnusableInput) is raised on every rank with the same message; another failure
-    is raised as it is there and as a RuntimeError naming `what` on the others. Without a process group:
-    work() here."""
+    failure there is every rank's (toolkit.distributed.agreement): a refusal (ConfigError, UnusableInput) is
+    raised on every rank with the same message; another failure is raised as it is there and as a RankFailed
+    naming `what` on the others. Without a process group: work() here."""
     import torch.distributed as tdist
 
     if not tdist.is_initialized():
         return work(), True
     shared = shared_dir is not None and all(seen for _, seen in shared_with_rank0(shared_dir))
     mine = (tdist.get_rank() if shared else local_rank()) == 0
-    result, failure = None, None
-    if mine:
-        try:
+    result = None
+    with agree(what, name_ranks=False):
+        if mine:
             result = work()
-        except Exception as exc:  # noqa: BLE001  every rank must reach the exchange below
-            failure = exc
-    failures = [None] * tdist.get_world_size()
-    tdist.all_gather_object(failures, None if failure is None else (type(failure).__name__, str(failure)),
-                            group=patient_group())
-    if failure is not None:
-        raise failure
-    kind, message = next((f for f in failures if f), (None, None))
-    if kind in ("UnusableInput", "ConfigError"):
-        raise (UnusableInput if kind == "UnusableInput" else ConfigError)(message)
-    if kind is not None:
-        raise RuntimeError(f"{what} failed on another rank: {kind}: {message}")
     return result, mine
-
-
-def patient_group():
-    """A gloo group of the whole world whose collectives wait up to a day: where every rank waits for
-    long work on one rank (rank 0 tokenizing a large corpus, clearing or staging a run folder), which
-    would outlast the process group's own timeout (DeepSpeed's 10 minutes, DEEPSPEED_TIMEOUT) and abort
-    the waiting ranks. Made once (new_group is itself a collective of every rank)."""
-    import datetime
-
-    import torch.distributed as tdist
-
-    if _PATIENT.get("world") is not tdist.group.WORLD:  # none yet, or made in a process group since destroyed
-        _PATIENT.update(world=tdist.group.WORLD,
-                        group=tdist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24)))
-    return _PATIENT["group"]
 
 
 def shutdown() -> None:

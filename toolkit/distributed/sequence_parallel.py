@@ -145,8 +145,9 @@ def _band(documents, step: int, window: int, dtype, device):
 
 def register(config, sp: int, mbs: int):
     """Ulysses for a model of HF `config` (its attention implementation) over groups of sp consecutive
-    ranks; returns the mpu deepspeed.initialize takes at pp = 1. Process-wide: it replaces the
-    implementation in transformers' ALL_ATTENTION_FUNCTIONS (each rank is its own process)."""
+    ranks; returns DeepSpeed's parallel_state_sp, its groups (at pp = 1 deepspeed.initialize's mpu, as
+    UlyssesGroups). Process-wide: it replaces the implementation in transformers' ALL_ATTENTION_FUNCTIONS (each
+    rank is its own process)."""
     from types import SimpleNamespace
 
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -172,6 +173,44 @@ def attention_for_ulysses(attention: str) -> None:
 def no_mask(*args, **kwargs) -> None:
     """HF's mask builder under Ulysses: no mask, which Ulysses' attention would drop."""
     return None
+
+
+class UlyssesGroups:
+    """The mpu deepspeed.initialize gets at pp = 1 under sp: DeepSpeed's parallel_state_sp (its sequence and
+    sequence-data-parallel groups, which the engine and ZeRO read; ZeRO 1-3 and DeepSpeed's groups know it by
+    its `initialize_sequence_parallel` and then see no model parallelism: stage_1_and_2.py:309, stage3.py:371,
+    utils/groups.py), except that every rank is model-parallel rank 0 of a group of one.
+
+    parallel_state_sp names the sp rank the model-parallel rank, so DeepSpeed's norm code (BF16_Optimizer's
+    get_grads_for_norm, clip_grad_norm_, get_weight_norm, CheckOverflow) counts a gradient on sp rank 0 only and
+    sums over the sp group; BF16_Optimizer (bf16 with fp32 accumulation at ZeRO 1, `dstk generate-config --sp 2
+    --bf16`) then stacks an empty list on sp rank 1 and stops at step 1 (deepspeed 0.19.8 runtime/utils.py:952).
+    Each rank holds the whole gradient, all-reduced over the dp x sp ranks (ZeRO 0 and BF16_Optimizer: every
+    rank the full buffer), so each rank's own norm is the norm, with nothing to add over a group."""
+
+    def __init__(self, sp_state):
+        import torch.distributed as dist
+
+        self._sp = sp_state
+        rank = dist.get_rank()
+        for r in range(dist.get_world_size()):  # new_group is called by every rank for every group, in order
+            group = dist.new_group([r])
+            if r == rank:
+                self._alone = group
+
+    def __getattr__(self, name):  # the sequence(-data)-parallel groups, ranks and sizes, and its marker
+        if name.startswith("_"):  # not set yet (a copy): no recursion through self._sp
+            raise AttributeError(name)
+        return getattr(self._sp, name)
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self):
+        return self._alone
 
 
 def shard_stage(module, kinds: list, sp: int, sp_rank: int) -> None:

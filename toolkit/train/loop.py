@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toolkit.distributed.agreement import agree
 from toolkit.distributed.process_group import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import config_batch
@@ -61,17 +62,21 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     tokenizer, config, prepared = read_inputs(args, cfg, topo)
     mark("data")
     batch = config_batch(cfg, topo.dp)
-    if args.streaming:
-        from toolkit.data.stream import StreamBatches
-
-        opts = data_options(args, hf.max_positions(config))
-        sampler = StreamBatches(opts, tokenizer, batch.mbs, batch.gas, topo.dp, dp_rank)
-    else:
-        sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
     ckpt_dir = RunFolder(args.out).checkpoints
-    start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
-    if resume_tag:
-        manifest.check_same_model(ckpt_dir, config)
+    with agree("setting up this rank's data"):  # each rank opens its own share of a stream, reads its own position
+        if args.streaming:
+            from toolkit.data.stream import StreamBatches
+
+            opts = data_options(args, hf.max_positions(config))
+            sampler = StreamBatches(opts, tokenizer, batch.mbs, batch.gas, topo.dp, dp_rank)
+        else:
+            sampler = data.ShardedBatches(prepared.train, batch.mbs, batch.gas, topo.dp, dp_rank, args.seed)
+        start = manifest.step_of(resume_tag) if resume_tag else 0  # a foreign tag is refused before the build
+        saved = manifest.read_manifest(ckpt_dir, resume_tag) if resume_tag else None  # before a move rewrites it
+        if resume_tag:
+            manifest.check_same_model(ckpt_dir, config)
+            if args.streaming:  # the next unseen row of this rank's share
+                sampler.resume_from(stream_position(ckpt_dir / resume_tag, saved, topo, dist.get_rank()))
     tf32_on, tf32_line = tf32.apply(args.tf32, rank_device(), dtype_of(cfg))  # before the model's first matmul
     model, record = model_of_rank(args, config, topo, cfg)
     mark("model")
@@ -80,13 +85,11 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     engine, param_names = start_engine(model, record, cfg, topo, args.verbose)
     mark("engine")
     record, save_frozen = run_record(args, record, topo, cfg)
-    if dist.get_rank() == 0 and not resume_tag:
-        manifest.save_meta(ckpt_dir, config, tokenizer, record)
-    saved = manifest.read_manifest(ckpt_dir, resume_tag) if resume_tag else None  # before a move rewrites it
+    with agree("writing the run's record", name_ranks=False):
+        if dist.get_rank() == 0 and not resume_tag:
+            manifest.save_meta(ckpt_dir, config, tokenizer, record)
     if resume_tag:
         _resume(engine, ckpt_dir, resume_tag, record, save_frozen, args.seed, dp_rank)
-        if args.streaming:  # the next unseen row of this rank's share
-            sampler.resume_from(manifest.load_data_position(ckpt_dir / resume_tag, dist.get_rank()))
         mark("resume")
     steps = args.steps or sampler.steps_per_epoch
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
@@ -111,6 +114,7 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
     return {"model": args.model, "model_name": name, "from_dir": Path(args.model).is_dir(),
             "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
             "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp, "sp": topo.sp,
+                       "schedule": args.schedule if topo.pp > 1 else None,  # pp 1 runs no pipeline schedule
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len, "lora": record.get("lora"),
             "start_step": start, "steps": steps, "resume": resume}
@@ -133,12 +137,13 @@ def rank_device():
 def read_inputs(args, cfg: dict, topo) -> tuple:
     """(tokenizer, HF config, data.Prepared): the run's tokenizer, its model's config (checked for tp > 1;
     a classifier's num_labels from the data) and its tokenized rows."""
-    tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
-    config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
-    if topo.tp > 1:
-        section = cfg.get("tensor_parallel") or {}
-        hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
-                                                                   or section.get("partition_config")))
+    with agree("reading the tokenizer and the model's config"):  # each rank reads its node's files
+        tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
+        config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
+        if topo.tp > 1:
+            section = cfg.get("tensor_parallel") or {}
+            hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
+                                                                       or section.get("partition_config")))
     opts = data_options(args, hf.max_positions(config))
     prepared = data.prepare_once_per_node(opts, tokenizer) if not args.streaming else eval_only(opts, tokenizer)
     if args.task == "sequence-classification":
@@ -181,10 +186,10 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
         record["param_groups"] = param_names
     mpu = None
     config = (getattr(model, "config", None) or model.get_base_model().config) if topo.pp == 1 else None
-    if topo.sp > 1 and topo.pp == 1:  # Ulysses' groups and attention, before the engine (it takes the groups as
-        from toolkit.distributed.sequence_parallel import register  # its mpu; pipelines: toolkit.distributed.pipeline)
+    if topo.sp > 1 and topo.pp == 1:  # Ulysses' groups and attention before the engine, which takes the groups as
+        from toolkit.distributed.sequence_parallel import UlyssesGroups, register  # its mpu (pipelines: pipeline.py)
 
-        mpu = register(config, topo.sp, config_batch(cfg, topo.dp).mbs)
+        mpu = UlyssesGroups(register(config, topo.sp, config_batch(cfg, topo.dp).mbs))
     elif topo.pp == 1:  # HF's masks (padded or packed rows) built additive: one per micro-batch for all layers
         from models.attention import share_additive_masks
 
@@ -220,23 +225,48 @@ def _resume(engine, ckpt_dir: Path, tag: str, record: dict, save_frozen: bool, s
     if portable.moved(saved, record) or portable.is_portable(ckpt_dir / tag):
         made = portable.stage(ckpt_dir, tag)
         names = portable.hf_names_of(engine.module, record)
-        portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            manifest.move_manifest(ckpt_dir, record)
-            if made:  # the tag is as it was written
-                shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
-        dist.barrier()
+        with agree("reading the checkpoint on the new layout"):  # each rank its own tensors
+            portable.restore(engine, portable.read(ckpt_dir, tag, wanted=set(names.values())), names)
+        with agree("recording the new layout", name_ranks=False):
+            if dist.get_rank() == 0:
+                manifest.move_manifest(ckpt_dir, record)
+                if made:  # the tag is as it was written
+                    shutil.rmtree(ckpt_dir / tag / portable.PORTABLE)
         seed_streams(seed, dp_rank, manifest.step_of(tag))
         return
     # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
     # just read from --model, and only the adapters come from the checkpoint
     loaded = wrappers.load(engine, ckpt_dir, tag, strict=save_frozen)
-    if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
-        raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on this rank "
-                            f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
-    if not manifest.load_rng(ckpt_dir / tag, dist.get_rank()):  # a tag written before dstk saved them
-        seed_streams(seed, dp_rank, manifest.step_of(tag))
+    with agree("loading the checkpoint"):
+        if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
+            raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on rank "
+                                f"{dist.get_rank()}?); nothing was trained. Check the folder, or start a fresh --out")
+        if not manifest.load_rng(ckpt_dir / tag, dist.get_rank()):  # a tag written before dstk saved them
+            seed_streams(seed, dp_rank, manifest.step_of(tag))
+
+
+def stream_position(tag_dir: Path, saved: dict, topo, rank: int) -> dict:
+    """Rank `rank`'s place in the stream of a --streaming run's checkpoint (toolkit.data.stream). Each rank saved its
+    own, by global rank: on another layout a rank may find none, or one of another dp rank's share. Refused then,
+    naming both layouts, in the same words on every rank that refuses (prepare's agreement says which)."""
+    _, dp_rank = topo.coords(rank)
+    path = tag_dir / manifest.DATA_POSITION.format(rank)
+    if not path.is_file() and not any(tag_dir.glob(manifest.DATA_POSITION.format("*"))):
+        return manifest.load_data_position(tag_dir, rank)  # refused: not a --streaming run's checkpoint
+    position = manifest.load_data_position(tag_dir, rank) if path.is_file() else None
+    if position is not None and (position.get("dp"), position.get("dp_rank")) == (topo.dp, dp_rank):
+        return position
+    found = "no stream position of its own" if position is None else "one saved for another dp rank's share"
+    was = _layout_words(*(int(saved.get(k, 1)) for k in ("dp", "pp", "tp", "sp")))  # older runs: no sp
+    now = _layout_words(topo.dp, topo.pp, topo.tp, topo.sp)
+    raise UnusableInput(f"--resume --streaming: {tag_dir.name} was saved on {was}, each rank keeping its own place in "
+                        f"the stream; on {now} a rank finds {found} there. A --streaming run resumes on the layout it "
+                        f"was saved with ({was}), or starts afresh in another --out")
+
+
+def _layout_words(dp: int, pp: int, tp: int, sp: int) -> str:
+    ranks = dp * pp * tp * sp
+    return f"dp {dp} x pp {pp} x tp {tp} x sp {sp}, {ranks} rank{'s' if ranks > 1 else ''}"
 
 
 def data_options(args, max_positions=None) -> data.DataOptions:

@@ -224,9 +224,12 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         hf.check_attention(args.attention)
     check_path(args.data, encoding=args.encoding)
     if args.streaming:
-        from toolkit.data.stream import check_streamable
+        from toolkit.data.stream import check_rows_for_dp, check_streamable
+        from toolkit.train.loop import data_options
 
         check_streamable(args.data, args.eval_fraction, args.eval_data, args.steps, args.task)
+        if world_size is not None:  # a document for every dp rank (the first dp documents read, no more)
+            check_rows_for_dp(data_options(args), world_size // (pp * tp_of(cfg) * sp_of(cfg)))
     if args.eval_data:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
@@ -291,7 +294,8 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     before rank 0 draws the loss curve and exports; nobody waits in a collective (whose timeout
     would abort the ranks) while a large model is converted. In-process callers keep their group.
     The export runs after the engine is gone and streams a full model (about one layer in memory)."""
-    from toolkit.checkpoint import manifest, run_folder
+    from toolkit.checkpoint import run_folder
+    from toolkit.distributed.agreement import agree
     from toolkit.train import lora
     from toolkit.train import loop as train_loop
     from toolkit.export.directory import export
@@ -304,43 +308,19 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     _log_levels(args.verbose)
     dist = process_group.init()
     clock.mark("process group")
-    cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
-    try:
-        out_lock.take_on_rank0(lambda: run_folder.check_held(args.out, args.resume, args.overwrite, out_inputs(args)))
-        if out_lock.note:
-            print(f"note: {out_lock.note}", file=sys.stderr, flush=True)
-        check_shared_out(args.out)
-        local = local_inputs(args, fetch=True)  # hub ids -> folders in the cache, downloaded once per node
-        if local is not args:
-            check_model(local, cfg, world)  # check() could not read a folder that was not downloaded yet
-        args = local
-    except ConfigError:
-        if teardown:
-            process_group.shutdown()  # every rank refuses: they meet in its barrier (gloo's threads, exit -6)
-        raise
-    if args.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
-        lora.check_qlora_here(args.model)
-    topo = Topology(dist.get_world_size(), pp, tp_of(cfg), sp_of(cfg))
-    stage, dp_rank = topo.coords(dist.get_rank())
     folder = run_folder.RunFolder(args.out)
     ckpt_dir = folder.checkpoints
-    resume_tag = manifest.agreed_latest(ckpt_dir) if args.resume else None
-    if resume_tag:
-        manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag,
-                                 new_data=args.resume_with_new_data)
-    if args.overwrite and dist.get_rank() == 0:
-        run_folder.clear(args.out)
-    dist.barrier(group=process_group.patient_group())  # nobody writes into --out before it is cleared (however long)
     try:
-        job = train_loop.prepare(args, cfg, topo, dp_rank, resume_tag, clock)
-    except ConfigError as exc:
-        if teardown and not getattr(exc, "every_rank", False):  # every rank refuses: none is left to die at exit
-            process_group.shutdown()  # in gloo's threads (exit -6); it meets the others in a barrier
-        raise
-    if recipe is not None and dist.get_rank() == 0:
-        from toolkit.config.generate import write_text
+        args, job = set_up(args, world, clock, out_lock)
+        with agree("writing --out's recipe.yaml", name_ranks=False):
+            if recipe is not None and dist.get_rank() == 0:
+                from toolkit.config.generate import write_text
 
-        write_text(recipe, str(folder.recipe), force=True, flag="--out's")
+                write_text(recipe, str(folder.recipe), force=True, flag="--out's")
+    except Exception as exc:
+        if teardown and getattr(exc, "agreed", False):  # every rank raises it (an agreement): none is left to die at
+            process_group.shutdown()  # exit in gloo's threads (exit -6); they meet in its barrier
+        raise
     summary = train_loop.run_steps(args, job, is_logger=dist.get_rank() == 0)
     summary["rank0"] = dist.get_rank() == 0
     dist.barrier()  # every rank's last checkpoint is complete
@@ -359,6 +339,45 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
             summary["export"] = str(export(ckpt_dir, folder.hf, adapter_dir=adapters))
         write_summary(folder.summary, {k: v for k, v in summary.items() if k != "rank0"})
     return summary
+
+
+def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
+    """(args with local inputs, loop.Job) once the process group is up: --out's lock taken by rank 0 (out_lock, a
+    toolkit.checkpoint.lock.RunLock) and what --out holds judged under it, the checks that need the group, --out
+    cleared for --overwrite, then the data, model and engine. Where ranks may part ways (each reads its own files),
+    they agree (toolkit.distributed.agreement): an error only some reach is every rank's, one line."""
+    import torch.distributed as dist
+
+    from toolkit.checkpoint import manifest, run_folder
+    from toolkit.distributed.agreement import agree
+    from toolkit.train import lora
+    from toolkit.train import loop as train_loop
+
+    with agree("checking the config, --out and the model"):
+        # first in the phase, so every rank reaches its broadcast; its refusal is every rank's already
+        out_lock.take_on_rank0(lambda: run_folder.check_held(args.out, args.resume, args.overwrite, out_inputs(args)))
+        if out_lock.note:
+            print(f"note: {out_lock.note}", file=sys.stderr, flush=True)
+        cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
+        check_shared_out(args.out)  # its collectives agree on their own; so do local_inputs' downloads
+        local = local_inputs(args, fetch=True)  # hub ids -> folders in the cache, downloaded once per node
+        if local is not args:
+            check_model(local, cfg, world)  # check() could not read a folder that was not downloaded yet
+        if local.qlora and world is None:  # check() looks where the ranks run only when a launcher says so
+            lora.check_qlora_here(local.model)
+    args = local
+    topo = Topology(dist.get_world_size(), pp, tp_of(cfg), sp_of(cfg))
+    _, dp_rank = topo.coords(dist.get_rank())
+    ckpt_dir = run_folder.RunFolder(args.out).checkpoints
+    resume_tag = manifest.agreed_latest(ckpt_dir) if args.resume else None
+    # nobody writes into --out before it is cleared, however long it takes (--resume and --overwrite exclude each other)
+    with agree("checking the checkpoint to resume" if resume_tag else "clearing --out", name_ranks=bool(resume_tag)):
+        if resume_tag:
+            manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag,
+                                     new_data=args.resume_with_new_data)
+        if args.overwrite and dist.get_rank() == 0:
+            run_folder.clear(args.out)
+    return args, train_loop.prepare(args, cfg, topo, dp_rank, resume_tag, clock)
 
 
 def write_summary(path: Path, summary: dict) -> None:

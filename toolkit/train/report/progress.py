@@ -49,9 +49,11 @@ def start_lines(about: dict) -> list:
     lay, lines = about["layout"], []
     weights = f"weights from {about['model']}" if about["from_dir"] else f"random weights (seed {about['seed']})"
     lines.append(f"model: {about['model_name']}, {weights}, {about['dtype']}; {_count(about['params'])} parameters")
-    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} = {lay['dp'] * lay['pp'] * lay['tp']} ranks, "
-                 f"ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp {lay['dp']} = "
-                 f"{about['gbs']} rows of {about['seq_len']} tokens per step")
+    ranks = lay["dp"] * lay["pp"] * lay["tp"] * lay.get("sp", 1)
+    schedule = f", schedule {lay['schedule']}" if lay.get("schedule") else ""  # pp > 1 only
+    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} x sp {lay.get('sp', 1)} = {ranks} ranks"
+                 f"{schedule}, ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp "
+                 f"{lay['dp']} = {about['gbs']} rows of {about['seq_len']} tokens per step")
     if about.get("tf32_note"):  # toolkit.train.tf32: an fp32 run on a GPU with TF32 left off, or what --tf32 did
         lines.append(about["tf32_note"])
     lora = about.get("lora")
