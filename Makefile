@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.dstk-installed
 MPI_STAMP := $(VENV)/.dstk-mpi
 
-.PHONY: demo test test-all test-unit bench setup setup-mpi presets clean
+.PHONY: demo test test-all test-unit bench setup setup-mpi presets clean wheelhouse
 
 # .venv/ only: all that a one-node run needs, on CPUs or GPUs (no system packages, no compiler).
 setup: $(STAMP)
@@ -63,6 +63,16 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# wheels/ for bench/gpu.sh on a GPU machine with no package registry (bench/wheelhouse.sh, the pins in
+# bench/wheelhouse.txt): deepspeed built here, dstk's wheel, the rest downloaded as cp$(WHEEL_PY) manylinux x86_64 or
+# pure wheels; fails past 60 MiB. `make wheelhouse WHEEL_PY=3.11 WHEELS=DIR`: the same set for Python 3.11.
+# A set-up .venv/ is used as it is (deepspeed's build needs its torch), never re-installed; none: make setup first.
+WHEELS ?= wheels
+WHEEL_PY ?= 3.12
+wheelhouse:
+	@test -e $(STAMP) || $(MAKE) setup
+	bash bench/wheelhouse.sh $(BIN)/python $(WHEEL_PY) $(WHEELS)
 
 presets: $(STAMP)
 	$(BIN)/python -m toolkit.config.presets

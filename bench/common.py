@@ -12,6 +12,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -54,22 +55,43 @@ def time_command(cmd: list[str], env=None) -> float:
 def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = None) -> tuple:
     """Run `cmd` in `cwd` (the repository by default), launcher and ranks in one new process group, output in
     `log`; (exit code or None when killed at `timeout`, wall seconds). At the timeout SIGTERM goes to the
-    group (the launcher forwards it to the ranks), SIGKILL 30 s later."""
+    group (the launcher forwards it to the ranks), SIGKILL 30 s later. A SIGTERM to this process while it waits
+    (gpu.sh's backstop `timeout`) or Ctrl-C stops the group too (SIGKILL 5 s later), then exits: a group of its
+    own outlives this process otherwise, holding its GPUs."""
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=cwd or Path(__file__).resolve().parents[1], env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        on_main = threading.current_thread() is threading.main_thread()  # where Python lets a handler be set
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc, 30)
             rc = None
+        except BaseException:
+            _stop(proc, 5)
+            raise
+        finally:
+            if on_main:
+                signal.signal(signal.SIGTERM, previous)
     return rc, time.perf_counter() - start
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the process group `proc` leads, SIGKILL `grace_s` seconds later if it is still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:  # the group ended in between
+        proc.wait()
 
 
 def extract(rev: str, dest: Path, paths=("toolkit", "models", "setup.cfg", "launch.sh")) -> Path:

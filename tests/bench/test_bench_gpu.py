@@ -310,7 +310,7 @@ def test_gpu_finetune_skips_without_cuda(capsys):
 
 def _gpu_sh(env_changes: dict, *args, path_first: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PY"}
-    env.update(env_changes)
+    env.update({"WHEELS": str(ROOT / "no-such-wheels"), **env_changes})  # not the offline path, unless asked
     if path_first:
         env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
     return subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), *args], capture_output=True, text=True, cwd=ROOT,

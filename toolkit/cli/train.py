@@ -141,7 +141,8 @@ def train(local_rank, check_only, world_size, **options):
         from toolkit.train.report import read_metrics, table
 
         click.echo(table(*read_metrics(RunFolder(options["out"]).metrics)))
-        click.echo(f"loss curve: {summary['loss_png']}" + (f"; HF model: {summary['export']}" if "export" in summary else "")
+        curve = summary["loss_png"] or f"skipped: {summary['loss_png_skipped']}"
+        click.echo(f"loss curve: {curve}" + (f"; HF model: {summary['export']}" if "export" in summary else "")
                    + f"; summary: {summary['summary_json']}")
     shutdown()
 

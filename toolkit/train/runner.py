@@ -332,7 +332,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     if teardown:
         process_group.shutdown()
     if summary["rank0"]:
-        summary["loss_png"] = str(_loss_png(folder))
+        summary.update(_loss_png(folder))  # loss_png: the path, or None and loss_png_skipped: why
         summary["summary_json"] = str(folder.summary)
         if args.export:
             adapters = folder.adapter if lora.settings_of(args) else None
@@ -389,7 +389,7 @@ def write_summary(path: Path, summary: dict) -> None:
     write_text(json.dumps(summary, indent=1) + "\n", str(path), force=True, flag="--out's")
 
 
-def _loss_png(folder) -> Path:
-    from toolkit.train.report import loss_png, read_metrics
+def _loss_png(folder) -> dict:
+    from toolkit.train.report import draw_loss_png, read_metrics
 
-    return loss_png(*read_metrics(folder.metrics), folder.loss_png)
+    return draw_loss_png(*read_metrics(folder.metrics), folder.loss_png)

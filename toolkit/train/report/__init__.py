@@ -5,6 +5,6 @@ load's peak apart), trackers.py (--report-to: TensorBoard, W&B, MLflow), summary
 summary's per-rank numbers and steady-state throughput, the loss table and loss.png, from OUT/metrics.jsonl)."""
 
 from toolkit.train.report.progress import ProgressLog, StartClock, start_lines
-from toolkit.train.report.summary import loss_png, mfu_fields, per_rank, read_metrics, table
+from toolkit.train.report.summary import draw_loss_png, mfu_fields, per_rank, read_metrics, table
 
-__all__ = ["ProgressLog", "StartClock", "start_lines", "loss_png", "mfu_fields", "per_rank", "read_metrics", "table"]
+__all__ = ["ProgressLog", "StartClock", "start_lines", "draw_loss_png", "mfu_fields", "per_rank", "read_metrics", "table"]

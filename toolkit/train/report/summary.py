@@ -109,13 +109,19 @@ def run_throughput(summary: dict, job, args) -> dict:
     return fields
 
 
-def loss_png(steps: list, summary: dict | None, path) -> Path:
-    """Training loss per step (and eval loss where taken) as a PNG."""
-    import matplotlib
+def draw_loss_png(steps: list, summary: dict | None, path) -> dict:
+    """Training loss per step (and eval loss where taken) as a PNG at `path`; the summary's fields:
+    {"loss_png": "PATH"}, or where matplotlib cannot be imported {"loss_png": None, "loss_png_skipped": why},
+    nothing drawn. The curve is optional (a GPU image may lack matplotlib): the run's summary, export and
+    exit status never depend on it."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return {"loss_png": None, "loss_png_skipped": f"matplotlib is not importable ({type(exc).__name__}: {exc}); "
+                                                      "pip install matplotlib to draw it"}
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss", linewidth=1)
     evals = [(r["step"], r["eval_loss"]) for r in steps if r.get("eval_loss") is not None]
@@ -130,7 +136,7 @@ def loss_png(steps: list, summary: dict | None, path) -> Path:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return Path(path)
+    return {"loss_png": str(path)}
 
 
 def per_rank(engine, load: dict | None = None) -> dict:
