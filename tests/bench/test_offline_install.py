@@ -155,14 +155,15 @@ def test_gpu_sh_installs_from_the_wheels_and_refuses_without_cuda(image, wheels)
 
 def test_gpu_finetune_dry_run_in_the_image(image, site, tmp_path):
     """The bench's own path (launch.sh, the deepspeed launcher, toolkit.train on a CPU rank) with the image's
-    packages and the wheels alone: pp1-zero1, the first case the lent machine (one GPU) runs; one case, as each
-    launch costs ~1 min here (LoRA: test_dstk_train_from_the_wheel_in_the_image)."""
+    packages and the wheels alone: pp1-zero1, the first case the lent machine (one GPU) runs, and pp1-zero1-hf, the
+    same under HF Trainer (transformers 5.17's Trainer with the wheelhouse's deepspeed and datasets); two cases, as
+    each launch costs ~1 min here (LoRA: test_dstk_train_from_the_wheel_in_the_image)."""
     cmd = [image / "bin" / "python", ROOT / "bench" / "gpu_finetune.py", "--dry-run", "--cases", "pp1-zero1",
-           "--out-dir", tmp_path / "out", "--work-dir", tmp_path / "work"]
+           "pp1-zero1-hf", "--out-dir", tmp_path / "out", "--work-dir", tmp_path / "work"]
     proc = _run(cmd, 900, cwd=ROOT, env=_env(site))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     cases = {c["name"]: c for c in json.loads((tmp_path / "out" / "gpu.json").read_text())["cases"]}
-    assert {n: c["status"] for n, c in cases.items()} == {"pp1-zero1": "ok"}
+    assert {n: c["status"] for n, c in cases.items()} == {"pp1-zero1": "ok", "pp1-zero1-hf": "ok"}
     versions = json.loads((tmp_path / "out" / "gpu.json").read_text())["machine"]["versions"]
     assert versions["deepspeed"] == "0.19.8" and versions["torch"].startswith("2.13.0")
 
