@@ -56,15 +56,31 @@ def ds_world1():
     return group
 
 
+@pytest.fixture(autouse=True)
+def _transformers_interfaces_as_shipped():
+    """Every test starts and ends with transformers' attention and mask interfaces as transformers ships them: dstk
+    installs attention and mask functions process-wide in a rank (Ulysses' core, no mask under sp, additive sdpa
+    masks at pp 1: toolkit.train.loop.start_engine), so an in-process engine built by one test would otherwise
+    change the masks every later test of this process sees. Nothing to do before transformers is imported."""
+    import sys
+
+    def reset():
+        for name, attr in (("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS"),
+                           ("transformers.modeling_utils", "ALL_ATTENTION_FUNCTIONS")):
+            module = sys.modules.get(name)
+            if module is not None:
+                getattr(module, attr)._local_mapping = {}  # the registered overrides; the shipped ones are global
+    reset()
+    yield
+    reset()
+
+
 @pytest.fixture
-def interfaces(monkeypatch):
-    """transformers' attention and mask interfaces (ALL_ATTENTION_FUNCTIONS, returned, and ALL_MASK_ATTENTION_FUNCTIONS)
-    as they are, restored after the test: dstk installs attention and mask functions process-wide in a rank."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+def interfaces():
+    """transformers' attention interface (ALL_ATTENTION_FUNCTIONS), for a test to install its own functions in; it and
+    the mask interface are as shipped again after the test (the autouse fixture above)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for interface in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
-        monkeypatch.setattr(interface, "_local_mapping", dict(interface._local_mapping))
     return ALL_ATTENTION_FUNCTIONS
 
 
