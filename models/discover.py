@@ -20,9 +20,10 @@ from torch import nn
 
 from toolkit.errors import ConfigError
 
-# what DecoderBlock passes (or a layer may take and leave at its default in training)
+# what DecoderBlock passes (or a layer may take and leave at its default in training); cache_params: the cache's
+# name in state-space layers before transformers 5.24 (which calls it cache)
 LAYER_INPUTS = {"hidden_states", "attention_mask", "position_ids", "position_embeddings", "cache", "past_key_values",
-                "past_key_value", "layer_past", "use_cache", "cache_position", "output_attentions",
+                "past_key_value", "layer_past", "cache_params", "use_cache", "cache_position", "output_attentions",
                 "output_router_logits", "kwargs"}
 
 

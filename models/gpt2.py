@@ -34,7 +34,8 @@ class GPT2BlockStage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         hidden, doc_ids = inputs
-        out = self.block(hidden, cache=None, **layer_inputs(doc_ids, hidden, self.config, create_causal_mask))
+        # no cache: the block's default (its keyword is past_key_values before transformers 5.24, cache since)
+        out = self.block(hidden, **layer_inputs(doc_ids, hidden, self.config, create_causal_mask))
         return (out[0] if isinstance(out, tuple) else out), doc_ids
 
 def build_gpt2(source, config) -> PipelineSpec:

@@ -38,8 +38,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # What every rank's environment holds, as the tests' launches always set it (and before the server's
-# imports: OpenMP reads its thread count when torch loads).
-RANK_ENV = dict(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+# imports: OpenMP reads its thread count when torch loads). TORCH_WARM_POOL=0: torch 2.7 with triton installed
+# (a CUDA build, as at setup.cfg's torch floor) starts inductor's compile-worker pool, a process and a reader
+# thread, when torch._inductor.async_compile is imported (DeepSpeed's Muon import does; 2.13 waits until it
+# compiles), and a rank forked from the warm server would hang.
+RANK_ENV = dict(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                TORCH_WARM_POOL="0")
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
              "MASTER_ADDR", "MASTER_PORT")
 GRACE_S = 1.0  # after a rank fails, what the others get to finish printing (the deepspeed launcher polls each 1 s)

@@ -12,7 +12,7 @@ from toolkit.config.rules import check_rules
 from toolkit.config.validate import check_schema
 from toolkit.errors import ConfigError
 from toolkit.plan.arch import load_arch
-from toolkit.plan.tp import DEEPSPEED_PRESETS, HF_PLAN_TYPES, autotp_problems
+from toolkit.plan.tp import DEEPSPEED_PRESETS, HF_PLAN_TYPES, PLAN_SINCE, autotp_problems, has_hf_plan
 from toolkit.distributed.topology import tp_of
 
 
@@ -179,15 +179,17 @@ def test_unknown_model_is_a_usage_error(capsys, tmp_path):
 
 
 def test_hf_plan_table_matches_transformers():
-    """HF_PLAN_TYPES: each has a base_model_tp_plan in the installed transformers; gpt2, bert and opt
-    have none (so AutoTP's heuristic refuses them)."""
+    """HF_PLAN_TYPES: each has a base_model_tp_plan in the installed transformers, except those whose plan
+    came in a later release (PLAN_SINCE), which has_hf_plan says for this release; gpt2, bert and opt have
+    none (so AutoTP's heuristic refuses them)."""
     pytest.importorskip("transformers")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     def has_plan(model_type):
         return bool(getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None))
 
-    assert [t for t in sorted(HF_PLAN_TYPES) if not has_plan(t)] == []
+    assert [t for t in sorted(HF_PLAN_TYPES) if has_hf_plan(t) != has_plan(t)] == []
+    assert set(PLAN_SINCE) <= HF_PLAN_TYPES
     assert [t for t in ("gpt2", "bert", "opt") if has_plan(t)] == []
     assert not {"gpt2", "bert", "opt"} & set(DEEPSPEED_PRESETS)
 

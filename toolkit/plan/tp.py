@@ -11,7 +11,7 @@ the config first, then the HF model's tp plan (config.base_model_tp_plan merged 
 _tp_plan, runtime/tensor_parallel/config.py _get_hf_tp_plan), then a heuristic (AutoTP.tp_parser) that
 refuses gpt2 outright and BERT/OPT in practice ("AutoTP not supported for model",
 module_inject/auto_tp.py:349). dstk accepts a model only with a plan: HF_PLAN_TYPES (read from
-transformers 5.24, checked by tests/unit/test_tp_config.py), or a "preset_model" / "partition_config".
+transformers 5.17 on, checked by tests/unit/test_tp_config.py), or a "preset_model" / "partition_config".
 
 What a rank holds, as measured on Llama at tp = 2 (/tmp/tp/REPORT.md section 1): q/k/v/gate/up split by
 rows (column-parallel), o/down by columns (row-parallel, their biases replicated); norms replicated; an
@@ -31,23 +31,47 @@ whole on every tp rank (a tied embedding stays a pipeline tied layer), so those 
 unsharded figures and their collectives vanish (`pipeline=True`).
 """
 
+import functools
+import importlib.metadata
+import re
+
 from toolkit.plan.arch import Arch
 from toolkit.plan.memory.precision import weight_bytes
 
-# Model types whose transformers 5.24 config class has a base_model_tp_plan (a subset: the families
-# dstk's arch reader knows); tests check each against the installed transformers.
+# Model types whose transformers config class has a base_model_tp_plan (a subset: the families dstk's arch
+# reader knows), from transformers 5.17 (setup.cfg's floor) on unless PLAN_SINCE names a later release;
+# tests check each against the installed transformers.
 HF_PLAN_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
     "gpt_neox", "gptj", "phi", "phi3", "olmo", "olmo2", "olmoe", "starcoder2", "cohere", "glm", "granite",
     "deepseek_v2", "deepseek_v3", "helium", "smollm3", "ministral"})
+PLAN_SINCE = {"gptj": (5, 24)}  # (major, minor) of the transformers release that gave it its plan
 # "preset_model" values (module_inject/autotp_config.py:561-567); used only when the config names one.
 DEEPSPEED_PRESETS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")
+
+
+def has_hf_plan(model_type: str) -> bool:
+    """Does the installed transformers give `model_type` a base_model_tp_plan? Its version is read from the
+    package's metadata (no transformers import: `dstk validate` starts fast)."""
+    if model_type not in HF_PLAN_TYPES:
+        return False
+    return model_type not in PLAN_SINCE or _transformers_version() >= PLAN_SINCE[model_type]
+
+
+@functools.cache
+def _transformers_version() -> tuple:
+    """(major, minor) of the installed transformers; (0, 0) where it is not installed."""
+    try:
+        release = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    return tuple(int(re.match(r"\d+", part).group()) for part in release.split(".")[:2])
 
 
 def autotp_problems(arch: Arch, tp: int, custom_plan: bool = False) -> list[str]:
     """Why `arch` cannot be sharded `tp` ways by AutoTP (empty when it can). custom_plan: the config
     names a "preset_model" or "partition_config", so the HF plan is not needed."""
-    return shard_problems(arch.name, arch.model_type, arch.model_type in HF_PLAN_TYPES, tp, custom_plan,
+    return shard_problems(arch.name, arch.model_type, has_hf_plan(arch.model_type), tp, custom_plan,
                           {"num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads,
                            "intermediate_size": arch.intermediate})
 
@@ -84,7 +108,7 @@ def tp_candidates(arch: Arch, gpus_per_node: int, lora: int | None = None) -> li
     """tp sizes `dstk plan` tries: divisors of the GPUs in one node (a tp group's all-reduces stay on
     the node's links), that AutoTP can shard the model by with its HF plan. Dense models without LoRA
     only: AutoTP of experts and of LoRA adapters is not modelled."""
-    if lora is not None or arch.is_moe or arch.model_type not in HF_PLAN_TYPES:
+    if lora is not None or arch.is_moe or not has_hf_plan(arch.model_type):
         return [1]
     # tp divides the heads, so at most heads of them (bounds the search whatever --gpus-per-node says)
     return [t for t in range(1, min(gpus_per_node, arch.heads) + 1)
