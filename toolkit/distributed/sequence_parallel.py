@@ -71,22 +71,38 @@ def document_sdpa(module, query, key, value, attention_mask, **kwargs):
     read from the gathered kwargs["position_ids"] (B, T): one device-to-host copy per layer), without a
     (T x T) mask: one causal call per document (torch's flash / memory-efficient kernels: memory linear in
     T), all rows in one call where they share their documents. A sliding window shorter than a document
-    (kwargs["sliding_window"], mistral, qwen2, gemma): `_windowed`. Returns (B, T, heads/sp, hs), None."""
+    (kwargs["sliding_window"], mistral, qwen2, gemma): `_windowed`. Returns (B, T, heads/sp, hs), None.
+    On CUDA (`_use_flex`) one flex_attention call over all rows with the micro-batch's document BlockMask
+    (document_flex), where it computes what sdpa does (no dropout, causal: `document_flex.supported`); the loop
+    is the CPU path and the fallback."""
     import torch
 
     from models.attention import document_bounds
+    from toolkit.distributed import document_flex
 
     documents = kwargs.get("documents")
     if documents is None:
         documents = document_bounds(kwargs["position_ids"])
     if documents.rows[0][-1] != query.shape[2]:
         raise ValueError(f"documents of {documents.rows[0][-1]} tokens for attention over {query.shape[2]}")
+    if _use_flex(query) and document_flex.supported(module, kwargs):
+        return document_flex.attention(query, key, value, documents, kwargs.get("sliding_window"),
+                                       kwargs.get("scaling")), None
     out = []
     for rows, bounds in documents.groups():
         pieces = [piece for a, b in zip(bounds, bounds[1:])
                   for piece in _document(module, query[rows], key[rows], value[rows], a, b, documents, kwargs)]
         out.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])  # (rows, T, heads, hs)
     return (torch.cat(out) if len(out) > 1 else out[0]), None
+
+
+def _use_flex(query) -> bool:
+    """The flex path (document_flex) on CUDA where torch has flex_attention. On CPU the per-document sdpa loop:
+    torch 2.13 has no flex_attention backward on CPU (NotImplementedError), and its forward there is either
+    eager (the whole (T x T) scores) or compiled by inductor's C++ backend (half a minute per graph)."""
+    from toolkit.distributed import document_flex
+
+    return query.is_cuda and document_flex.available()
 
 
 BLOCK = 1024  # queries per call in a sliding-window document longer than its window
