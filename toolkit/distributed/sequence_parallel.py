@@ -22,7 +22,9 @@ runs a document longer than its window as its first `window` tokens (plain causa
 step = min(window, BLOCK) queries, each over its window of keys with a corner of one (step, step + window)
 band mask shared by all blocks and layers: exact, memory linear in T, where a (B, 1, T, T) mask would be
 2 GiB a layer at T 32768 once sdpa made it additive.
-flash_attention_2 finds documents from the gathered position ids itself, at batch size 1 only.
+flash_attention_2 gets the documents as its variable-length arguments (cu_seq_lens, max_length of the whole
+rows, from the same Documents, once per micro-batch: `document_flash`), so HF reads no position in a layer;
+mbs 1 is still required (check_attention).
 
 Loss: each rank's loss is its slice's summed token losses / the micro-batch's targets (num_items_in_batch),
 so the sp group's losses sum to the micro-batch's mean, the one-process value, and its gradients sum to
@@ -177,13 +179,31 @@ def register(config, sp: int, mbs: int):
 
 def attention_for_ulysses(attention: str) -> None:
     """What transformers calls under Ulysses in this process (before Ulysses wraps the attention): under sdpa,
-    `document_sdpa` as the core, and for any implementation no mask builder (module doc)."""
+    `document_sdpa` as the core; under flash, HF's flash with the documents' variable-length arguments
+    (`document_flash`); for any implementation no mask builder (module doc)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if attention == "sdpa":
         ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the core Ulysses calls after its all-to-all
+    elif attention.startswith("flash"):
+        core = ALL_ATTENTION_FUNCTIONS[attention]
+        ALL_ATTENTION_FUNCTIONS[attention] = document_flash(getattr(core, "core", core))
     ALL_MASK_ATTENTION_FUNCTIONS[attention] = no_mask
+
+
+def document_flash(core):
+    """HF's flash attention `core` over the full sequence Ulysses hands it, given the variable-length arguments
+    of kwargs["documents"] (models.attention.document_varlen: built once per micro-batch): without them
+    transformers reads the gathered position ids in every layer to find packed documents (a host sync each)."""
+    def attention(module, query, key, value, attention_mask, documents=None, **kwargs):
+        from models.attention import document_varlen
+
+        if documents is not None and kwargs.get("cu_seq_lens_q") is None:
+            kwargs.update(document_varlen(documents, query.device))
+        return core(module, query, key, value, attention_mask, **kwargs)
+    attention.core = core
+    return attention
 
 
 def no_mask(*args, **kwargs) -> None:
