@@ -87,6 +87,22 @@ class Documents:
         return [(slice(row, row + 1), bounds) for row, bounds in enumerate(self.rows)]
 
 
+def document_varlen(documents: Documents, device) -> dict:
+    """flash_attention_2's variable-length arguments (as varlen_arguments) for the rows of `documents`, flattened
+    into one sequence: cu_seq_lens int32 on `device` (documents + 1 offsets), max_length a host int. From the
+    host bounds, once per micro-batch and device (kept in the Documents): transformers' flash path otherwise reads
+    the position ids in every layer to look for packed documents (a device-to-host sync each)."""
+    made = ("varlen", str(device))
+    if made not in documents.cache:
+        length = documents.rows[0][-1]
+        offsets = [row * length + start for row, bounds in enumerate(documents.rows) for start in bounds[:-1]]
+        cu = torch.tensor(offsets + [len(documents.rows) * length], dtype=torch.int32)
+        longest = max(b - a for bounds in documents.rows for a, b in zip(bounds, bounds[1:]))
+        documents.cache[made] = {"cu_seq_lens_q": cu.to(device), "cu_seq_lens_k": cu.to(device),
+                                 "max_length_q": longest, "max_length_k": longest}
+    return documents.cache[made]
+
+
 def document_bounds(position_ids: torch.Tensor) -> Documents:
     """The documents of (B, T) position ids: one starts where a position does not follow its predecessor's.
     A device tensor costs one device-to-host copy of the (B, T - 1) starts."""

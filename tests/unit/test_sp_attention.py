@@ -192,3 +192,28 @@ def test_a_stage_finds_the_documents_once_per_micro_batch(ds_world1, interfaces,
         loss.backward()
     assert len(found) == 1
     assert abs(float(loss) - float(want)) <= TOLERANCE
+
+
+def test_flash_gets_the_documents_variable_lengths_once_per_micro_batch(interfaces):
+    """Under flash (no flash kernel here: a stand-in for HF's flash_attention_forward records what it gets), the
+    core gets cu_seq_lens / max_length of the whole rows from the Documents, the same tensors in every layer
+    (built once per micro-batch), so transformers never reads the position ids to look for documents; they are
+    flash's own arguments for the rows' document ids (models.attention.varlen_arguments)."""
+    from models.attention import document_bounds, positions, varlen_arguments
+
+    seen = []
+    interfaces["flash_attention_2"] = flash = lambda module, q, k, v, mask, **kwargs: seen.append(kwargs) or (q, None)
+    attention_for_ulysses("flash_attention_2")
+    attention_for_ulysses("flash_attention_2")
+    assert interfaces["flash_attention_2"].core is flash  # wrapped once
+    (_, doc_ids), _ = _batch(small_model("llama").config)
+    for row in (doc_ids[:1], doc_ids[1:]):  # mbs 1 under flash: two micro-batches
+        documents = document_bounds(positions(row))
+        q = torch.zeros(1, 4, 32, 8)
+        for _layer in range(2):
+            interfaces["flash_attention_2"](_module(), q, q, q, None, documents=documents, position_ids=positions(row))
+        want = varlen_arguments(row)
+        assert len(seen) == 2 and "documents" not in seen[0] and seen[0]["cu_seq_lens_q"] is seen[1]["cu_seq_lens_q"]
+        assert torch.equal(seen[0]["cu_seq_lens_q"], want["cu_seq_lens_q"]), (seen[0], want)
+        assert seen[0]["max_length_q"] == want["max_length_q"] and seen[0]["cu_seq_lens_k"].dtype == torch.int32
+        seen.clear()

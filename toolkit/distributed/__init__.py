@@ -6,5 +6,7 @@
     pipeline.py         pp > 1: the HF model as a PipelineModule on dstk's partition; layer -> HF names
     tensor_parallel.py  tp inside pipeline stages (3D), which DeepSpeed 0.19 does not offer
     dualpipev.py        --schedule dualpipev: what DeepSpeed's DualPipeV needs, refused before launch
-Nothing here imports torch at import time.
+    sequence_parallel.py  sp > 1: Ulysses at pp = 1 and inside pipeline stages, its core attention
+    document_flex.py    that core on CUDA: flex_attention with one document BlockMask per micro-batch
+Nothing here imports torch at import time, except document_flex (imported where attention runs).
 """

@@ -22,7 +22,9 @@ runs a document longer than its window as its first `window` tokens (plain causa
 step = min(window, BLOCK) queries, each over its window of keys with a corner of one (step, step + window)
 band mask shared by all blocks and layers: exact, memory linear in T, where a (B, 1, T, T) mask would be
 2 GiB a layer at T 32768 once sdpa made it additive.
-flash_attention_2 finds documents from the gathered position ids itself, at batch size 1 only.
+flash_attention_2 gets the documents as its variable-length arguments (cu_seq_lens, max_length of the whole
+rows, from the same Documents, once per micro-batch: `document_flash`), so HF reads no position in a layer;
+mbs 1 is still required (check_attention).
 
 Loss: each rank's loss is its slice's summed token losses / the micro-batch's targets (num_items_in_batch),
 so the sp group's losses sum to the micro-batch's mean, the one-process value, and its gradients sum to
@@ -71,22 +73,38 @@ def document_sdpa(module, query, key, value, attention_mask, **kwargs):
     read from the gathered kwargs["position_ids"] (B, T): one device-to-host copy per layer), without a
     (T x T) mask: one causal call per document (torch's flash / memory-efficient kernels: memory linear in
     T), all rows in one call where they share their documents. A sliding window shorter than a document
-    (kwargs["sliding_window"], mistral, qwen2, gemma): `_windowed`. Returns (B, T, heads/sp, hs), None."""
+    (kwargs["sliding_window"], mistral, qwen2, gemma): `_windowed`. Returns (B, T, heads/sp, hs), None.
+    On CUDA (`_use_flex`) one flex_attention call over all rows with the micro-batch's document BlockMask
+    (document_flex), where it computes what sdpa does (no dropout, causal: `document_flex.supported`); the loop
+    is the CPU path and the fallback."""
     import torch
 
     from models.attention import document_bounds
+    from toolkit.distributed import document_flex
 
     documents = kwargs.get("documents")
     if documents is None:
         documents = document_bounds(kwargs["position_ids"])
     if documents.rows[0][-1] != query.shape[2]:
         raise ValueError(f"documents of {documents.rows[0][-1]} tokens for attention over {query.shape[2]}")
+    if _use_flex(query) and document_flex.supported(module, kwargs):
+        return document_flex.attention(query, key, value, documents, kwargs.get("sliding_window"),
+                                       kwargs.get("scaling")), None
     out = []
     for rows, bounds in documents.groups():
         pieces = [piece for a, b in zip(bounds, bounds[1:])
                   for piece in _document(module, query[rows], key[rows], value[rows], a, b, documents, kwargs)]
         out.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])  # (rows, T, heads, hs)
     return (torch.cat(out) if len(out) > 1 else out[0]), None
+
+
+def _use_flex(query) -> bool:
+    """The flex path (document_flex) on CUDA where torch has flex_attention. On CPU the per-document sdpa loop:
+    torch 2.13 has no flex_attention backward on CPU (NotImplementedError), and its forward there is either
+    eager (the whole (T x T) scores) or compiled by inductor's C++ backend (half a minute per graph)."""
+    from toolkit.distributed import document_flex
+
+    return query.is_cuda and document_flex.available()
 
 
 BLOCK = 1024  # queries per call in a sliding-window document longer than its window
@@ -161,13 +179,31 @@ def register(config, sp: int, mbs: int):
 
 def attention_for_ulysses(attention: str) -> None:
     """What transformers calls under Ulysses in this process (before Ulysses wraps the attention): under sdpa,
-    `document_sdpa` as the core, and for any implementation no mask builder (module doc)."""
+    `document_sdpa` as the core; under flash, HF's flash with the documents' variable-length arguments
+    (`document_flash`); for any implementation no mask builder (module doc)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if attention == "sdpa":
         ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the core Ulysses calls after its all-to-all
+    elif attention.startswith("flash"):
+        core = ALL_ATTENTION_FUNCTIONS[attention]
+        ALL_ATTENTION_FUNCTIONS[attention] = document_flash(getattr(core, "core", core))
     ALL_MASK_ATTENTION_FUNCTIONS[attention] = no_mask
+
+
+def document_flash(core):
+    """HF's flash attention `core` over the full sequence Ulysses hands it, given the variable-length arguments
+    of kwargs["documents"] (models.attention.document_varlen: built once per micro-batch): without them
+    transformers reads the gathered position ids in every layer to find packed documents (a host sync each)."""
+    def attention(module, query, key, value, attention_mask, documents=None, **kwargs):
+        from models.attention import document_varlen
+
+        if documents is not None and kwargs.get("cu_seq_lens_q") is None:
+            kwargs.update(document_varlen(documents, query.device))
+        return core(module, query, key, value, attention_mask, **kwargs)
+    attention.core = core
+    return attention
 
 
 def no_mask(*args, **kwargs) -> None:
