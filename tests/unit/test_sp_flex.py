@@ -82,7 +82,7 @@ def test_the_blocks_hold_every_allowed_element_and_full_ones_no_other(case, size
     T, 36 tokens, never: as create_block_mask); every allowed element in a full or partial block, and without a
     window no partial block without one (with a window a partial block may hold none: the rule masks it)."""
     rows = CASES[case]
-    partial, full = document_flex._blocks(document_flex.document_ids(rows), window, size)
+    partial, full = document_flex.blocks(document_flex.document_ids(rows), window, size)
     blocks = -(-36 // size)
     allowed = torch.nn.functional.pad(_allowed(rows, window, 36), (0, blocks * size - 36, 0, blocks * size - 36))
     tiles = allowed.reshape(2, blocks, size, blocks, size).transpose(2, 3)  # (B, i, j, size, size)
@@ -98,7 +98,7 @@ def test_the_block_mask_gives_flex_its_layout():
     mask = document_flex.build_block_mask(CASES["packed"], 5, "cpu", size=8)
     assert mask.shape == (2, 1, 36, 36) and mask.BLOCK_SIZE == (8, 8)
     dense = mask.to_dense()  # partial and full blocks, (B, 1, blocks, blocks)
-    partial, full = document_flex._blocks(document_flex.document_ids(CASES["packed"]), 5, 8)
+    partial, full = document_flex.blocks(document_flex.document_ids(CASES["packed"]), 5, 8)
     assert torch.equal(dense.bool(), partial | full)
     assert torch.equal(mask.mask_mod(torch.tensor(0), 0, torch.tensor(9), torch.tensor(8)), torch.tensor(False))
     assert torch.equal(mask.mask_mod(torch.tensor(0), 0, torch.tensor(16), torch.tensor(12)), torch.tensor(True))

@@ -76,7 +76,7 @@ def build_block_mask(rows: tuple, window, device, size: int = BLOCK):
     from torch.nn.attention.flex_attention import BlockMask
 
     ids = document_ids(rows)  # (B, T) on the host
-    partial, full = _blocks(ids, window, size)
+    partial, full = blocks(ids, window, size)
     kv_num, kv_index = _ordered(partial)
     full_num, full_index = _ordered(full)
     length = ids.shape[1]
@@ -92,7 +92,7 @@ def document_ids(rows: tuple) -> torch.Tensor:
                                                 torch.tensor(bounds).diff()) for bounds in rows])
 
 
-def _blocks(ids: torch.Tensor, window, size: int) -> tuple:
+def blocks(ids: torch.Tensor, window, size: int) -> tuple:
     """(partial, full): (B, 1, blocks, blocks) bool over (query block i, key block j), from the documents of
     each block's first and last token (documents are contiguous and increase along a row)."""
     length = ids.shape[1]
