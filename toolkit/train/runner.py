@@ -224,12 +224,16 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         hf.check_attention(args.attention)
     check_path(args.data, encoding=args.encoding)
     if args.streaming:
+        from types import SimpleNamespace
+
         from toolkit.data.stream import check_rows_for_dp, check_streamable
-        from toolkit.train.loop import data_options
 
         check_streamable(args.data, args.eval_fraction, args.eval_data, args.steps, args.task)
-        if world_size is not None:  # a document for every dp rank (the first dp documents read, no more)
-            check_rows_for_dp(data_options(args), world_size // (pp * tp_of(cfg) * sp_of(cfg)))
+        if world_size is not None:  # a document for every dp rank (the first dp documents read, no more); what
+            # open_stream reads of the data options (loop.data_options would import torch: --check starts fast)
+            opts = SimpleNamespace(path=args.data, encoding=args.encoding, task=args.task, format=args.format,
+                                   text_field=args.text_field)
+            check_rows_for_dp(opts, world_size // (pp * tp_of(cfg) * sp_of(cfg)))
     if args.eval_data:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
