@@ -45,23 +45,32 @@ def steps_of(out: Path) -> list:
 
 
 def test_two_runs_started_into_one_out_at_once_one_trains_and_the_other_is_refused(tmp_path):
-    """Before: both exited 0, their checkpoints, metrics and exports mixed in one folder."""
+    """Before: both exited 0, their checkpoints, metrics and exports mixed in one folder. The second run starts once
+    the first holds the lock, and the first trains long enough (30 steps) to still hold it when the second checks:
+    two runs started together on a loaded host could otherwise run one after the other (the second then refused as
+    a used folder, not a folder in use)."""
     cfg = write_config(tmp_path / "ds.json", run_config(2, 2, 1))
     out, results = tmp_path / "run", [None, None]
 
     def start(i):
-        results[i] = launch(cfg, out, 2, "--steps", 4, "--save-every", 2, *QUICK, timeout=300)
+        results[i] = launch(cfg, out, 2, "--steps", 30, "--save-every", 15, *QUICK, timeout=300)
 
-    for t in in_threads(lambda: start(0), lambda: start(1)):
+    def second():
+        deadline = time.monotonic() + 240
+        while not (out / LOCK).exists() and results[0] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start(1)
+
+    for t in in_threads(lambda: start(0), second):
         t.join()
-    (won, log), (lost, said) = sorted(results, key=lambda r: r[0])
+    (won, log), (lost, said) = results
     assert won == 0, log[-3000:]
     assert lost == 1 and "Traceback" not in said, said[-3000:]
     assert len(re.findall(rf"--out {out} is in use by dstk train \(pid \d+ on host {socket.gethostname()}, started ",
                           said)) == 1, said[-3000:]
     assert f"rm {out / LOCK}" in said
-    assert steps_of(out) == [1, 2, 3, 4, -1]  # one run's steps, once, and its summary
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["dstk", "global_step2", "global_step4", "latest"]
+    assert steps_of(out) == [*range(1, 31), -1]  # one run's steps, once, and its summary
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["dstk", "global_step15", "global_step30", "latest"]
     assert not (out / LOCK).exists()
 
 
