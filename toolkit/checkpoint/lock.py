@@ -243,24 +243,16 @@ class RunLock:
 
     def take_on_rank0(self, then=None) -> None:
         """Rank 0 takes the lock, then calls `then()` holding it (what OUT holds, judged once for every rank); every
-        rank raises a refusal of either (a collective of the whole world)."""
+        rank raises a refusal of either, as one line (toolkit.distributed.agreement: a collective of the world)."""
         import torch.distributed as dist
 
-        box, failure = [None], None
-        if dist.get_rank() == 0:
-            try:
+        from toolkit.distributed.agreement import agree
+
+        with agree(f"taking {self.flag} {self.out}'s lock", name_ranks=False):  # rank 0 works for all
+            if dist.get_rank() == 0:
                 self.take()
                 if then is not None:
                     then()
-            except Exception as exc:  # noqa: BLE001  every rank must hear of it: the others wait in the broadcast
-                failure = exc
-                box = [str(exc) if isinstance(exc, ConfigError) else
-                       f"rank 0 could not take {self.flag} {self.out}'s lock: {type(exc).__name__}: {exc}"]
-        dist.broadcast_object_list(box, src=0)
-        if failure is not None:
-            raise failure
-        if box[0] is not None:
-            raise ConfigError(box[0])
 
     def release(self) -> None:
         for number, previous in self.handlers.items():
