@@ -195,10 +195,10 @@ def markdown(meta: dict, lengths: list, speed: dict, alst: list) -> list:
               for t in r["tried"] if t["length"] == r["longest"] and t["activation_mib"]]
     if ratios:
         lines += ["", "Measured / planner's activations at the longest length: " + ", ".join(
-            f"sp {sp} {ratio:.2f}" for sp, ratio in ratios) + ". At sp 1 the planner counts an fp32 (seq x seq) mask "
-            "per block that HF does not build for unpadded one-document rows (it takes sdpa's causal path), which "
-            "hides a shortfall in its per-token count of this model's activations on CPU; under sp it counts no "
-            "mask and the shortfall shows: it promises about twice the length that fits."]
+            f"sp {sp} {ratio:.2f}" for sp, ratio in ratios) + ". At sp 1 the planner counts one fp32 (seq x seq) mask "
+            "for the model (pp 1 shares one additive mask among the layers), which HF does not build for unpadded "
+            "one-document rows (sdpa's causal path): there it over-counts; under sp it counts no mask and its "
+            "per-token shortfall shows: it promises about twice the length that fits."]
     lines += ["", f"Throughput at {meta['speed_length']} tokens per row, median of {meta['reps']} runs each, alternated:",
               "", "| sp | tokens/s (median) | against sp 1 | runs | failed |", "|---|---|---|---|---|"]
     for sp, r in speed.items():
