@@ -2,7 +2,7 @@
 
 import os
 
-from models.source import DirSource, LiveSource
+from models.weights.source import DirSource, LiveSource
 from models.spec import PipelineSpec
 from models import TASKS, task_named
 from toolkit.errors import ConfigError, UnusableInput

@@ -24,7 +24,7 @@ def train_check(tmp_path, model, *args):
 
 
 def test_train_check_passes_from_the_cache_without_deepspeed_or_transformers(env, tmp_path):
-    """torch comes in with the folder's safetensors check (models/source.py imports it), as for --model DIR."""
+    """torch comes in with the folder's safetensors check (models/weights/source.py imports it), as for --model DIR."""
     result, heavy = run_cli_fresh(train_check(tmp_path, REPO_ID, "--revision", "v2"), env)
     assert result.returncode == 0 and "fit to train" in result.stdout, result.stderr[-2000:]
     assert "deepspeed" not in heavy and "transformers" not in heavy, heavy

@@ -28,36 +28,30 @@ def hf_name(name: str) -> str:
 
 
 class SafetensorsReader:
-    """A HF directory's safetensors by name (the reader interface of toolkit.checkpoint.stream);
-    `keep`: the names to give (others are not read)."""
+    """A HF directory's safetensors by the model's names (the reader interface of toolkit.checkpoint.stream),
+    converted as from_pretrained converts them (per-expert files -> fused experts); `keep`: the names
+    to give (others are not read). skeleton: the HF model on the meta device."""
 
-    def __init__(self, folder: Path, keep, prefix: str = ""):
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
-        elif (folder / "model.safetensors").exists():
-            from safetensors import safe_open
+    def __init__(self, folder: Path, skeleton, keep):
+        from models.weights.source import StoredTensors
+        from toolkit.errors import UnusableInput
 
-            with safe_open(folder / "model.safetensors", "pt") as f:
-                files = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise FileNotFoundError(f"{folder} holds no safetensors")
-        self.folder, self.files, self.saved_as = folder, {}, {}  # HF name -> its file, and its name there
-        for saved, file in files.items():  # a base model saved without its head's prefix (bert.), or with it
-            name = next((n for n in (saved, f"{prefix}.{saved}", saved.removeprefix(f"{prefix}.")) if n in keep), None)
-            if name is not None:
-                self.files[name], self.saved_as[name] = file, saved
+        try:
+            self.stored = StoredTensors(folder, skeleton)
+        except UnusableInput as exc:  # no safetensors there
+            raise FileNotFoundError(str(exc)) from None
+        self.folder, self.keep = folder, [n for n in self.stored.names.owner if n in keep]
+        self.files = set(self.keep)
 
     def names(self) -> list:
-        return list(self.files)
+        return list(self.keep)
+
+    def read(self, name: str):
+        return next(self.stored.read_groups([name]))[name]
 
     def groups(self):
-        """One tensor at a time: a group is what the merge holds twice (the base and the sum)."""
-        from safetensors import safe_open
-
-        for name, file in self.files.items():
-            with safe_open(self.folder / file, "pt") as f:
-                yield {name: f.get_tensor(self.saved_as[name])}
+        """A conversion group at a time (one tensor, or one layer's fused experts): what the merge holds twice."""
+        yield from self.stored.read_groups(self.keep)
 
 
 class MergedReader:
@@ -122,7 +116,7 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, out:
     from_dir = None
     if base_dir is not None:
         try:
-            from_dir = SafetensorsReader(base_dir, set(tied) - heads, skeleton.base_model_prefix)
+            from_dir = SafetensorsReader(base_dir, skeleton, set(tied) - heads)
         except FileNotFoundError as exc:
             raise NotStreamable(str(exc)) from None
     shapes = {k.removeprefix(PEFT_PREFIX): tuple(t.shape) for k, t in wrapped.state_dict().items() if ".lora_" in k}
@@ -167,8 +161,6 @@ def _skeletons(config, manifest: dict):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import models
-    from toolkit.checkpoint.stream import NotStreamable
-    from toolkit.export.stream import converts_weights
     from toolkit.train.lora import LoraSettings, apply
 
     unset_hf_deepspeed_config()  # plain skeletons, even in a process that trained under ZeRO-3
@@ -176,8 +168,6 @@ def _skeletons(config, manifest: dict):
     s = manifest["lora"]
     with torch.device("meta"):
         skeleton, base = (cls.from_config(config, dtype=torch.float32) for _ in range(2))
-        if converts_weights(skeleton):
-            raise NotStreamable(f"{type(skeleton).__name__} renames or fuses weights when saved")
         settings = LoraSettings(s["r"], s["alpha"], s["dropout"], tuple(s["targets"]), bool(s.get("qlora")))
         wrapped = apply(base, settings, manifest["task"])
     return skeleton, wrapped
@@ -193,11 +183,9 @@ class SameBase:
 
     def see(self, name: str, tensor) -> None:
         import torch
-        from safetensors import safe_open
 
         if name in self.names and self.same:
-            with safe_open(self.folder.folder / self.folder.files[name], "pt") as f:
-                mine = f.get_tensor(self.folder.saved_as[name]).float()
+            mine = self.folder.read(name).float()
             self.same = torch.allclose(tensor.float().view(mine.shape), mine, rtol=2**-7, atol=1e-6)
 
 

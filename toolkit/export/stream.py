@@ -105,10 +105,7 @@ class ShardWriter:
         import torch
 
         shape, dtype = self.specs[name]
-        if tensor.numel() != math.prod(shape) or (tensor.dim() != 1 and tuple(tensor.shape) != shape):
-            raise ConfigError(f"{name}: the checkpoint holds shape {tuple(tensor.shape)}, the model expects "
-                              f"{shape}; was the checkpoint written for another model config?")
-        data = tensor.reshape(-1).to(dtype).contiguous()  # pipeline masters come flat
+        data = _shaped(name, tensor, shape).reshape(-1).to(dtype).contiguous()
         k, offset = self.where[name]
         if k not in self.handles:
             self.handles[k] = open(self.files[k], "r+b")
@@ -125,10 +122,14 @@ class ShardWriter:
 
 
 def write_weights(reader, skeleton, folder: Path, dtype: str, max_bytes: int, where: str) -> dict:
-    """Every tensor `reader` yields, cast (floating ones) to `dtype`, into sharded safetensors in
-    `folder`; refuses (before writing a byte of weights) a checkpoint missing some of the model's
-    tensors or holding others. Returns {"shards": n, "total_size": bytes, "largest_group": bytes}."""
+    """Every tensor `reader` yields (by the model's names), cast (floating ones) to `dtype`, into sharded
+    safetensors in `folder` under the names and layout save_pretrained writes (transformers' conversion
+    reverted a group at a time: fused MoE experts back to one tensor per expert); refuses (before writing
+    a byte of weights) a checkpoint missing some of the model's tensors or holding others. Returns
+    {"shards": n, "total_size": bytes, "largest_group": bytes}."""
     import torch
+
+    from models.weights.conversion import to_disk
 
     expected, alias = expected_tensors(skeleton)
     held = set(reader.names())
@@ -137,22 +138,34 @@ def write_weights(reader, skeleton, folder: Path, dtype: str, max_bytes: int, wh
     if missing or unexpected:
         raise ConfigError(f"{where} does not match its model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     target = getattr(torch, dtype)
-    specs = {n: (shape, target if t.is_floating_point else t) for n, (shape, t) in expected.items()}
+    with torch.device("meta"):  # the written names and shapes, from the model's, without a byte of memory
+        shapes = to_disk(skeleton, {n: torch.empty(shape, dtype=t) for n, (shape, t) in expected.items()})
+    specs = {n: (tuple(t.shape), target if t.is_floating_point() else t.dtype) for n, t in shapes.items()}
     writer = ShardWriter(folder, specs, max_bytes)
-    largest = 0
+    largest, taken = 0, set()
     try:
         for group in reader.groups():
             largest = max(largest, sum(t.numel() * t.element_size() for t in group.values()))
-            for name, tensor in group.items():
-                if name in expected and name not in writer.written:
-                    writer.write(name, tensor)
+            mine = {n: _shaped(n, t, expected[n][0]) for n, t in group.items() if n in expected and n not in taken}
+            taken.update(mine)  # (pipeline masters come flat: the model's shapes before converting)
             del group
+            for name, tensor in to_disk(skeleton, mine).items():
+                writer.write(name, tensor)
+            del mine
     finally:
         writer.close()
-    unwritten = [n for n in expected if n not in writer.written]
+    unwritten = [n for n in specs if n not in writer.written]
     if unwritten:
         raise ConfigError(f"{where} does not match its model: missing {unwritten[:4]}, unexpected []")
     return {"shards": len(writer.files), "total_size": writer.total_size, "largest_group": largest}
+
+
+def _shaped(name: str, tensor, shape: tuple):
+    """`tensor` in `shape` (pipeline masters come flat); refused when it holds another number of values."""
+    if tensor.numel() != math.prod(shape) or (tensor.dim() != 1 and tuple(tensor.shape) != shape):
+        raise ConfigError(f"{name}: the checkpoint holds shape {tuple(tensor.shape)}, the model expects "
+                          f"{shape}; was the checkpoint written for another model config?")
+    return tensor.view(shape)
 
 
 def export_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, folder: Path, dtype: str,
@@ -166,14 +179,12 @@ def export_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, folder: P
 
     import models
     from toolkit.checkpoint.manifest import META
-    from toolkit.checkpoint.stream import NotStreamable, open_reader
+    from toolkit.checkpoint.stream import open_reader
 
     meta = ckpt_dir / META
     unset_hf_deepspeed_config()  # a plain skeleton, even in a process that trained under ZeRO-3
     with torch.device("meta"):
         skeleton = models.auto_class(manifest["task"]).from_config(config, dtype=torch.float32)
-    if converts_weights(skeleton):
-        raise NotStreamable(f"{type(skeleton).__name__} renames or fuses weights when saved")
     _, alias = expected_tensors(skeleton)
     reader = open_reader(ckpt_dir / tag, manifest, alias)
     stats = write_weights(reader, skeleton, folder, dtype, max_bytes, str(ckpt_dir / tag))
@@ -193,12 +204,3 @@ def write_metadata(skeleton, meta: Path, folder: Path, dtype: str, base_dir: Pat
         own = base_dir is not None and (Path(base_dir) / "generation_config.json").exists()
         (GenerationConfig.from_pretrained(base_dir) if own else skeleton.generation_config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(meta).save_pretrained(folder)
-
-
-def converts_weights(skeleton) -> bool:
-    """Whether save_pretrained would rename or fuse tensors (transformers 5's conversion mapping,
-    e.g. MoE experts): the streamed names would then differ from what from_pretrained expects."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
-
-    return any(not isinstance(c, PrefixChange) for c in get_model_conversion_mapping(skeleton, add_legacy=False))

@@ -123,14 +123,14 @@ def load_config(model: str, tokenizer, task: str, attention: str = "sdpa"):
 def check_model_name(model: str) -> None:
     """--model is a local directory with a config.json (a hub id's snapshot folder included), or a built-in
     name; else a clear refusal. A directory's config.json and safetensors headers are read
-    (models.source.check_directory)."""
+    (models.weights.source.check_directory)."""
     from toolkit.plan.arch import builtin_names, is_builtin
 
     path = Path(model)
     if path.is_dir() and not (path / "config.json").is_file():
         raise ConfigError(f"--model {model}: no config.json in this directory, so it is not a HF model directory")
     if path.is_dir():
-        from models.source import check_directory
+        from models.weights.source import check_directory
 
         check_directory(path)
     if not path.is_dir() and not is_builtin(model):

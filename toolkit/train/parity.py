@@ -75,7 +75,7 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
     from transformers import AutoConfig
 
     from models import auto_class, default_task
-    from models.source import check_directory
+    from models.weights.source import check_directory
 
     if not os.path.isdir(path):
         raise UnusableInput(f"{path}: no such directory")

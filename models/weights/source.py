@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.errors import ConfigError, UnusableInput
+from models.weights.conversion import DiskNames
+from toolkit.errors import UnusableInput
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,8 +52,7 @@ class DirSource:
         self.dtype = dtype or torch.float32  # of the parameters; fp32: they are the optimizer's masters
         with torch.device("meta"):  # shapes only, no memory; fp32, as buffers come out of a model built in code
             self.skeleton = model_cls._from_config(config, dtype=torch.float32)
-        self.prefix = model_cls.base_model_prefix  # "model", "transformer", "bert", ...
-        self.weight_map = _weight_map(path)  # tensor name -> safetensors file
+        self.stored = StoredTensors(path, self.skeleton)  # the directory's tensors by the model's names
 
     def module(self, name: str, allow_missing: bool = False) -> nn.Module:
         """Materialise HF module `name` on CPU, parameters in self.dtype, and fill it from the directory."""
@@ -60,54 +60,78 @@ class DirSource:
         for p in module.parameters():
             p.data = p.data.to(self.dtype)  # still on meta: no memory
         module.to_empty(device="cpu")
-        wanted = module.state_dict(keep_vars=True)  # the module's own tensors: filled in place
-        stored = self._stored(name, wanted)
-        _init_unstored(module, self.skeleton._init_weights, [wanted[key] for key in stored])
+        wanted = {f"{name}.{key}": t for key, t in module.state_dict(keep_vars=True).items()}  # filled in place
+        stored = [full for full in wanted if self.stored.has(full)]
+        _init_unstored(module, self.skeleton._init_weights, [wanted[full] for full in stored])
         self._load_into(wanted, stored)
-        missing = set(wanted) - set(stored)
+        missing = [full for full in wanted if not self.stored.has(full)]
         if missing and not allow_missing:
-            raise ConfigError(f"{self.path}: tensors for {name!r} missing from the safetensors files: "
-                              f"{sorted(missing)[:4]}; the directory does not match its config.json")
+            raise self._incomplete(name, missing)
         return self.adapt(module, name) if self.adapt else module
 
     def parameter(self, name: str, allow_missing: bool = False) -> nn.Parameter:
         import torch
         from torch import nn
 
-        module_name, _, attr = name.rpartition(".")
-        values = {attr: torch.zeros(self.skeleton.get_parameter(name).shape, dtype=self.dtype)}
+        values = {name: torch.zeros(self.skeleton.get_parameter(name).shape, dtype=self.dtype)}
         # (a head bias absent from a base-model checkpoint starts at 0, as in HF)
-        stored = self._stored(module_name, values)
-        if not stored and not allow_missing:
-            raise ConfigError(f"{self.path}: tensor {name!r} missing from the safetensors files")
-        self._load_into(values, stored)
-        return nn.Parameter(values[attr])
+        if not self.stored.has(name) and not allow_missing:
+            raise self._incomplete(name, [name])
+        self._load_into(values, [name] if self.stored.has(name) else [])
+        return nn.Parameter(values[name])
 
-    def _stored(self, name: str, tensors: dict) -> dict:
-        """{key: the checkpoint's name} for the keys of `tensors` (module `name`'s) the directory holds."""
-        found = {key: self._stored_name(f"{name}.{key}") for key in tensors}
-        return {key: stored for key, stored in found.items() if stored is not None}
-
-    def _load_into(self, tensors: dict, stored: dict) -> None:
-        """Copy each stored tensor into `tensors[key]` in place, cast to its dtype, one file open at a time."""
+    def _load_into(self, tensors: dict, names: list) -> None:
+        """Copy the stored tensors `names` (HF names, as the model holds them) into `tensors[name]` in
+        place, cast to its dtype: each made from the checkpoint's own tensors through transformers'
+        conversion (per-expert files -> fused experts), one conversion group at a time."""
         import torch
+
+        with torch.no_grad():
+            for group in self.stored.read_groups(names):
+                for full, value in group.items():
+                    if tuple(value.shape) != tuple(tensors[full].shape):
+                        raise UnusableInput(f"{self.path}: {full} comes out {tuple(value.shape)} from the safetensors "
+                                            f"files where config.json makes it {tuple(tensors[full].shape)}; the "
+                                            "files are incomplete or another model's: copy the model's files again")
+                    tensors[full].copy_(value)  # copy_ casts, as .to() would
+
+    def _incomplete(self, name: str, missing: list) -> UnusableInput:
+        """The refusal for tensors the directory lacks, named as the files would name them."""
+        from models.weights.conversion import to_disk
+
+        on_disk = sorted(to_disk(self.skeleton, {n: self.skeleton.get_parameter_or_buffer(n) for n in missing}))
+        return UnusableInput(f"{self.path}: the safetensors files lack {len(on_disk)} tensor(s) of {name!r}: "
+                             f"{', '.join(on_disk[:4])}{' ...' if len(on_disk) > 4 else ''}; the checkpoint is "
+                             "incomplete (copy the model's files again) or config.json is another model's")
+
+
+class StoredTensors:
+    """A HF directory's safetensors, read by the model's names: each tensor made from the files' own
+    through transformers' conversion (models.weights.conversion), reading only what is asked for.
+    skeleton: the model (meta device is enough)."""
+
+    def __init__(self, path, skeleton):
+        self.path = os.fspath(path)
+        self.weight_map = weight_map(self.path)  # the files' tensor name -> safetensors file
+        self.names = DiskNames(skeleton, self.weight_map)
+
+    def has(self, name: str) -> bool:
+        return name in self.names.owner
+
+    def read_groups(self, names):
+        """{model name: tensor} for `names` (those the directory holds), a conversion group at a time
+        (one tensor, or one layer's fused experts); each file opened once."""
         from safetensors import safe_open
 
-        by_file = {}
-        for key, name in stored.items():
-            by_file.setdefault(self.weight_map[name], []).append((key, name))
-        with torch.no_grad():
-            for file, pairs in by_file.items():
-                with safe_open(os.path.join(self.path, file), framework="pt") as f:
-                    for key, name in pairs:
-                        tensors[key].copy_(f.get_tensor(name))  # copy_ casts, as .to() would
+        handles = {}
 
-    def _stored_name(self, full_name: str):
-        """The checkpoint's name for a tensor: with the base prefix, or without (a saved base model)."""
-        if full_name in self.weight_map:
-            return full_name
-        short = full_name.removeprefix(self.prefix + ".")
-        return short if short in self.weight_map else None
+        def get_tensor(key):
+            file = self.weight_map[key]
+            if file not in handles:
+                handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+            return handles[file].get_tensor(key)
+
+        yield from self.names.read_groups(names, get_tensor)
 
 
 def _init_unstored(module: nn.Module, init_weights, loaded: list) -> None:
@@ -133,7 +157,7 @@ def _init_unstored(module: nn.Module, init_weights, loaded: list) -> None:
             del t._is_hf_initialized
 
 
-def _weight_map(path: str) -> dict:
+def weight_map(path: str) -> dict:
     """tensor name -> file, from model.safetensors.index.json or a single model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
