@@ -432,3 +432,40 @@ def test_streaming_is_a_recipe_key_too(tmp_path):
     refused(train_entry(["--recipe", str(recipe), "--check"]), 1, "--streaming without --steps", "pass --steps N")
     ok = train_entry(["--recipe", str(recipe), "--steps", "2", "--check"])
     assert ok.returncode == 0 and "fit to train" in ok.stdout, ok.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def saved_gpt2_bin(tmp_path_factory):
+    """tiny-gpt2 saved as pytorch_model.bin only (an older checkpoint's format), with the byte tokenizer."""
+    import torch
+
+    from toolkit.train import hf
+
+    folder = tmp_path_factory.mktemp("gpt2bin")
+    model = hf.builtin_model("tiny-gpt2")
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    hf.byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case, words", [
+    ("seq-len", ["--seq-len 4096 is longer than the model's", "positions (max_position_embeddings)"]),
+    ("bin at pp 2", ["holds no safetensors", "pipeline stages (pp 2)", "save_pretrained(NEW_DIR)"]),
+    ("tp without a plan", ["tensor_parallel.autotp_size 2", "has no AutoTP plan", "tp = 1"]),
+])
+def test_check_refuses_what_the_ranks_would_refuse_after_the_launch(tmp_path, saved_llama, saved_gpt2_bin, case,
+                                                                    words):
+    """--seq-len beyond the positions, a pytorch_model.bin-only folder at pp > 1 and tp over a model AutoTP cannot
+    shard were refused only by the ranks; --check (what launch.sh runs first) now says so, before any launch."""
+    model, cfg, seq_len = saved_llama, GOOD_CONFIG, "32"
+    if case == "seq-len":
+        seq_len = "4096"
+    elif case == "bin at pp 2":
+        model, cfg = saved_gpt2_bin, {**GOOD_CONFIG, "pipeline": {"stages": 2}}
+    else:
+        model, cfg = saved_gpt2_bin, ds_config(2, 2, tp=2)
+    args = ["--model", str(model), "--data", str(CORPUS), "--config", str(train_config(tmp_path, cfg)),
+            "--out", str(tmp_path / "run"), "--seq-len", seq_len, "--check", "--world-size", "2"]
+    refused(train_entry(args), 2 if case == "bin at pp 2" else 1, *words)
+    assert not (tmp_path / "run").exists()

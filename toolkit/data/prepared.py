@@ -30,7 +30,7 @@ from toolkit.data.batches import (Rows, ShardedBatches, TokenData, eval_batch_co
 from toolkit.data.chat import check_chat_template, plain_messages
 from toolkit.data.formats import IGNORE_INDEX, Encoder, infer_format
 from toolkit.data.tokens import Progress
-from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_text, decode_text, load
+from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_text, decode_text, load, seq_len_fits
 
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
@@ -133,9 +133,7 @@ def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
 
 
 def check_seq_len(opts: DataOptions) -> None:
-    if opts.max_positions is not None and opts.seq_len > opts.max_positions:
-        raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's {opts.max_positions} positions "
-                          f"(max_position_embeddings); use --seq-len {opts.max_positions} or less")
+    seq_len_fits(opts.seq_len, opts.max_positions)
 
 
 def packing_on(opts: DataOptions, fmt: str) -> bool:

@@ -322,3 +322,10 @@ def diagnose_jsonl(path: Path) -> None:
 def _a(kind: type) -> str:
     return {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object",
             bool: "a boolean"}.get(kind, kind.__name__)
+
+
+def seq_len_fits(seq_len: int, max_positions: int | None) -> None:
+    """--seq-len within the model's positions (max_position_embeddings, n_positions; None: it does not say)."""
+    if max_positions is not None and seq_len > max_positions:
+        raise ConfigError(f"--seq-len {seq_len} is longer than the model's {max_positions} positions "
+                          f"(max_position_embeddings); use --seq-len {max_positions} or less")

@@ -9,13 +9,14 @@ layer list (models/) as a PipelineModule over PipeDataParallelTopology(pp, dp), 
 train_batch(). Every rank checks the config against the real world size before building anything.
 """
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from models import task_named
 from toolkit.distributed import process_group
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UnusableInput
 from toolkit.distributed.topology import Topology, sp_of, tp_of
 
 
@@ -148,10 +149,43 @@ def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
     hf.check_tokenizer(args.model, args.tokenizer)
     check_recorded_parts(cfg, args.config, args.model, args.task)
     _check_dualpipev_layers(args, cfg)
+    _check_fits_model(args, cfg)
     if world_size is not None and args.qlora:  # known: the ranks run here (launch.sh on a login node passes none)
         from toolkit.train.lora import check_qlora_here
 
         check_qlora_here(args.model)
+
+
+def _check_fits_model(args: TrainArgs, cfg: dict) -> None:
+    """What the ranks would refuse after the launch, from config.json and the folder's file names alone:
+    --seq-len beyond the model's positions (the data preparation's own rule), and pipeline stages (pp > 1)
+    over a folder without safetensors (each stage reads its own layers from them), and tp > 1 over a model
+    AutoTP cannot shard."""
+    from toolkit.data.source import seq_len_fits
+    from toolkit.train import hf
+
+    folder = Path(args.model)
+    if not (folder / "config.json").is_file():
+        return  # a built-in name: its positions are the arch's, and dstk builds it
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return  # check_model_name has said why already
+    seq_len_fits(args.seq_len, next((config[k] for k in ("max_position_embeddings", "n_positions")
+                                     if isinstance(config.get(k), int)), None))
+    tp = tp_of(cfg)
+    if tp > 1:  # the ranks' own rule (toolkit.train.hf.check_tensor_parallel), on the folder's HF config
+        from transformers import AutoConfig
+
+        section = cfg.get("tensor_parallel") or {}
+        hf.check_tensor_parallel(AutoConfig.from_pretrained(folder), tp,
+                                 custom_plan=bool(section.get("preset_model") or section.get("partition_config")))
+    pp = args.pp or (cfg.get("pipeline") or {}).get("stages") or 1
+    safetensors = ("model.safetensors", "model.safetensors.index.json")
+    if isinstance(pp, int) and pp > 1 and not any((folder / name).is_file() for name in safetensors):
+        raise UnusableInput(f"--model {args.model} holds no safetensors (pytorch_model.bin only?): pipeline stages "
+                            f"(pp {pp}) each read their own layers from model.safetensors. Convert the folder once: "
+                            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR), then --model NEW_DIR")
 
 
 def _check_dualpipev_layers(args: TrainArgs, cfg: dict) -> None:
