@@ -97,3 +97,15 @@ def test_schema_command_prints_the_schema():
     schema = json.loads(result.stdout)
     assert schema["$schema"].endswith("2020-12/schema")
     assert "zero_optimization" in schema["properties"]
+
+
+def test_help_says_sp_works_inside_pipeline_stages(tmp_path):
+    """reshard and generate-config once said sp was pp 1 only, though pp x sp trains (and both accept it)."""
+    for command in ("reshard", "generate-config"):
+        text = " ".join(dstk(command, "--help").stdout.split())
+        assert "pp 1 only" not in text and "pp = 1, tp = 1" not in text, text
+        assert "any --pp" in text, text
+    made = dstk("generate-config", "--world-size", "4", "--pp", "2", "--sp", "2", "-o", str(tmp_path / "ds.json"))
+    assert made.returncode == 0, made.stderr
+    cfg = json.loads((tmp_path / "ds.json").read_text())
+    assert cfg["pipeline"]["stages"] == 2 and cfg["sequence_parallel_size"] == 2

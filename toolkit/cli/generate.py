@@ -28,7 +28,7 @@ def _choice(values):
 @click.option("--gpus-per-node", type=int, metavar="N", help="GPUs per node (with --nodes).")
 @click.option("--pp", type=int, default=1, show_default=True, metavar="N", help="Pipeline stages (pp); written as pipeline.stages.")
 @click.option("--tp", type=int, default=1, show_default=True, metavar="N", help="Tensor-parallel size (DeepSpeed AutoTP; with --pp > 1 dstk train shards each pipeline stage's blocks itself): written as tensor_parallel.autotp_size; dp = world / (pp x tp). With --tp > 1 train_batch_size is left out (DeepSpeed 0.19 checks it against the world size).")
-@click.option("--sp", type=int, default=1, show_default=True, metavar="N", help="Ulysses sequence-parallel size (pp = 1, tp = 1): each group of N ranks shares its rows, each rank holding 1/N of the sequence; written as sequence_parallel_size; dp = world / (pp x sp x tp).")
+@click.option("--sp", type=int, default=1, show_default=True, metavar="N", help="Ulysses sequence-parallel size (any --pp, tp = 1): each group of N ranks shares its rows, each rank holding 1/N of the sequence; written as sequence_parallel_size; dp = world / (pp x sp x tp).")
 @click.option("--partition-method", default="compute", show_default=True, metavar="METHOD", help=describe("pipeline.partition_method"))
 @click.option("--mbs", type=int, default=1, show_default=True, metavar="N", help=describe("train_micro_batch_size_per_gpu"))
 @click.option("--gbs", type=int, metavar="N", help=describe("train_batch_size") + " Derived from --gas when omitted.")

@@ -12,8 +12,8 @@ from toolkit.cli import echo_json
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--pp", type=int, metavar="N", help="Pipeline stages of the layout to resume on (default: unchanged).")
 @click.option("--dp", type=int, metavar="M", help="Data-parallel replicas of that layout (default: unchanged).")
-@click.option("--sp", type=int, metavar="S", help="Sequence-parallel (Ulysses) size of that layout, pp 1 only "
-              "(default: unchanged).")
+@click.option("--sp", type=int, metavar="S", help="Sequence-parallel (Ulysses) size of that layout, with any --pp "
+              "(1F1B; not with --schedule dualpipev; default: unchanged).")
 @click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-3 (0-1 with pp > 1; default: unchanged).")
 @click.option("--schedule", type=click.Choice(["1f1b", "dualpipev"]), help="Pipeline schedule of that layout "
               "(dualpipev: 2 pp stages, `dstk train --schedule dualpipev`; default: unchanged).")

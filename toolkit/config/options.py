@@ -32,8 +32,8 @@ class GenerateOptions:
     nodes: int | None = None
     gpus_per_node: int | None = None
     pp: int = 1  # pipeline stages
-    tp: int = 1  # tensor-parallel size (DeepSpeed AutoTP, pp = 1): tensor_parallel.autotp_size
-    sp: int = 1  # Ulysses sequence-parallel size (pp = tp = 1): sequence_parallel_size
+    tp: int = 1  # tensor-parallel size (DeepSpeed AutoTP; inside pipeline stages too): tensor_parallel.autotp_size
+    sp: int = 1  # Ulysses sequence-parallel size (any pp, tp = 1): sequence_parallel_size
     partition_method: str = "compute"  # how layers are split into stages (or "type:REGEX")
     # batch: gbs = mbs * gas * dp; one of gbs / gas may be None and is derived
     mbs: int = 1
