@@ -139,3 +139,17 @@ def test_params_are_checked_against_the_type_in_any_case():
     problems = _by_path({"optimizer": {"type": "adamw", "params": {"momentum": 0.9}}})
     assert problems["$.optimizer.params.momentum"].severity == ERROR
     assert "unexpected keyword argument" in problems["$.optimizer.params.momentum"].message
+
+
+def test_a_flood_of_unknown_keys_is_capped_and_summarised_in_one_problem():
+    """700,000 stray keys once printed 700,000 lines in 50 s (a spelling search each): the first
+    MAX_UNKNOWN_KEYS are explained one by one, the rest counted in one problem naming a few."""
+    from toolkit.config.explain import MAX_UNKNOWN_KEYS
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimisation": {"stage": 1}, **{f"k{i}": i for i in range(20000)}}
+    problems = check_schema(cfg)
+    assert len(problems) == MAX_UNKNOWN_KEYS + 1
+    summary = [p for p in problems if p.path == "$"]
+    assert len(summary) == 1 and f"{20001 - MAX_UNKNOWN_KEYS:,} more unknown keys here" in summary[0].message
+    assert "ignore them" in summary[0].message
+    assert any('did you mean "zero_optimization"' in p.message for p in problems)  # the listed ones keep their advice

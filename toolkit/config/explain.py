@@ -58,12 +58,17 @@ def _bounds(node) -> str:
     return " " + " and ".join(parts) if parts else ""
 
 
+MAX_UNKNOWN_KEYS = 50  # unknown keys of one object explained one by one (with a spelling suggestion each)
+
+
 def explain_error(err, parent_schema) -> list:
     """Problems for one jsonschema ValidationError. `parent_schema` is the object schema holding
     the failing key (for what DeepSpeed does with it), or None."""
     path = list(err.absolute_path)
     if err.validator == "additionalProperties":
-        return [_unknown_key(path, key, err.schema) for key in _extra_keys(err)]
+        extra = _extra_keys(err)
+        listed = [_unknown_key(path, key, err.schema) for key in extra[:MAX_UNKNOWN_KEYS]]
+        return listed + ([_more_unknown(path, extra[MAX_UNKNOWN_KEYS:], err.schema)] if extra[MAX_UNKNOWN_KEYS:] else [])
     if err.validator == "anyOf":
         inner = _one_branch_errors(err)
         if inner and not isinstance(err.instance, str):  # betas with 3 items: say so, not "a list or auto"
@@ -120,6 +125,14 @@ def _name(path) -> str:
 def _extra_keys(err) -> list:
     known = err.schema.get("properties", {})
     return [k for k in err.instance if k not in known]
+
+
+def _more_unknown(path, keys: list, node) -> Problem:
+    """One problem for the unknown keys past MAX_UNKNOWN_KEYS of one object (no spelling search for each:
+    a file of 700,000 stray keys is reported in a second, not in minutes)."""
+    shown = ", ".join(f'"{k}"' for k in keys[:3])
+    return Problem(json_path(path), f"{len(keys):,} more unknown keys here ({shown}, ...), beyond the first "
+                                    f"{MAX_UNKNOWN_KEYS} listed ({_fate_of_unknown(path, node).replace(' it ', ' them ')})")
 
 
 def _unknown_key(path, key, node) -> Problem:
