@@ -278,6 +278,9 @@ def data_options(args, max_positions=None) -> data.DataOptions:
                             workers=args.data_workers, max_positions=max_positions)
 
 
+NEVER_PRINT = 2**62  # steps_per_print that no run reaches (None would be `global_steps % None` in the engine)
+
+
 def deepspeed_config(cfg: dict, topo) -> dict:
     """The dict deepspeed.initialize gets. Under AutoTP (tp > 1) without train_batch_size: DeepSpeed 0.19
     checks it against mbs x gas x the WORLD size (runtime/config.py:471) before its tp groups exist, so
@@ -285,7 +288,12 @@ def deepspeed_config(cfg: dict, topo) -> dict:
     With pipeline stages also without "tensor_parallel": dstk shards the stages itself (toolkit.train.
     distributed/tensor_parallel.py), and DeepSpeed's own AutoTP would replace the pipeline grid by a mesh without a pipe axis.
     sp inside pipeline stages: without train_batch_size and sequence_parallel_size, as the engine's grid counts a
-    stage's dp x sp ranks as replicas (toolkit.distributed.sequence_parallel); dstk checked gbs = mbs x gas x dp."""
+    stage's dp x sp ranks as replicas (toolkit.distributed.sequence_parallel); dstk checked gbs = mbs x gas x dp.
+    Pipelines: DeepSpeed's PipelineEngine prints its own "steps: N loss: ..." line every steps_per_print steps
+    (a bare print on rank 0, pipe/engine.py, beside dstk's step lines); steps_per_print is set past any run's
+    length so it never does (its other use, the engine's wall-clock report, is off unless asked for)."""
+    if topo.pp > 1:
+        cfg = {**cfg, "steps_per_print": NEVER_PRINT}
     if topo.sp > 1 and topo.pp > 1:  # DeepSpeed's grid holds a stage's dp x sp ranks as data-parallel ones
         return {k: v for k, v in cfg.items() if k not in ("train_batch_size", "sequence_parallel_size")}
     if topo.tp == 1:
