@@ -53,3 +53,20 @@ def test_a_bad_lora_rank_is_one_line(value):
     result = dstk("gpt2", "--pp", "2", "--lora", value)
     assert result.returncode == 1 and result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.strip() == f"error: --lora must be a positive integer (the LoRA rank r), got {value}"
+
+
+@pytest.mark.parametrize("precision_keys, given, want", [
+    ({}, [], "seq 256 x mbs 4, fp32"),  # an fp32 file: not the command's bf16 default
+    ({"bf16": {"enabled": True}}, [], "seq 256 x mbs 4, bf16"),
+    ({"fp16": {"enabled": True}}, ["--mbs", "2"], "seq 256 x mbs 2, fp16"),  # the command line wins
+    ({"bf16": {"enabled": "auto"}}, ["--precision", "fp32"], "seq 256 x mbs 4, fp32"),
+])
+def test_partition_with_a_config_reads_its_micro_batch_and_precision(tmp_path, precision_keys, given, want):
+    """`dstk partition --config ds.json` once reported "mbs 1, bf16" for an fp32 mbs 4 file it records into."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                                  "pipeline": {"stages": 2}, **precision_keys}))
+    result = invoke_dstk(["partition", "tiny-gpt2", "--pp", "2", "--config", str(config), *given])
+    assert result.returncode == 0, result.stderr
+    assert want in result.stdout, result.stdout
+    assert json.loads(config.read_text())["pipeline"]["parts"]  # recorded as before

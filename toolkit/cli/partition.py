@@ -44,7 +44,8 @@ from toolkit.plan.cost.partition import METHODS
               help="Branch, tag or commit of a hub id (ORG/NAME) in MODEL.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="Record the split in FILE's pipeline section (stages, partition_method, parts) for every rank.")
+              help="Record the split in FILE's pipeline section (stages, partition_method, parts) for every rank; "
+                   "--mbs and --precision default to FILE's (train_micro_batch_size_per_gpu, bf16/fp16).")
 def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora, revision, as_json, config_path):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, a local HF directory, or a hub id ORG/NAME
     read from the Hugging Face cache: downloaded when online; offline, HF_HUB_OFFLINE=1, filled beforehand
@@ -56,6 +57,8 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
 
     if lora is not None:
         check_lora_rank(lora)
+    if config_path:
+        mbs, precision = _config_defaults(config_path, mbs, precision)
     arch = load_arch(model, revision)
     seq_len = seq_len or min(1024, arch.max_positions)
     times = None
@@ -75,3 +78,29 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
 
         record_partition(config_path, pp, method, report.splits[0].parts)
         click.echo(f"recorded parts {report.splits[0].parts} in {config_path}", err=True)
+
+
+def _config_defaults(path: str, mbs: int, precision: str) -> tuple:
+    """(mbs, precision): those the command line gave, else the --config file's (the split is recorded for the
+    runs that file configures); "auto" or absent values keep the command's defaults. Said on stderr."""
+    from click.core import ParameterSource
+
+    from toolkit.config.loader import load_config
+    from toolkit.config.problems import raise_errors
+
+    cfg, problems = load_config(path)
+    raise_errors(problems, path)
+    given = click.get_current_context().get_parameter_source
+    read = []
+    file_mbs = cfg.get("train_micro_batch_size_per_gpu")
+    if given("mbs") == ParameterSource.DEFAULT and isinstance(file_mbs, int):
+        mbs = file_mbs
+        read.append(f"mbs {mbs}")
+    enabled = {key: (cfg.get(key) or {}).get("enabled") for key in ("fp16", "bf16", "bfloat16")}
+    if given("precision") == ParameterSource.DEFAULT and "auto" not in enabled.values():
+        precision = "fp16" if enabled["fp16"] is True else "bf16" if True in (enabled["bf16"], enabled["bfloat16"]) \
+            else "fp32"
+        read.append(precision)
+    if read:
+        click.echo(f"from {path}: {', '.join(read)}", err=True)
+    return mbs, precision
