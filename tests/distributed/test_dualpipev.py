@@ -192,6 +192,20 @@ def test_reshard_refuses_a_dualpipev_layout_it_cannot_build(pp2, args, said):
 
 
 @pytest.mark.distributed
+def test_reshard_of_a_dualpipev_run_onto_pp_1_drops_the_schedule_by_itself(pp2):
+    """One stage has no pipeline schedule: `--pp 1` alone once refused ("--schedule dualpipev needs --pp 2")."""
+    from tests.invoke import invoke_dstk
+
+    tmp, runs = pp2
+    out = tmp / "dpv_to_pp1"
+    done = invoke_dstk(["reshard", str(runs["dualpipev"]), str(out), "--pp", "1", "--json"])
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["from"]["schedule"] == "dualpipev" and summary["to"]["schedule"] == "1f1b"
+    assert summary["to"]["pp"] == 1 and "--schedule dualpipev" not in summary["resume"]
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", [pytest.param("tiny-llama", marks=pytest.mark.heavy),
                                   pytest.param("minilm-classification", marks=pytest.mark.heavy), "tiny-gpt2-lora",
                                   "tiny-gpt2-checkpointing"])

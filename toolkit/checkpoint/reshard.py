@@ -38,6 +38,8 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     source = layout_of(manifest)
     target = {**source, **{k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("zero_stage", zero),
                                              ("schedule", schedule)) if v is not None}}
+    if schedule is None and target["pp"] == 1 and target.get("schedule") == "dualpipev":
+        target["schedule"] = "1f1b"  # one stage has no pipeline schedule: moving onto pp 1 drops DualPipeV
     _check_target(ckpt_dir, manifest, target, _pipeline_layers(ckpt_dir, manifest))
     check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
