@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.configs import run_config
 
@@ -203,6 +204,14 @@ def test_reshard_of_a_dualpipev_run_onto_pp_1_drops_the_schedule_by_itself(pp2):
     summary = json.loads(done.stdout)
     assert summary["from"]["schedule"] == "dualpipev" and summary["to"]["schedule"] == "1f1b"
     assert summary["to"]["pp"] == 1 and "--schedule dualpipev" not in summary["resume"]
+    recipe = yaml.safe_load((out / "recipe.yaml").read_text())  # `--recipe OUT/recipe.yaml --resume` continues it
+    assert summary["resume"] == f"dstk train --recipe {out / 'recipe.yaml'} --resume"
+    assert recipe["out"] == str(out) and "schedule" not in recipe and recipe["config"]["pipeline"]["stages"] == 1
+    from tests.ranks import run_train
+
+    rc, log = run_train(["--recipe", out / "recipe.yaml", "--resume", "--steps", STEPS + 1, "--no-export"], 1)
+    assert rc == 0, log[-3000:]
+    assert sorted(losses(out)) == [STEPS + 1]
 
 
 @pytest.mark.distributed

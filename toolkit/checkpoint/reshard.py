@@ -43,6 +43,8 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     _check_target(ckpt_dir, manifest, target, _pipeline_layers(ckpt_dir, manifest))
     check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
+    recipe_text = _recipe(ckpt_dir.parent / "recipe.yaml", out, source, target)  # read before anything is written
+    recipe = out / "recipe.yaml" if recipe_text is not None else None
     parent = out.absolute().parent
     if not parent.is_dir():
         raise ConfigError(f"cannot write {out}: directory {parent} does not exist; create it first")
@@ -52,16 +54,56 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
             held.take()
             _check_empty(out)
             size = _write(out, ckpt_dir, tag, {**manifest, **target, "portable": True}, state)
+            if recipe is not None:
+                recipe.write_text(recipe_text)
     except BaseException:
         if made and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # written whole or not at all
         raise
+    resume = (f"dstk train --recipe {recipe} --resume" if recipe is not None else
+              f"dstk train ... --out {out} --resume (with a config for pp {target['pp']}, dp {target['dp']}, "
+              f"ZeRO {target['zero_stage']}" + (f', "sequence_parallel_size": {target["sp"]}' if target["sp"] > 1
+                                                else "") + ")"
+              + (" --schedule dualpipev" if target["schedule"] == "dualpipev" else ""))
     return {"checkpoint": str(ckpt_dir), "tag": tag, "out": str(out), "from": source, "to": target,
             "tensors": len(state.weights), "bytes": size, "optimizer_step": state.optimizer_step,
-            "resume": f"dstk train ... --out {out} --resume (with a config for pp {target['pp']}, "
-                      f"dp {target['dp']}, ZeRO {target['zero_stage']}"
-                      + (f', "sequence_parallel_size": {target["sp"]}' if target["sp"] > 1 else "") + ")"
-                      + (" --schedule dualpipev" if target["schedule"] == "dualpipev" else "")}
+            "recipe": None if recipe is None else str(recipe), "resume": resume}
+
+
+def _recipe(source_recipe: Path, out: Path, was: dict, now: dict):
+    """The text of OUT/recipe.yaml: the source run's flags with --out OUT and its inline DeepSpeed config made for the
+    target layout (pipeline stages, ZeRO stage, sequence_parallel_size, gas for the new dp at the same
+    global batch; a partition recorded for another pp dropped), so `--recipe OUT/recipe.yaml --resume`
+    continues the run there. None (no recipe) when the source run has none or its batch cannot be kept on
+    the new dp (gbs not divisible by mbs x dp)."""
+    import yaml
+
+    from toolkit.config.recipe import read_mapping
+
+    if not source_recipe.is_file():
+        return None
+    flags = read_mapping(str(source_recipe))
+    cfg = flags.get("config")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("train_micro_batch_size_per_gpu"), int):
+        return None
+    mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg.get("gradient_accumulation_steps", 1)
+    gbs = mbs * gas * was["dp"]
+    if gbs % (mbs * now["dp"]):
+        return None
+    cfg = {**cfg, "gradient_accumulation_steps": gbs // (mbs * now["dp"])}
+    if "train_batch_size" in cfg:
+        cfg["train_batch_size"] = gbs
+    pipeline = {k: v for k, v in (cfg.get("pipeline") or {}).items() if now["pp"] == was["pp"] or k != "parts"}
+    cfg["pipeline"] = {**pipeline, "stages": now["pp"]}
+    cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": now["zero_stage"]}
+    cfg.pop("sequence_parallel_size", None)
+    cfg.update({"sequence_parallel_size": now["sp"]} if now["sp"] > 1 else {})
+    flags = {k: v for k, v in flags.items() if k not in ("pp", "schedule", "config", "resume")}
+    flags.update({"out": str(out), **({"schedule": "dualpipev"} if now.get("schedule") == "dualpipev" else {}),
+                  "config": cfg})
+    return (f"# The flags of the run resharded from {source_recipe.parent} (dstk reshard), for its new layout.\n"
+            f"# Continue it: --recipe {out / 'recipe.yaml'} --resume (--steps N for more)\n"
+            + yaml.safe_dump(flags, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100))
 
 
 def _check_empty(out: Path) -> None:
