@@ -98,3 +98,12 @@ def test_the_streamed_lora_export_writes_the_whole_exports_directory(tmp_path, d
         read = (lambda d: read_weights_file(d / "adapter_model.safetensors")) if adapters else read_weights
         a, b = read(whole), read(streamed)
         assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+        if adapters:  # PEFT loads them onto the base the run started from (not the checkpoint's dstk/ folder)
+            import json
+
+            from peft import AutoPeftModelForCausalLM
+
+            config = json.loads((streamed / "adapter_config.json").read_text())
+            assert config["base_model_name_or_path"] == str(tmp_path / "base"), config
+            loaded = AutoPeftModelForCausalLM.from_pretrained(streamed)
+            assert sum(".lora_A." in n for n, _ in loaded.named_parameters()) == len(a) // 2

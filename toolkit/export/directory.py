@@ -137,7 +137,10 @@ def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_di
     else:
         model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
     if lora:
+        from toolkit.export.lora_merge import name_base, run_base
+
         model = _with_adapters(model, lora, manifest["task"])
+        name_base(model, run_base(manifest) if not merge or base is not None else None)
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat

@@ -135,12 +135,25 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, out:
         reader.check_all_merged(str(tag_dir))
         write_metadata(skeleton, ckpt_dir / META, out, dtype, base_dir)
     if save_adapters is not None:
-        if base_dir is not None:  # from_pretrained's name for the base, as PEFT records it
-            wrapped.peft_config[ADAPTER].base_model_name_or_path = str(base_dir)
-            hf_model = wrapped.get_base_model()
-            hf_model.name_or_path = hf_model.config.name_or_path = str(base_dir)
+        name_base(wrapped, base_dir if merge else run_base(manifest))
         save_adapters(with_adapters(wrapped, adapters, {n: extra[n] for n in heads}))
     return stats
+
+
+def run_base(manifest: dict) -> Path | None:
+    """The --model directory the run started from, where it still is (None: a built-in model, or moved)."""
+    path = manifest.get("model")
+    return Path(path) if path and Path(path).is_dir() else None
+
+
+def name_base(wrapped, base_dir: Path | None) -> None:
+    """Record `base_dir` as the adapters' base (PEFT's base_model_name_or_path, what AutoPeftModel loads)
+    rather than the checkpoint's dstk/ folder the skeleton was read from, which holds no weights."""
+    if base_dir is None:
+        return
+    wrapped.peft_config[ADAPTER].base_model_name_or_path = str(base_dir)
+    hf_model = wrapped.get_base_model()
+    hf_model.name_or_path = hf_model.config.name_or_path = str(base_dir)
 
 
 def _saved_layers(tag_dir: Path, manifest: dict) -> dict:
