@@ -150,3 +150,25 @@ def test_openmpi_ranks_told_the_master_address_need_no_mpi_discovery():
 def test_the_subnet_of_a_host_names_mpiruns_interface():
     assert process_group.subnet_of("127.0.0.1") == process_group.subnet_of("localhost") == "127.0.0.0/8"
     assert process_group.subnet_of("no-such-host.invalid") is None
+
+
+@pytest.mark.parametrize("env, share", [
+    ({"LOCAL_SIZE": "2"}, 2),  # the bare deepspeed launcher: no OMP_NUM_THREADS
+    ({"LOCAL_WORLD_SIZE": "4"}, 4),  # torchrun-style
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1"}, None),  # set by the user or launch.sh: kept
+])
+def test_cpu_ranks_share_the_cores_when_no_launcher_set_threads(monkeypatch, env, share):
+    import torch
+
+    before = torch.get_num_threads()
+    for var in (*process_group.LOCAL_SIZE_VARS, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    try:
+        got = process_group.share_cpu_threads()
+        assert got == (max(1, cores // share) if share else cores)
+    finally:
+        torch.set_num_threads(before)

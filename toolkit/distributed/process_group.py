@@ -44,6 +44,8 @@ LAUNCHER_VARS = {
 # copy of it where LOCAL_RANK was made a device index.
 LOCAL_RANK_VARS = ("DSTK_NODE_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
                    "SLURM_LOCALID")
+# The node's process count, as each launcher names it (DeepSpeed's launcher: LOCAL_SIZE; torchrun: LOCAL_WORLD_SIZE).
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 WORLD_OF_ONE = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
 DEFAULT_PORT = 29500  # DeepSpeed's and torch's default rendezvous port
 
@@ -176,6 +178,19 @@ def prepare(cpu: bool = False) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def share_cpu_threads() -> int:
+    """CPU ranks without OMP_NUM_THREADS (the bare `deepspeed` launcher sets none): each of the node's N
+    processes takes cores / N intra-op threads, as launch.sh does, instead of every rank using every core
+    (N x oversubscribed: ~6x slower at 2 ranks on 2 cores). Returns the threads this rank uses."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = next((int(os.environ[v]) for v in LOCAL_SIZE_VARS if os.environ.get(v, "").isdigit()), 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(1, local)))
+    return torch.get_num_threads()
+
+
 def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=None):
     """Start this rank's process group through DeepSpeed (a no-op when one exists); returns
     torch.distributed. cpu=True: gloo on CPU even where CUDA exists. alone=True: a world of one
@@ -207,6 +222,8 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=
     use_cuda = torch.cuda.is_available() and not cpu
     if use_cuda:
         select_gpu()
+    else:
+        share_cpu_threads()
     import deepspeed
 
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: keep the launcher's
