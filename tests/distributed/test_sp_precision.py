@@ -111,3 +111,15 @@ def test_sp2_fp16_gives_one_process_losses_and_grad_norms(tmp_path, zero):
     want, _ = train(tmp_path, "one", 1, 1, zero, "fp16")
     got, _ = train(tmp_path, "sp2", 2, 2, zero, "fp16")
     same_run(got, want)
+
+
+@pytest.mark.heavy
+def test_the_sp_flag_splits_the_sequence_of_a_config_that_does_not_say(tmp_path):
+    """`dstk train --sp 2` with one process's config (mbs 2 x gas 4 = 8 rows): the layout's dp is world / sp, and
+    the run is one process's run, as with "sequence_parallel_size": 2 in the file."""
+    want, _ = train(tmp_path, "one", 1, 1, 1)
+    rc, log = run_ranks([RANK_NORMS, "--config", tmp_path / "one.json", *TEXT, "--out", tmp_path / "flag", "--steps",
+                         STEPS, "--sp", 2], 2)
+    assert rc == 0, log[-4000:]
+    same_run(records(tmp_path / "flag"), want)
+    assert "layout: dp 1 x pp 1 x tp 1 x sp 2 = 2 ranks, ZeRO 1" in log, log[-3000:]

@@ -469,3 +469,19 @@ def test_check_refuses_what_the_ranks_would_refuse_after_the_launch(tmp_path, sa
             "--out", str(tmp_path / "run"), "--seq-len", seq_len, "--check", "--world-size", "2"]
     refused(train_entry(args), 2 if case == "bin at pp 2" else 1, *words)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cfg, sp, words", [
+    ({}, "3", ["with --sp 3", "--world-size 2 --sp 3` reports them", "world size 2"]),
+    ({"sequence_parallel_size": 4}, "2", ['"sequence_parallel_size" is 4 in the file but --sp is 2']),
+])
+def test_the_sp_flag_goes_through_the_config_rules_at_check(tmp_path, cfg, sp, words):
+    """--sp, like --pp, fills in the config's layout: a world it does not divide, or a file saying otherwise,
+    is refused by --check with the rule's message."""
+    config = train_config(tmp_path, {**ds_config(2, 2), **cfg})
+    args = ["--model", "tiny-llama", "--data", str(CORPUS), "--config", str(config), "--out", str(tmp_path / "run"),
+            "--seq-len", "32", "--check", "--world-size", "2", "--sp", sp]
+    refused(train_entry(args), 1, *words)
+    if not cfg:  # a size the world divides passes
+        ok = train_entry([*args[:-1], "2"])
+        assert ok.returncode == 0, ok.stderr

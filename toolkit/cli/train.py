@@ -52,6 +52,9 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--task", type=click.Choice(spellings(("causal-lm", "sequence-classification"))), default="causal-lm",
               show_default=True, help="The head to train (classification: sequence-classification).")
 @click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages (default: the config's pipeline.stages, else 1).")
+@click.option("--sp", type=click.IntRange(min=1), help="Ulysses sequence-parallel size: each group of SP ranks shares "
+              "its rows, each rank holding 1/SP of the sequence (default: the config's sequence_parallel_size, "
+              "else 1); dp = world / (pp x sp x tp).", metavar="SP")
 @click.option("--schedule", type=click.Choice(["1f1b", "dualpipev"]), default="1f1b", show_default=True,
               help="Pipeline schedule at pp > 1: DeepSpeed's 1F1B, or DualPipeV (two stages per rank, the loss "
                    "back on rank 0; needs gradient_accumulation_steps >= 2 x pp).")

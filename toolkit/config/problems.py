@@ -26,9 +26,10 @@ def has_errors(problems) -> bool:
     return any(p.severity == ERROR for p in problems)
 
 
-def raise_errors(problems, source: str, why: str = "is not a valid DeepSpeed config") -> None:
-    """ConfigError listing every ERROR (one per line, as `dstk validate` prints them), if any."""
+def raise_errors(problems, source: str, why: str = "is not a valid DeepSpeed config", flags: str = "") -> None:
+    """ConfigError listing every ERROR (one per line, as `dstk validate` prints them), if any. flags: the
+    validate options that give the same report (" --world-size 2 --sp 3")."""
     errors = [p for p in problems if p.severity == ERROR]
     if errors:
-        raise ConfigError(f"{source} {why}: {len(errors)} error(s), as `dstk validate {source}` reports them:\n  "
+        raise ConfigError(f"{source} {why}: {len(errors)} error(s), as `dstk validate {source}{flags}` reports them:\n  "
                           + "\n  ".join(str(p) for p in errors))

@@ -31,6 +31,7 @@ class TrainArgs:
     hub_ids: dict | None = None  # {"--model": "org/name", ...}: the ids local_inputs replaced by their folders
     task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
     pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
+    sp: int | None = None  # Ulysses sequence-parallel size; default: the config's sequence_parallel_size, else 1
     schedule: str = "1f1b"  # pipeline schedule at pp > 1: "1f1b" or "dualpipev" (toolkit.distributed.dualpipev)
     seq_len: int = 128
     steps: int | None = None  # optimizer steps; default: one epoch
@@ -72,15 +73,21 @@ class TrainArgs:
         self.task = task_named(self.task)  # one word per task from here on (and in the checkpoint's record)
 
 
-def read_checked_config(path: str, world_size: int | None, pp: int | None) -> tuple[dict, int]:
+def read_checked_config(path: str, world_size: int | None, pp: int | None, sp: int | None = None) -> tuple[dict, int]:
     """The DeepSpeed dict and pp, through the same loader, schema and rules as `dstk validate`
     (strict: "auto" is for the HF Trainer, which is not running here); every error raised at once.
-    world_size None: the rules that need it are skipped (checked again once the group is up)."""
+    world_size None: the rules that need it are skipped (checked again once the group is up).
+    sp (--sp): the config's sequence_parallel_size replaced, as --pp replaces its pipeline.stages."""
     from toolkit.config.loader import load_config
     from toolkit.config.problems import raise_errors
 
-    cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=True)
-    raise_errors(problems, path, "is refused for training" + (f" on {world_size} process(es)" if world_size else ""))
+    cfg, problems = load_config(path, world_size=world_size, pp=pp, strict=True, sp=sp)
+    if sp is not None:
+        cfg = {k: v for k, v in cfg.items() if k != "sequence_parallel_size"}
+        cfg.update({"sequence_parallel_size": sp} if sp > 1 else {})
+    flags = "".join(f" --{k} {v}" for k, v in (("world-size", world_size), ("pp", pp), ("sp", sp)) if v is not None)
+    raise_errors(problems, path, "is refused for training" + (f" on {world_size} process(es)" if world_size else "")
+                 + (f" with --sp {sp}" if sp is not None else ""), flags)
     stages = pp or cfg.get("pipeline", {}).get("stages") or 1
     return cfg, stages
 
@@ -244,7 +251,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
     from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to
 
-    cfg, pp = read_checked_config(args.config, world_size, args.pp)
+    cfg, pp = read_checked_config(args.config, world_size, args.pp, args.sp)
     check_report_to(args.report_to)
     check_deepspeed_monitors(cfg, args.config)
     check_attention_precision(args.attention, cfg)
@@ -396,7 +403,7 @@ def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
         out_lock.take_on_rank0(lambda: run_folder.check_held(args.out, args.resume, args.overwrite, out_inputs(args)))
         if out_lock.note:
             print(f"note: {out_lock.note}", file=sys.stderr, flush=True)
-        cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp)
+        cfg, pp = read_checked_config(args.config, dist.get_world_size(), args.pp, args.sp)
         check_shared_out(args.out)  # its collectives agree on their own; so do local_inputs' downloads
         local = local_inputs(args, fetch=True)  # hub ids -> folders in the cache, downloaded once per node
         if local is not args:
