@@ -485,3 +485,23 @@ def test_the_sp_flag_goes_through_the_config_rules_at_check(tmp_path, cfg, sp, w
     if not cfg:  # a size the world divides passes
         ok = train_entry([*args[:-1], "2"])
         assert ok.returncode == 0, ok.stderr
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path):
+    """--overwrite once deleted a thesis and its .git without a word: it replaces a run folder only. A run's own
+    files (and a stale temporary export folder) are still replaced."""
+    out = tmp_path / "work"
+    (out / ".git").mkdir(parents=True)
+    (out / "thesis.tex").write_text("\\documentclass{article}")
+    (out / "checkpoints").mkdir()
+    args = ["--model", "tiny-gpt2", "--data", str(CORPUS), "--config", str(train_config(tmp_path)), "--out", str(out),
+            "--seq-len", "32", "--overwrite", "--check"]
+    refused(train_entry(args), 1, "--overwrite would delete 2 file(s) no dstk run writes (.git, thesis.tex)",
+            "replaces a run folder only")
+    assert (out / "thesis.tex").is_file() and (out / ".git").is_dir()
+    for name in (".git", "thesis.tex"):
+        (out / name).rmdir() if (out / name).is_dir() else (out / name).unlink()
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / ".hf.dstk-abc123").mkdir()
+    ok = train_entry(args)
+    assert ok.returncode == 0, ok.stderr

@@ -36,6 +36,13 @@ class RunFolder:
         self.trackers = self.out / "trackers.json"  # the wandb and mlflow run ids a resumed run continues
         self.recipe = self.out / "recipe.yaml"  # the run's flags (toolkit.config.recipe.recorded)
 
+    def foreign(self) -> list:
+        """The names in OUT that no run writes: not one of the files above, OUT's lock, nor a temporary folder
+        of an atomic write (.hf.dstk-*, .hf.old-*)."""
+        own = {p.name for p in vars(self).values() if isinstance(p, Path) and p != self.out}
+        return sorted(p.name for p in self.out.iterdir() if p.name not in own and not lock.is_lock_file(p.name)
+                      and not (p.name.startswith(".") and (".dstk-" in p.name or ".old-" in p.name)))
+
 
 def check_out(out, resume: bool, overwrite: bool, inputs: dict | None = None) -> None:
     """Refuse, before anything is built or written, a run that would mix with or lose another, or
@@ -72,6 +79,12 @@ def check_held(out, resume: bool, overwrite: bool, inputs: dict | None = None) -
                           "--overwrite to delete it and start again, or another --out")
     if held and overwrite:
         check_deletable(out, inputs or {})
+        foreign = RunFolder(out).foreign()
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise ConfigError(f"--out {out} --overwrite would delete {len(foreign)} file(s) no dstk run writes "
+                              f"({shown}): --overwrite replaces a run folder only; move them out, or give --out a "
+                              "folder of its own (e.g. runs/NAME)")
 
 
 def check_not_in_use(path, flag: str) -> None:

@@ -71,7 +71,7 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               help="With --resume: continue although the token stream changed (data, format, chat template, "
                    "--train-on, --seq-len, packing or tokenizer files): the weights, optimizer and step carry on, "
                    "on the new rows from the same step.")
-@click.option("--overwrite", is_flag=True, help="Delete what OUT holds, then start a fresh run there.")
+@click.option("--overwrite", is_flag=True, help="Delete the run OUT holds, then start a fresh run there (a folder holding files no run writes is refused).")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Model init and data order.")
 @click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Share of documents held out for evaluation (split before packing), in [0, 1); 0: none.")
