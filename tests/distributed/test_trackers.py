@@ -211,3 +211,22 @@ def test_deepspeed_settings_that_would_fail_late_are_refused_by_check(tmp_path, 
     done = _check(tmp_path, cfg={**run_config(2, 4, 2), **section}, blocked=blocked)
     assert done.returncode != 0 and expected in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_tracker_folder_that_cannot_be_written_is_refused_by_check_and_dropped_by_a_run(tmp_path, capsys):
+    """OUT/tensorboard unwritable (here a file where the folder goes: root writes through permissions) once killed
+    the run when the tracker opened; --check now names it, and a run that meets it anyway (made meanwhile)
+    names the tracker once and trains on, as the README says of a failing tracker."""
+    from toolkit.checkpoint.run_folder import RunFolder
+    from toolkit.train.report.trackers import Trackers
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tensorboard").write_text("not a folder")
+    done = _check(tmp_path, "--report-to", "tensorboard")
+    expected = f"--report-to tensorboard logs into {tmp_path / 'out' / 'tensorboard'}, which is a file"
+    assert done.returncode != 0 and expected in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and done.stderr.count(expected) == 1
+    trackers = Trackers(("tensorboard",), RunFolder(tmp_path / "out"), {"lr": 1e-3}, resume=False)
+    assert trackers.open == [] and trackers.where() == ""
+    err = capsys.readouterr().err
+    assert err.count("warning: --report-to tensorboard failed and is dropped") == 1, err

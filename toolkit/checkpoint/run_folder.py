@@ -33,6 +33,7 @@ class RunFolder:
         self.hf = self.out / "hf"  # the export
         self.adapter = self.out / "adapter"  # a LoRA run's adapters, PEFT's format
         self.tensorboard = self.out / "tensorboard"  # --report-to tensorboard's event files
+        self.wandb = self.out / "wandb"  # --report-to wandb's local files
         self.trackers = self.out / "trackers.json"  # the wandb and mlflow run ids a resumed run continues
         self.recipe = self.out / "recipe.yaml"  # the run's flags (toolkit.config.recipe.recorded)
 

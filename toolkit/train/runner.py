@@ -249,10 +249,10 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     from toolkit.distributed import dualpipev
     from toolkit.train import hf, lora
 
-    from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to
+    from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to, check_tracker_folders
 
     cfg, pp = read_checked_config(args.config, world_size, args.pp, args.sp)
-    check_report_to(args.report_to)
+    check_tracker_folders(check_report_to(args.report_to), run_folder.RunFolder(args.out))
     check_deepspeed_monitors(cfg, args.config)
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))

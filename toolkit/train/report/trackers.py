@@ -127,7 +127,10 @@ class Trackers:
         self.hparams = flat(hparams)
         run_name = folder.out.resolve().name
         for name in names:
-            self.open.append((name, getattr(self, f"_open_{name}")(run_name)))
+            try:
+                self.open.append((name, getattr(self, f"_open_{name}")(run_name)))
+            except Exception as exc:  # noqa: BLE001  a tracker never stops training, from its first step on
+                _dropped(name, exc)
         if self.open:
             self._write_ids()
 
@@ -214,12 +217,30 @@ class Trackers:
         self.open = []
 
     def _each(self, call) -> None:
-        import sys
-
         for entry in list(self.open):
             try:
                 call(*entry)
             except Exception as exc:  # noqa: BLE001  a tracker never stops training
-                print(f"warning: --report-to {entry[0]} failed and is dropped for the rest of the run "
-                      f"(metrics.jsonl goes on): {type(exc).__name__}: {exc}", file=sys.stderr)
+                _dropped(entry[0], exc)
                 self.open.remove(entry)
+
+
+def _dropped(name: str, exc: Exception) -> None:
+    import sys
+
+    print(f"warning: --report-to {name} failed and is dropped for the rest of the run (metrics.jsonl goes on): "
+          f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def check_tracker_folders(chosen: tuple, folder) -> None:
+    """Where the chosen trackers write inside OUT (tensorboard: OUT/tensorboard; wandb: OUT/wandb) can be
+    written: said by --check, before the launch, rather than as a tracker dropped at the first step."""
+    from toolkit.files import check_writable
+
+    for name, path in (("tensorboard", folder.tensorboard), ("wandb", folder.wandb)):
+        if name not in chosen:
+            continue
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--report-to {name} logs into {path}, which is a file; move it away, or use another "
+                              "--out")
+        check_writable(path, "--out")  # (a folder this process cannot write in: said as --out's)
