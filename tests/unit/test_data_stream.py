@@ -120,3 +120,29 @@ def test_micro_batches_take_the_rows_in_order_across_packing_batches(corpus):
         grouped.append(((torch.cat([r[0][0] for r in rows]), torch.cat([r[0][1] for r in rows])),
                         torch.cat([r[1] for r in rows])))
     assert same(threes, grouped)
+
+
+def test_a_broken_json_line_is_named_by_line_not_by_pyarrows_trace(tmp_path):
+    """Row 50 not JSON once gave 165 lines of pyarrow traceback; the prepared path's message instead."""
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": f"doc {i} abab"}) for i in range(3000)]
+    lines[2049] = '{"text": "broken'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UnusableInput, match=rf"{path}:2050: not valid JSON"):
+        take(StreamBatches(opts(path), byte_tokenizer(), 2, 1, 1, 0), 2000)
+
+
+@pytest.mark.parametrize("blank", ["all", "some"])
+def test_documents_without_a_token_are_skipped_and_a_file_of_none_is_refused(tmp_path, blank):
+    """Every text empty once failed with `cannot reshape tensor of 0 elements` (and would then have read the file
+    for ever); packing batches without a row are skipped."""
+    path = tmp_path / "docs.jsonl"
+    texts = ["" if blank == "all" or i < 1500 else f"doc {i} abab" for i in range(2000)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    sampler = StreamBatches(opts(path), byte_tokenizer(), 2, 1, 1, 0)
+    if blank == "all":
+        with pytest.raises(UnusableInput, match="none of this rank's 2000 documents gives a token to train on"):
+            take(sampler, 1)
+    else:
+        ids = take(sampler, 3)[0][0][0]
+        assert ids.shape == (2, 16) and (ids > 0).any()

@@ -65,6 +65,18 @@ def too_few_rows(path, have: int, dp: int) -> str:
             "data-parallel replicas (fewer processes, or more pp/tp/sp)")
 
 
+def unreadable(path, exc: Exception) -> UnusableInput:
+    """A stream's parse failure as one line: a JSON-lines file's first broken line (as the prepared path says
+    it), else the reader's own first line."""
+    from toolkit.data.source import diagnose_jsonl
+
+    if Path(str(path)).suffix.lower() in (".jsonl", ".json"):
+        diagnose_jsonl(Path(str(path)))  # raises, naming file:line, where a line is broken
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UnusableInput(f"--streaming: --data {path} cannot be read ({type(exc).__name__}: {first[:200]}); check "
+                         "the file, or train without --streaming to have it checked whole first")
+
+
 def open_stream(opts):
     """(the rows of --data as an IterableDataset, their format)."""
     import datasets
@@ -75,7 +87,10 @@ def open_stream(opts):
     builder = BUILDERS[path.suffix.lower()]
     kwargs = {"sample_by": "paragraph", "encoding": opts.encoding} if builder == "text" else {}
     ds = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train", streaming=True, **kwargs)
-    columns = ds.column_names or list(next(iter(ds.take(1)), {}))  # json: known only once a row is read
+    try:
+        columns = ds.column_names or list(next(iter(ds.take(1)), {}))  # json: known only once a row is read
+    except Exception as exc:  # noqa: BLE001  (as in StreamBatches.share)
+        raise unreadable(path, exc) from None
     if not columns:
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
     fmt, _ = infer_format(columns, opts.task, opts.format, opts.text_field)
@@ -97,7 +112,11 @@ class StreamBatches:
         check_seq_len(opts)
         self.mbs, self.gas, self.dp, self.dp_rank = mbs, gas, dp, dp_rank
         self.rows, fmt = open_stream(opts)
-        if next(iter(self.rows.skip(dp_rank).take(1)), None) is None:  # this rank's share is empty
+        try:
+            empty = next(iter(self.rows.skip(dp_rank).take(1)), None) is None  # this rank's share
+        except Exception as exc:  # noqa: BLE001  (as in share)
+            raise unreadable(opts.path, exc) from None
+        if empty:
             raise UnusableInput(too_few_rows(opts.path, count_rows(self.rows, dp), dp))
         if fmt in CHAT_FORMATS:
             check_chat_template(tokenizer)
@@ -122,7 +141,14 @@ class StreamBatches:
 
         from toolkit.data import pack
 
-        for rows in self.rows.skip(docs * self.dp).with_format("arrow").iter(batch_size=pack.BATCH * self.dp):
+        batches = self.rows.skip(docs * self.dp).with_format("arrow").iter(batch_size=pack.BATCH * self.dp)
+        while True:
+            try:
+                rows = next(batches)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001  a row the reader cannot parse: named by line, not pyarrow's trace
+                raise unreadable(self.encoder.source, exc) from None
             yield rows.take(np.arange(self.dp_rank, rows.num_rows, self.dp))
 
     def packed(self, p: dict):
@@ -132,7 +158,7 @@ class StreamBatches:
 
         from toolkit.data import pack
 
-        epoch, docs, first = p["pass"], p["docs"], p["rows"]
+        epoch, docs, first, made = p["pass"], p["docs"], p["rows"], 0
         while True:
             read = 0
             for batch in self.share(docs):
@@ -140,11 +166,17 @@ class StreamBatches:
                     continue
                 tokens = self.encoder(batch, list(range(docs, docs + batch.num_rows)))
                 keep = [c for c in ("input_ids", "labels", "label") if c in tokens.column_names]
-                yield epoch, docs, docs + batch.num_rows, first, pa.table(self.packer.columns(tokens.select(keep)))
-                docs, first, read = docs + batch.num_rows, 0, read + batch.num_rows
+                table = pa.table(self.packer.columns(tokens.select(keep)))
+                if table.num_rows:  # (documents without a token to train on pack into no row)
+                    yield epoch, docs, docs + batch.num_rows, first, table
+                docs, first, read, made = docs + batch.num_rows, 0, read + batch.num_rows, made + table.num_rows
             if read == 0 and docs == 0:  # refused in __init__ already; a file emptied since
                 raise UnusableInput(too_few_rows(self.encoder.source, 0, self.dp))
-            epoch, docs, first = epoch + 1, 0, 0
+            if not made and docs == read:  # a whole pass over the share, and not one row to train on
+                raise UnusableInput(f"--streaming: --data {self.encoder.source}: none of this rank's {read} documents "
+                                    "gives a token to train on (empty texts?); check the file, --format and "
+                                    "--text-field")
+            epoch, docs, first, made = epoch + 1, 0, 0, 0
 
     def micro_batches(self, start_step: int = 0, pin_for=None):
         """Endless ((input_ids, doc_ids), labels) micro-batches from self.position (start_step: the resumed
