@@ -1,7 +1,7 @@
 """Architecture coverage sweep (issue 16): every causal LM type in the installed transformers either
 runs as a pipeline exactly or is refused clearly.
 
-    .venv/bin/python bench/arch_sweep.py                        # all types (~1-2 minutes on 2 cores)
+    .venv/bin/python bench/arch_sweep.py                        # all types (~2 minutes on 2 busy cores)
     .venv/bin/python bench/arch_sweep.py --types llama,mamba    # re-run a few; their rows are updated
 
 For each model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: a tiny random config (tiny_config in
@@ -16,13 +16,19 @@ right-padded batch against the HF model (logits, loss, grads; 1e-5). Outcomes:
             the sweep's fault, not dstk's (CANNOT_RUN says why where it is known)
   crash     any other exception from wrapping or running (type, first line, innermost frame),
             a dead worker, or no result within --timeout seconds
+Then, as a run with `--model DIR` starts (issue 40; every type but the config ones), "from dir": the model
+saved by save_pretrained (so MoE experts stored one tensor per expert, modules under their checkpoint
+names) and bench/arch_sweep_dir.py's check_dir: every stage's layers built from that directory hold
+from_pretrained's weights bit for bit, and match from_pretrained's model at pp 1 and pp 2 (two halves run
+in this process as DeepSpeed runs two stages). exact / mismatch / refused (ConfigError) / crash (any other
+exception, an UnusableInput included: a directory save_pretrained wrote is not the user's mistake).
 Types run one after another in a worker process (imports paid once); a worker that hangs or dies
-is replaced. Writes bench/results/arch_sweep.json and arch_sweep.md; tests/unit/test_arch_sweep.py
-(slow tier) re-runs every type and fails when that table no longer matches.
+is replaced. Writes bench/results/arch_sweep.json and arch_sweep.md (with a table of the MoE types:
+exact from their saved checkpoints, or refused and why); tests/bench/test_arch_sweep.py (slow tier)
+re-runs every type and fails when that table no longer matches.
 """
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -35,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from arch_sweep_config import CANNOT_RUN, PER_TYPE, build_tiny, tiny_config  # noqa: E402,F401  (public names)
+from arch_table import OUTCOMES, full_reason, render_markdown, write_results  # noqa: E402,F401  (public names)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OUTCOMES = ("crash", "mismatch", "config", "refused", "exact")  # table order: worst first
 
 
 def causal_lm_types() -> dict:
@@ -82,13 +88,58 @@ def sweep_one(model_type: str) -> dict:
     try:
         report = parity.check_model(model, name=model_type, task="causal-lm", data=data)
     except ConfigError as exc:  # UnusableInput is a ConfigError
-        return {"type": model_type, "outcome": "refused", "reason": first_sentence(exc)}
+        return {"type": model_type, "outcome": "refused", "reason": first_sentence(exc), **_from_dir(model, data)}
     except Exception as exc:  # noqa: BLE001
-        return {"type": model_type, "outcome": "crash", "reason": describe(exc)}
+        return {"type": model_type, "outcome": "crash", "reason": describe(exc), **_from_dir(model, data)}
     row = _compared(model_type, report)
+    row.update(_from_dir(model, data))  # before the aux run, which changes the config
     if row["outcome"] == "exact" and hasattr(model.config.get_text_config(), "output_router_logits"):
         row.update(_with_router_aux(model_type, model, data))
     return row
+
+
+def _from_dir(model, data) -> dict:
+    """The "dir" outcome: `model` saved by save_pretrained, its stages built from that directory
+    (arch_sweep_dir.check_dir: weights bit-identical to from_pretrained's, then pp 1 and pp 2)."""
+    import tempfile
+
+    import arch_sweep_dir
+
+    from toolkit.errors import ConfigError, UnusableInput
+
+    moe = {"moe": True} if is_moe(model) else {}
+    with tempfile.TemporaryDirectory() as path:
+        try:
+            model.save_pretrained(path)
+        except Exception as exc:  # noqa: BLE001  (transformers' own save)
+            return {**moe, "dir": "config", "dir_reason": "save_pretrained fails: " + describe(exc)}
+        try:
+            report = arch_sweep_dir.check_dir(path, task="causal-lm", attention="eager", data=data)
+        except UnusableInput as exc:  # a directory save_pretrained wrote is never the user's fault
+            return {**moe, "dir": "crash", "dir_reason": "the saved checkpoint called unusable: " + first_sentence(exc)}
+        except ConfigError as exc:
+            return {**moe, "dir": "refused", "dir_reason": first_sentence(exc)}
+        except Exception as exc:  # noqa: BLE001
+            return {**moe, "dir": "crash", "dir_reason": describe(exc)}
+    if report.ok:
+        return {**moe, "dir": "exact", "dir_reason": ""}
+    if report.weights:
+        why = f"{len(report.weights)} tensor(s) differ from from_pretrained's: {', '.join(report.weights[:3])}"
+    else:
+        pp, worst = next((pp, s) for pp, s in sorted(report.stages.items()) if not s.ok)
+        diffs = {"loss": worst.loss, "logits": worst.logits, "grad": worst.grad}
+        kind = max(diffs, key=diffs.get)
+        why = f"pp {pp}: {kind} diff {diffs[kind]:.3g}" + (f" ({worst.grad_name})" if kind == "grad" else "")
+    return {**moe, "dir": "mismatch", "dir_reason": why}
+
+
+def is_moe(model) -> bool:
+    """A mixture of experts: some module of the model holds experts ("experts", a class named *Experts) or
+    is a MoE block (a class named *MoE* / *Moe*: Doge's CDMoE has no experts module)."""
+    import re
+
+    return any(name.rsplit(".", 1)[-1] == "experts" or re.search("Experts|MoE|Moe", type(m).__name__)
+               for name, m in model.named_modules())
 
 
 def _compared(model_type: str, report, prefix: str = "") -> dict:
@@ -135,6 +186,10 @@ def _worker(conn):
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    logging.disable_progress_bar()  # save_pretrained's and from_pretrained's, once per type
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: a second OpenMP thread only spins at each op's barrier on a busy host
     while (model_type := conn.recv()) is not None:
         conn.send(sweep_one(model_type))
 
@@ -184,42 +239,6 @@ def run_sweep(types, timeout: float = 60.0, progress=None) -> list:
     return rows
 
 
-def render_markdown(rows: list, command: str, versions: str, when: str) -> list:
-    """Lines of the table: counts per outcome, then one row per type (worst outcome first)."""
-    counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
-    order = sorted(rows, key=lambda r: (OUTCOMES.index(r["outcome"]), r["type"]))
-    lines = ["## Architecture coverage sweep (issue 16)", "",
-             f"Command: `{command}`  ", f"Versions: {versions}  ", f"Measured: {when}", "",
-             f"{len(rows)} causal LM types: " + ", ".join(f"{counts[o]} {o}" for o in reversed(OUTCOMES)), "",
-             "aux: for MoE types, the outcome again with output_router_logits (HF adds coef x the router's "
-             "load-balancing loss)", "",
-             "| model type | outcome | aux | reason | seconds |", "|---|---|---|---|---|"]
-    for r in order:
-        reason = r.get("reason", "").replace("|", "\\|")
-        lines.append(f"| {r['type']} | {r['outcome']} | {r.get('aux', '')} | {reason} | {r.get('seconds', '')} |")
-    return lines
-
-
-def write_results(rows: list, out: Path, command: str, merge: bool) -> tuple:
-    """arch_sweep.json and .md under `out`; with merge, rows update those of an earlier run."""
-    import datetime
-    from importlib import metadata
-
-    path = out / "arch_sweep.json"
-    old = json.loads(path.read_text())["rows"] if merge and path.exists() else []
-    by_type = {r["type"]: r for r in old} | {r["type"]: r for r in rows}
-    merged = [by_type[t] for t in sorted(by_type)]
-    versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("transformers", "torch", "deepspeed"))
-    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    counts = {o: sum(r["outcome"] == o for r in merged) for o in OUTCOMES}
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"command": command, "versions": versions, "when": when, "counts": counts,
-                                "rows": merged}, indent=1) + "\n")
-    md = out / "arch_sweep.md"
-    md.write_text("\n".join(render_markdown(merged, command, versions, when)) + "\n")
-    return path, md
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", metavar="A,B", help="only these model types (their rows are updated)")
@@ -233,8 +252,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"not causal LM types in this transformers: {', '.join(unknown)}")
     start = time.perf_counter()
-    progress = lambda r: print(f"{r['type']:28s} {r['outcome']:8s} {r['seconds']:6.1f}s {r['reason'][:110]}",  # noqa: E731
-                               flush=True)
+    progress = lambda r: print(f"{r['type']:28s} {r['outcome']:8s} dir {r.get('dir', '-'):8s} "  # noqa: E731
+                               f"{r['seconds']:6.1f}s {full_reason(r)[:100]}", flush=True)
     if args.jobs <= 1:
         rows = run_sweep(types, args.timeout, progress)
     else:

@@ -86,6 +86,7 @@ PER_TYPE = {
     # target; None and "auto" rederive the attention and dt sizes from hidden_size
     "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                   attention_hidden_size=None, attention_head_dim=None, mamba_dt_rank="auto"),
+    "flint": dict(mlp_only_layers=[0]),  # the default [0, 1] leaves 2 layers no MoE block: layer 1 sparse
     "xmod": dict(default_language="en_XX"),  # picks the language adapter; None refuses a batch without lang_ids
     # drafters for speculative decoding: every layer reuses the target model's kv (0: the config sets all)
     "gemma4_unified_assistant": dict(text_config=dict(num_kv_shared_layers=0)),

@@ -1,8 +1,9 @@
-"""The README's supported-architecture section, made from the sweep's table (bench/results/arch_sweep.json).
+"""The sweep's tables: bench/results/arch_sweep.json and .md (written by bench/arch_sweep.py) and the README's
+supported-architecture section, made from the committed arch_sweep.json.
 
     .venv/bin/python bench/arch_table.py      # rewrite the section between the markers in README.md
 
-tests/unit/test_arch_sweep.py checks that README.md holds exactly what this makes from the committed
+tests/bench/test_arch_sweep.py checks that README.md holds exactly what this makes from the committed
 table, so the README says what the last sweep measured.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "bench" / "results" / "arch_sweep.json"
 BEGIN, END = "<!-- arch-sweep:begin -->", "<!-- arch-sweep:end -->"
+OUTCOMES = ("crash", "mismatch", "config", "refused", "exact")  # table order: worst first
 
 # refusal reason -> the kind shown in the README (first match wins)
 KINDS = [
@@ -47,6 +49,10 @@ def section(table: dict) -> str:
              ", ".join(sorted(r["type"] for r in by.get("exact", []))) + ".", "",
              "MoE types whose router aux loss (output_router_logits) is carried between stages exactly: "
              + ", ".join(sorted(r["type"] for r in rows if r.get("aux") == "exact")) + ".", "",
+             "From a checkpoint saved by save_pretrained (MoE experts stored one tensor per expert), each stage "
+             "loading its own layers, pp 1 and pp 2 against from_pretrained (" + ", ".join(
+                 f"{n} {o}" for o, n in dir_counts(rows).items()) + "); the MoE types exact so: "
+             + ", ".join(sorted(r["type"] for r in rows if r.get("moe") and r.get("dir") == "exact")) + ".", "",
              "| refused: why | model types |", "|---|---|"]
     refused = {}
     for row in by.get("refused", []):
@@ -58,6 +64,72 @@ def section(table: dict) -> str:
         lines += ["", "Not classified here (the tiny test config cannot be built on this machine, or a failing "
                   "case): " + ", ".join(f"{r['type']} ({r['outcome']})" for r in others) + "."]
     return "\n".join(lines + [END])
+
+
+def render_markdown(rows: list, command: str, versions: str, when: str) -> list:
+    """Lines of the table: counts per outcome, then one row per type (worst outcome first)."""
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
+    order = sorted(rows, key=lambda r: (OUTCOMES.index(r["outcome"]), r["type"]))
+    lines = ["## Architecture coverage sweep (issue 16)", "",
+             f"Command: `{command}`  ", f"Versions: {versions}  ", f"Measured: {when}", "",
+             f"{len(rows)} causal LM types: " + ", ".join(f"{counts[o]} {o}" for o in reversed(OUTCOMES)) + "  ",
+             "from dir: " + ", ".join(f"{n} {o}" for o, n in dir_counts(rows).items()), "",
+             "aux: for MoE types, the outcome again with output_router_logits (HF adds coef x the router's "
+             "load-balancing loss)  ", "from dir: the model saved by save_pretrained, each stage's layers built "
+             "from that directory (per-stage loading through transformers' conversion mapping), against "
+             "from_pretrained of it: weights bit-identical, then logits, loss and gradients (1e-5) at pp 1 and "
+             "at pp 2 (the layer list in two halves, run in this process as two stages)", "",
+             *_moe_lines(rows), "",
+             "| model type | outcome | aux | from dir | reason | seconds |", "|---|---|---|---|---|---|"]
+    for r in order:
+        reason = full_reason(r).replace("|", "\\|")
+        lines.append(f"| {r['type']} | {r['outcome']} | {r.get('aux', '')} | {r.get('dir', '')} | {reason} | "
+                     f"{r.get('seconds', '')} |")
+    return lines
+
+
+def full_reason(row: dict) -> str:
+    """The row's reason, and the from-dir one where that says something else."""
+    reason, extra = row.get("reason", ""), row.get("dir_reason", "")
+    return f"{reason}; from dir: {extra}" if extra and extra != reason else reason
+
+
+def _moe_lines(rows: list) -> list:
+    """Per MoE type (experts in the model): trained from its saved checkpoint exactly, or refused and why."""
+    moe = sorted((r for r in rows if r.get("moe")), key=lambda r: r["type"])
+    lines = [f"{len(moe)} MoE types from their saved checkpoints: "
+             + ", ".join(f"{n} {o}" for o, n in dir_counts(moe).items()), "",
+             "| MoE type | from dir | why |", "|---|---|---|"]
+    for r in moe:
+        why = r.get("dir_reason") or ("" if r.get("dir") == "exact" else r.get("reason", ""))
+        why = why.replace("|", "\\|")
+        lines.append(f"| {r['type']} | {r.get('dir', '')} | {why} |")
+    return lines
+
+
+def dir_counts(rows: list) -> dict:
+    """{from-dir outcome: types}, best first; types not run from a directory (config) are left out."""
+    return {o: n for o in reversed(OUTCOMES) if (n := sum(r.get("dir") == o for r in rows))}
+
+
+def write_results(rows: list, out: Path, command: str, merge: bool) -> tuple:
+    """arch_sweep.json and .md under `out`; with merge, rows update those of an earlier run."""
+    import datetime
+    from importlib import metadata
+
+    path = out / "arch_sweep.json"
+    old = json.loads(path.read_text())["rows"] if merge and path.exists() else []
+    by_type = {r["type"]: r for r in old} | {r["type"]: r for r in rows}
+    merged = [by_type[t] for t in sorted(by_type)]
+    versions = ", ".join(f"{p} {metadata.version(p)}" for p in ("transformers", "torch", "deepspeed"))
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    counts = {o: sum(r["outcome"] == o for r in merged) for o in OUTCOMES}
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"command": command, "versions": versions, "when": when, "counts": counts,
+                                "dir_counts": dir_counts(merged), "rows": merged}, indent=1) + "\n")
+    md = out / "arch_sweep.md"
+    md.write_text("\n".join(render_markdown(merged, command, versions, when)) + "\n")
+    return path, md
 
 
 def update(readme: Path = ROOT / "README.md", table_path: Path = TABLE) -> bool:
