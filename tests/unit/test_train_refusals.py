@@ -505,3 +505,22 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path):
     (out / ".hf.dstk-abc123").mkdir()
     ok = train_entry(args)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_max_eval_rows_caps_the_evaluation_and_a_long_one_says_how_far_it_is(ds_world1, tmp_path, monkeypatch,
+                                                                            capfd):
+    """--max-eval-rows N evaluates the eval split's first N rows (HF's max_eval_samples): the loss of those rows,
+    not the split's; the evaluation prints rank 0's progress line as tokenizing does (every 0 s here)."""
+    from toolkit.train.runner import run
+
+    whole = run(_args(tmp_path, out=str(tmp_path / "whole"), eval_fraction=0.2, steps=1))
+    capfd.readouterr()
+    monkeypatch.setenv("DSTK_PROGRESS_SECONDS", "0")
+    capped = run(_args(tmp_path, out=str(tmp_path / "capped"), eval_fraction=0.2, steps=1, max_eval_rows=3,
+                       progress=True))
+    err = capfd.readouterr().err
+    assert capped["eval_loss"] != whole["eval_loss"] and capped["first_loss"] == whole["first_loss"]
+    assert "eval: 3 rows:" in err and "rows/s" in err, err[-2000:]
+    same = run(_args(tmp_path, out=str(tmp_path / "same"), eval_fraction=0.2, steps=1, max_eval_rows=10**9))
+    assert same["eval_loss"] == whole["eval_loss"]
+

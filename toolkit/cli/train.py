@@ -95,6 +95,8 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "linear layer in the attention and MLP blocks, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,...).")
 @click.option("--encoding", default="utf-8", show_default=True, help="Text encoding of --data (e.g. latin-1).")
 @click.option("--export/--no-export", default=True, show_default=True, help="Write OUT/hf at the end.")
+@click.option("--max-eval-rows", type=click.IntRange(min=1), metavar="N", help="Evaluate on the first N rows of the "
+              "eval split only (HF's max_eval_samples; default: all of it); a long evaluation prints a progress line.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress on rank 0: a bar on a terminal, else a line every --log-every steps.")
 @click.option("--log-every", type=click.IntRange(min=0), default=0, metavar="N",

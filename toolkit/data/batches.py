@@ -39,6 +39,12 @@ class Rows:
     def __len__(self) -> int:
         return len(self.ds)
 
+    def head(self, n: int | None) -> "Rows":
+        """The first n rows (all of them when n is None or more)."""
+        if n is None or n >= len(self.ds):
+            return self
+        return Rows(self.ds.select(range(n)).with_format(None), self.seq_len, self.pad_id)
+
     def batch(self, idx):
         """((input_ids, doc_ids), labels) of rows `idx`: (B, T) int64 each; labels (B,) for classification."""
         idx = [int(i) for i in idx]

@@ -53,6 +53,7 @@ class Job:
     about: dict | None = None  # what rank 0's opening block says (report.start_lines), also in the summary
     config: dict | None = None  # the DeepSpeed config (the trackers' hyperparameters)
     rows_per_step: int = 0  # gbs
+    progress: bool = True  # rank 0's progress lines (--progress)
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, clock=None) -> Job:
@@ -96,11 +97,12 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
                      {"tag": resume_tag, "saved": saved, "notes": manifest.resume_notes(
                          saved, record, args.resume_with_new_data)} if resume_tag else None)
     about.update(tf32=tf32_on, tf32_note=tf32_line, startup=clock.phases() if clock is not None else None)
-    return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, start_step=start,
-               steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp, sp_rank=topo.sp_rank(dist.get_rank()),
-               backward_scale=backward_scale(cfg, topo.sp),
+    return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval.head(args.max_eval_rows),
+               start_step=start, steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp,
+               sp_rank=topo.sp_rank(dist.get_rank()), backward_scale=backward_scale(cfg, topo.sp),
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
-               param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs)
+               param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs,
+               progress=args.progress)
 
 
 def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, steps: int, resume) -> dict:
@@ -466,10 +468,13 @@ def eval_loss(job: Job) -> float | None:
     chunk = job.engine.micro_batches if (job.record or {}).get("schedule") == "dualpipev" else count
     count = -(-count // chunk) * chunk
     weights = []  # targets per micro-batch, in the order the engine pulls them
+    progress = eval_progress(job, count) if dist.get_rank() == 0 else None
 
     def batches():
         for batch in data.eval_micro_batches(job.eval_set, job.train.mbs, job.dp, job.dp_rank, count):
             weights.append(data.loss_weight(batch[1]))
+            if progress is not None:
+                progress.update(job.train.mbs * job.dp, batch[0][0].numel() * job.dp)
             yield stage_batch(job, batch)
 
     if job.pipeline:
@@ -482,6 +487,8 @@ def eval_loss(job: Job) -> float | None:
         with torch.no_grad():
             losses = [float(forward_loss(job.engine, b, job.sp, job.sp_rank)) for b in batches()]
         job.engine.train()
+    if progress is not None and progress.last != progress.start:  # it said something: say it ended
+        progress.close()
     total = sum(loss * w for loss, w in zip(losses, weights) if w)  # an all-filler micro-batch's mean is nan
     # every replica's share (pipelines: the last stages' only). sp > 1 at pp = 1: a rank's loss is its share of
     # the micro-batch's mean, and the group's ranks count its targets once; in a pipeline each rank's loss is
@@ -489,6 +496,16 @@ def eval_loss(job: Job) -> float | None:
     share = job.sp if not job.pipeline else 1
     total, count = all_reduce_sum([total, float(sum(weights) / share if losses else 0)], job.engine.device)
     return total / count if count else None
+
+
+def eval_progress(job: Job, count: int):
+    """Rank 0's progress line over an evaluation of `count` micro-batches per replica (every ~30 s in a log, as
+    tokenizing does; nothing for one that ends sooner), unless --no-progress. Rows: the eval split's, filler too."""
+    from toolkit.data.tokens import Progress
+
+    if not job.progress:
+        return None
+    return Progress(f"eval: {len(job.eval_set):,} rows", count * job.train.mbs * job.dp)
 
 
 def run_steps(args, job: Job, is_logger: bool) -> dict:

@@ -63,6 +63,7 @@ class TrainArgs:
     encoding: str = "utf-8"  # of --data
     export: bool = True
     progress: bool = True
+    max_eval_rows: int | None = None  # evaluate on the eval split's first N rows (HF: max_eval_samples); None: all
     log_every: int = 0  # steps between plain progress lines (0: about 20 per run)
     verbose: bool = False  # DeepSpeed INFO logs and every rank's output
     report_to: tuple = ()  # experiment trackers: tensorboard, wandb, mlflow, all, none (report.trackers)
