@@ -126,3 +126,25 @@ def test_plan_takes_the_split_that_fits_and_emits_it(tmp_path):
                  "--emit-config", str(out)])
     assert json.loads(out.read_text())["pipeline"]["parts"] == best.parts
     assert invoke_dstk(["validate", str(out), "--world-size", "8", "--model", str(tmp_path)]).returncode == 0
+
+
+def test_train_splits_a_deepseek_pipeline_by_the_cost_model():
+    """dstk train's split (choose_parts): the planner's costs now describe DeepSeek's layer list, so the compute
+    split is used, not the parameter-count fallback the refused model type got."""
+    import transformers
+
+    import models
+    from tests.unit.test_plan_moe import _config
+    from toolkit.distributed.pipeline import choose_parts
+
+    config = transformers.AutoConfig.for_model(**_config("deepseek_v3"))
+    spec = models.pipeline_layers(transformers.AutoModelForCausalLM.from_config(config))
+    parts, fallback = choose_parts(spec, 2, {"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2}},
+                                   seq_len=32)
+    assert fallback is None and parts == partition_layers(layer_costs(_arch_of(config), 32), 2)
+
+
+def _arch_of(config):
+    from toolkit.plan.arch import arch_from_config
+
+    return arch_from_config(config.to_dict(), config.model_type)
