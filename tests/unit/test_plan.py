@@ -87,7 +87,8 @@ def test_json_and_emit_config(tmp_path, capsys):
     (["--gbs", "8", "--gpu-mem", "lots"], "expected a size"),
     (["--gbs", "8", "--gpu", "a100-80"], "Did you mean 'a100-80gb'"),
     (["--gbs", "8"], "give --gpu NAME"),
-    (["--gbs", "7", "--gpu", "a100-80gb"], "--gbs 7: no layout can form it"),
+    # 16 GPUs: pp divides them and gpt2's 12 blocks bound it (1, 2, 4, 8), so dp is 16, 8, 4 or 2: 7 is none's multiple
+    (["--gbs", "7", "--gpu", "a100-80gb", "--gpus-per-node", "16"], "--gbs 7: no layout can form it"),
     (["--gbs", "8", "--gpu", "a100-80gb", "--seq-len", "4096"], "exceeds gpt2's max_positions"),
 ])
 def test_bad_input_exits_nonzero_with_a_clear_message(capsys, args, needle):

@@ -6,6 +6,7 @@
     dstk partition gpt2 --pp 4 --config ds.json                 # record the split for training
     dstk partition llama-2-7b --pp 4 --lora 16                  # LoRA rank 16: the base frozen
     dstk partition meta-llama/Llama-3.2-1B --pp 4               # a hub id: config.json from the HF cache
+    dstk partition deepseek-v3 --pp 16 --gpu-mem 1TiB           # least slowest stage with every stage <= 1 TiB
 
 Built-in names, local directories and hub ids are read without importing torch (except --method profile).
 """
@@ -40,17 +41,22 @@ from toolkit.plan.cost.partition import METHODS
               help="LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights "
                    "only in the memory estimate; no weight gradients in the compute; --method profile still "
                    "times full fine-tuning).")
+@click.option("--gpu-mem", "gpu_mem", metavar="SIZE",
+              help="Memory a stage may hold, e.g. 80GiB: the compute split is then the least slowest stage among "
+                   "the splits whose every stage's memory (as the table counts it: no ZeRO sharding) fits SIZE.")
 @click.option("--revision", default="main", show_default=True, metavar="REV",
               help="Branch, tag or commit of a hub id (ORG/NAME) in MODEL.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Record the split in FILE's pipeline section (stages, partition_method, parts) for every rank; "
                    "--mbs and --precision default to FILE's (train_micro_batch_size_per_gpu, bf16/fp16).")
-def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora, revision, as_json, config_path):
+def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora, gpu_mem, revision, as_json,
+              config_path):
     """Split MODEL (a built-in name such as gpt2, llama-3-8b, a local HF directory, or a hub id ORG/NAME
     read from the Hugging Face cache: downloaded when online; offline, HF_HUB_OFFLINE=1, filled beforehand
     by `hf download ORG/NAME`) into P pipeline stages; compare with DeepSpeed's `parameters` and `uniform`
     splits."""
+    from toolkit.errors import ConfigError
     from toolkit.plan.arch import load_arch
     from toolkit.plan.lora import check_lora_rank
     from toolkit.plan.cost.partition_report import format_report, stage_report
@@ -59,6 +65,13 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
         check_lora_rank(lora)
     if config_path:
         mbs, precision = _config_defaults(config_path, mbs, precision)
+    if gpu_mem is not None:
+        from toolkit.plan.gpus import parse_size
+
+        gpu_mem = parse_size(gpu_mem, "--gpu-mem")
+        if method != "compute":
+            raise ConfigError(f"--gpu-mem limits the stages of --method compute, not --method {method}: drop "
+                              "--gpu-mem, or use --method compute")
     arch = load_arch(model, revision)
     seq_len = seq_len or min(1024, arch.max_positions)
     times = None
@@ -71,7 +84,7 @@ def partition(model, pp, seq_len, mbs, method, precision, attention, reps, lora,
         check_shape(arch, seq_len, mbs)
         times = profile_model(model, seq_len, mbs, reps=reps, precision=precision, revision=revision)
     report = stage_report(arch, pp, seq_len, mbs, method=method, precision=precision, times=times,
-                              attention=attention, lora=lora)
+                          attention=attention, lora=lora, memory_limit=gpu_mem)
     echo_json(report.to_dict()) if as_json else click.echo(format_report(report))
     if config_path:
         from toolkit.config.generate import record_partition

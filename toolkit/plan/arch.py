@@ -7,8 +7,9 @@ HF directory's config.json read with `json` (no transformers import, so `dstk pa
     arch.num_params()                          # unique parameters (tied weights counted once)
     load_arch("mixtral-8x7b").active_params()  # of which one token's forward uses (top-k experts of E)
 
-Mixture-of-experts configs (mixtral, olmoe, qwen2_moe, qwen3_moe) are read with their experts, shared
-experts and dense blocks (toolkit.plan.moe); other MoE families are refused, never counted as dense.
+Mixture-of-experts configs (mixtral, olmoe, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3) are read with their
+experts, shared experts and dense blocks (toolkit.plan.moe), DeepSeek's multi-head latent attention with its
+low-rank projections (toolkit.plan.mla); other MoE families are refused, never counted as dense.
 
 `to_hf_config(arch)` (imports transformers) builds the matching HF config; the tests build the
 HF model from it on the meta device and check that `num_params()` equals the real count.
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.plan.moe import block_inactive_params, check_moe, moe_fields, moe_params
+from toolkit.plan.mla import MLA_TYPES, mla_fields, mla_linears, mla_params
+from toolkit.plan.moe import block_inactive_params, check_moe, moe_fields, moe_hf_kwargs, moe_params
 
 # Model types whose MLP is a plain up -> act -> down (no gate) and whose norms are LayerNorm.
 NON_GATED_TYPES = {"gpt2", "bert", "gpt_neox", "phi", "starcoder2", "gpt_bigcode", "falcon", "opt", "gptj"}
@@ -28,7 +30,8 @@ LAYERNORM_TYPES = NON_GATED_TYPES
 # Attention details read per model type: RMSNorms on queries and keys ("head": over head_dim, Qwen3;
 # "full": over the query and key widths, OLMoE), and attention_bias on the output projection too.
 QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}
-O_BIAS_TYPES = {"llama", "qwen3", "qwen3_moe", "olmoe"}
+O_BIAS_TYPES = {"llama", "qwen3", "qwen3_moe", "olmoe"} | MLA_TYPES  # MLA: on q_a, kv_a and o (toolkit.plan.mla)
+MLP_BIAS_TYPES = {"deepseek_v2"}  # mlp_bias: biases on the dense MLP's and the shared experts' projections
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,16 @@ class Arch:
     experts: int = 0  # E: routed experts in each MoE block
     experts_per_token: int = 0  # k: experts each token runs (num_experts_per_tok, top-k routing)
     expert_intermediate: int = 0  # I_e: one expert's MLP width
-    shared_intermediate: int = 0  # I_s: the shared expert every token runs (Qwen2-MoE)
+    shared_intermediate: int = 0  # I_s: the shared expert every token runs (Qwen2-MoE; DeepSeek: n_shared x I_e)
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(linear h -> 1) scales the shared expert's output
     dense_blocks: tuple = ()  # blocks of an MoE model with a dense MLP of width `intermediate`
+    mlp_bias: bool = False  # biases on the gated MLP's projections and the shared expert's (DeepSeek-V2 mlp_bias)
+    # Multi-head latent attention (toolkit.plan.mla); kv_lora_rank = 0 is ordinary attention. head_dim is then a
+    # query/key head (qk_nope_head_dim + qk_rope_head_dim) and kv_heads = heads.
+    kv_lora_rank: int = 0  # the key/value latent's width
+    q_lora_rank: int = 0  # the query latent's width; 0: one q_proj h -> heads * head_dim
+    qk_rope_dim: int = 0  # the rotary part of a query/key head (one rotary key shared by all heads)
+    v_head_dim: int = 0  # a value head's width; 0 means = head_dim
     extra: dict = field(default_factory=dict, compare=False)  # config keys kept for to_hf_config
 
     def __post_init__(self):
@@ -74,6 +84,8 @@ class Arch:
             object.__setattr__(self, "kv_heads", self.heads)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if not self.v_head_dim:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
         if self.heads % self.kv_heads:
             raise ConfigError(f"architecture {self.name!r}: heads({self.heads}) is not a multiple of "
                               f"kv_heads({self.kv_heads})")
@@ -96,6 +108,11 @@ class Arch:
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek): low-rank q and kv projections (toolkit.plan.mla)."""
+        return self.kv_lora_rank > 0
+
     def moe_block(self, index: int) -> bool:
         """Whether block `index` routes tokens to experts (else its MLP is dense)."""
         return self.is_moe and index not in self.dense_blocks
@@ -108,7 +125,7 @@ class Arch:
     def inactive_params(self) -> int:
         """Parameters one token's forward does not use: the E - k experts of each MoE block it is not
         routed to (0 for a dense model)."""
-        return sum(block_inactive_params(self) for i in range(self.layers) if self.moe_block(i))
+        return sum(layer_inactive_params(self))
 
     def active_params(self) -> int:
         """Parameters one token's forward uses (MoE: the router's top-k experts of each block)."""
@@ -119,10 +136,21 @@ def _norm(arch: Arch) -> int:
     return (2 if arch.norm == "layernorm" else 1) * arch.hidden
 
 
+def attention_linears(arch: Arch) -> list[tuple[int, int]]:
+    """(in, out) features of one block's attention projections, unfused: q, k, v, o; or MLA's."""
+    if arch.is_mla:
+        return mla_linears(arch)
+    h, qd, kd = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    return [(h, qd), (h, kd), (h, kd), (qd, h)]
+
+
 def _attn_params(arch: Arch) -> int:
+    if arch.is_mla:
+        return mla_params(arch)
     h, qd, kd = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     qk_norm = {"": 0, "head": 2 * arch.head_dim, "full": h + h // arch.heads * arch.kv_heads}[arch.qk_norm]
-    return h * (qd + 2 * kd) + qd * h + arch.qkv_bias * (qd + 2 * kd) + (arch.out_bias or arch.o_bias) * h + qk_norm
+    weights = sum(i * o for i, o in attention_linears(arch))
+    return weights + arch.qkv_bias * (qd + 2 * kd) + (arch.out_bias or arch.o_bias) * h + qk_norm
 
 
 def _block_params(arch: Arch, index: int) -> int:
@@ -130,7 +158,7 @@ def _block_params(arch: Arch, index: int) -> int:
         return 2 * _norm(arch) + _attn_params(arch) + moe_params(arch)
     h, i = arch.hidden, arch.intermediate
     up = 2 if arch.gated_mlp else 1  # gate and up, or fc
-    mlp = (up + 1) * h * i + arch.out_bias * (up * i + h)
+    mlp = (up + 1) * h * i + (arch.out_bias or arch.mlp_bias) * (up * i + h)
     return 2 * _norm(arch) + _attn_params(arch) + mlp
 
 
@@ -151,6 +179,14 @@ def layer_params(arch: Arch) -> list[tuple[str, int, int]]:
         return [("embed", embed, 0)] + blocks + [("head", head_own + v * h, 0)]
     head = ("head", embed, embed) if arch.tied else ("head", v * h, 0)
     return [("embed", embed, 0)] + blocks + [("norm", _norm(arch), 0), head]
+
+
+def layer_inactive_params(arch: Arch) -> list[int]:
+    """Per pipeline layer (aligned with layer_params), the parameters one token's forward leaves unused: the
+    E - k routed experts of an MoE block it is not sent to; 0 elsewhere. A stage's active parameters per token
+    are its parameters less these (shared experts, dense blocks, attention, embedding and head all run)."""
+    return [block_inactive_params(arch) if name.startswith("block.") and arch.moe_block(int(name[6:])) else 0
+            for name, _, _ in layer_params(arch)]
 
 
 def _gpt2(name, hidden, layers, heads):
@@ -184,6 +220,14 @@ BUILTINS = {a.name: a for a in [
     _llama("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 18944, 152064, 131072, qkv_bias=True),
     _llama("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 14336, 32000, 32768, experts=8, experts_per_token=2,
            expert_intermediate=14336),
+    _llama("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 6144, 151936, 40960, head_dim=128, qk_norm="head",
+           experts=128, experts_per_token=8, expert_intermediate=768),
+    # MLA: query/key heads 128 + 64 (rotary) wide, values 128, latents 1536 (q) and 512 (kv); 3 dense blocks, then
+    # 256 routed experts (8 per token) and 1 shared, all 2048 wide. Without its multi-token-prediction block
+    # (toolkit.plan.moe).
+    _llama("deepseek-v3", "deepseek_v3", 7168, 61, 128, 128, 18432, 129280, 163840, head_dim=192, v_head_dim=128,
+           q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, experts=256, experts_per_token=8,
+           expert_intermediate=2048, shared_intermediate=2048, dense_blocks=(0, 1, 2)),
     _bert("bert-base", 768, 12, 12, 3072),
     _bert("bert-large", 1024, 24, 16, 4096),
     # Tiny ones for tests: same code paths, seconds on a CPU.
@@ -194,7 +238,8 @@ BUILTINS = {a.name: a for a in [
 ]}
 ALIASES = {"gpt2-small": "gpt2", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",
            "llama-1b": "llama-3.2-1b", "llama-3b": "llama-3.2-3b", "llama-8b": "llama-3-8b",
-           "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b"}
+           "llama-3.1-8b": "llama-3-8b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+           "deepseek-v3-base": "deepseek-v3"}
 
 
 def is_builtin(name) -> bool:
@@ -276,13 +321,16 @@ def arch_from_config(cfg: dict, name: str) -> Arch:
                     qkv_bias=True, out_bias=True, learned_positions=True, type_vocab=cfg.get("type_vocab_size", 2),
                     attn_dropout=cfg.get("attention_probs_dropout_prob", 0.1) > 0, **common)
     plain = model_type in NON_GATED_TYPES
-    return Arch(name, model_type, kv_heads=cfg.get("num_key_value_heads") or 0, head_dim=cfg.get("head_dim") or 0,
-                tied=bool(cfg.get("tie_word_embeddings", False)),
+    # MLA (DeepSeek) sets its own head widths: a config's head_dim there is the rotary part (DeepseekV2Config)
+    heads = dict(kv_heads=cfg.get("num_key_value_heads") or 0, head_dim=cfg.get("head_dim") or 0)
+    heads.update(mla_fields(cfg, model_type, name))
+    return Arch(name, model_type, tied=bool(cfg.get("tie_word_embeddings", False)),
                 norm="layernorm" if model_type in LAYERNORM_TYPES else "rmsnorm", gated_mlp=not plain,
                 qkv_bias=plain or _qkv_bias(cfg, model_type), out_bias=plain,
                 o_bias=model_type in O_BIAS_TYPES and bool(cfg.get("attention_bias")),
+                mlp_bias=model_type in MLP_BIAS_TYPES and bool(cfg.get("mlp_bias")),
                 qk_norm=QK_NORM.get(model_type, ""), attn_dropout=(cfg.get("attention_dropout") or 0) > 0,
-                **moe_fields(cfg, model_type, name), **common)
+                **moe_fields(cfg, model_type, name), **heads, **common)
 
 
 def _qkv_bias(cfg: dict, model_type: str) -> bool:
@@ -290,7 +338,7 @@ def _qkv_bias(cfg: dict, model_type: str) -> bool:
     the others by attention_bias."""
     if model_type == "qwen2_moe":
         return bool(cfg.get("qkv_bias", True))
-    if model_type == "mixtral":
+    if model_type == "mixtral" or model_type in MLA_TYPES:  # MLA: attention_bias is o_bias's (toolkit.plan.mla)
         return False
     return bool(cfg.get("attention_bias", model_type == "qwen2"))
 
@@ -317,11 +365,15 @@ def to_hf_config(arch: Arch):
     if arch.model_type == "mixtral":  # its experts' width is intermediate_size
         kwargs.update(num_local_experts=arch.experts, num_experts_per_tok=arch.experts_per_token,
                       intermediate_size=arch.expert_intermediate)
+    elif arch.model_type in ("qwen3_moe", "deepseek_v3"):
+        kwargs.update(moe_hf_kwargs(arch))
     elif arch.is_moe:
         raise ConfigError(f"architecture {arch.name!r}: to_hf_config builds MoE models from a config.json "
-                          f"(arch_from_config) or mixtral's fields only, not {arch.model_type!r}")
-    return transformers.AutoConfig.for_model(arch.model_type, num_key_value_heads=arch.kv_heads,
-                                             head_dim=arch.head_dim, **kwargs)
+                          f"(arch_from_config) or the fields of mixtral, qwen3_moe, deepseek_v3 only, not "
+                          f"{arch.model_type!r}")
+    if not arch.is_mla:  # MLA's head widths are its own keys (moe_hf_kwargs)
+        kwargs["head_dim"] = arch.head_dim
+    return transformers.AutoConfig.for_model(arch.model_type, num_key_value_heads=arch.kv_heads, **kwargs)
 
 
 def build_hf_model(arch: Arch, device: str = "meta"):

@@ -10,7 +10,7 @@ checks the counts against what peft creates through that path.
 """
 
 from toolkit.errors import ConfigError
-from toolkit.plan.arch import Arch, layer_params
+from toolkit.plan.arch import Arch, attention_linears, layer_params
 
 # Model types whose q, k, v projections are one fused linear (GPT-2's c_attn, GPT-NeoX's query_key_value),
 # and whose gate and up projections are one (Phi-3's gate_up_proj): LoRA adapts the fused matrix once.
@@ -28,17 +28,18 @@ def block_linears(arch: Arch, moe: bool = False) -> list[tuple[int, int]]:
     """(in, out) features of each linear layer inside one block: the modules LoRA adapts by default
     (toolkit.train.lora: every block linear). Fused projections are one linear each. An MoE block's
     router and experts are parameters, not nn.Linear modules (transformers' fused 3-D experts), so only
-    its attention and shared expert (with its h -> 1 gate) are adapted."""
+    its attention and shared expert (with Qwen2-MoE's h -> 1 gate) are adapted. MLA (DeepSeek): its five
+    low-rank projections (toolkit.plan.mla)."""
     h, i, qd, kd = arch.hidden, arch.intermediate, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    attn = [(h, qd + 2 * kd)] if arch.model_type in FUSED_QKV_TYPES else [(h, qd), (h, kd), (h, kd)]
+    attn = [(h, qd + 2 * kd), (qd, h)] if arch.model_type in FUSED_QKV_TYPES else attention_linears(arch)
     if moe:
         s = arch.shared_intermediate
-        return attn + [(qd, h)] + ([(h, s), (h, s), (s, h), (h, 1)] if arch.shared_gate else [])
+        return attn + ([(h, s), (h, s), (s, h)] if s else []) + ([(h, 1)] if arch.shared_gate else [])
     if not arch.gated_mlp:
         up = [(h, i)]
     else:
         up = [(h, 2 * i)] if arch.model_type in FUSED_GATE_UP_TYPES else [(h, i), (h, i)]
-    return attn + [(qd, h)] + up + [(i, h)]
+    return attn + up + [(i, h)]
 
 
 def lora_params(arch: Arch, r: int) -> list[int]:

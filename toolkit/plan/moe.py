@@ -19,13 +19,22 @@ Modelled exactly (parameter counts equal the HF model's on the meta device: test
              (i + 1) % decoder_sparse_step != 0
   qwen2_moe  as qwen3_moe without the q/k norms, plus a shared expert of width
              shared_expert_intermediate_size with its sigmoid gate (a linear h -> 1)
-Every other config with routed experts is refused (deepseek_v2/v3's latent attention (MLA), dbrx,
-jamba, gpt_oss, llama4, ...): counting it as a dense model would be wrong by the experts.
+  deepseek_v2, deepseek_v3
+             n_routed_experts (E) of width moe_intermediate_size, num_experts_per_tok (k); n_shared_experts
+             shared experts, held as one gated MLP of width moe_intermediate_size * n_shared_experts, without
+             a gate; the first first_k_dense_replace blocks dense (an MLP of width intermediate_size); the
+             router's weight E x h (V3 also keeps e_score_correction_bias, E floats, as a buffer: no parameter,
+             not trained; transformers keeps it and the router's weight in fp32, a few MB a block, not
+             counted); multi-head latent attention (toolkit.plan.mla); V2's mlp_bias on the dense MLP and
+             the shared experts. The multi-token-prediction block of DeepSeek-V3's checkpoint
+             (model.layers.61, num_nextn_predict_layers) is not counted: transformers does not load it.
+Every other config with routed experts is refused (dbrx, jamba, gpt_oss, llama4, ...): counting it as a
+dense model would be wrong by the experts.
 
 Per token, forward, a multiply-add counting 2 (n tokens: multiply by n):
   router    2*h*E
   experts   k * 3 * 2*h*I_e            the top-k experts a token is routed to, not all E
-  shared    3 * 2*h*I_s + 2*h          qwen2_moe: the shared expert and its gate
+  shared    3 * 2*h*I_s (+ 2*h)        the shared expert (qwen2_moe: and its gate)
 Memory: every rank holds all E experts (dstk has no expert parallelism), so weights, gradients and
 optimizer states count all of them (moe_params); FLOPs and activations count k.
 
@@ -47,13 +56,15 @@ DEFAULTS = {
     "olmoe": {"experts": 64, "k": 8},
     "qwen2_moe": {"experts": 60, "k": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
     "qwen3_moe": {"experts": 128, "k": 8, "moe_intermediate_size": 768},
+    "deepseek_v2": {"experts": 64, "k": None, "moe_intermediate_size": 1407, "n_shared_experts": 2,
+                    "first_k_dense_replace": 0},
+    "deepseek_v3": {"experts": 256, "k": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                    "first_k_dense_replace": 3},
 }
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 REFUSAL_REASONS = {
-    "deepseek_v2": "its multi-head latent attention (MLA: q_lora_rank, kv_lora_rank, rope/nope head dims) is not "
-                   "the attention dstk counts",
-    "deepseek_v3": "its multi-head latent attention (MLA: q_lora_rank, kv_lora_rank, rope/nope head dims) and "
-                   "sigmoid router with a score-correction bias are not what dstk counts",
+    "gpt_oss": "its experts carry biases, its attention sinks and alternating sliding-window layers are not what "
+               "dstk counts (nor can it run sdpa attention)",
 }
 
 
@@ -76,6 +87,8 @@ def moe_fields(cfg: dict, model_type: str, name: str) -> dict:
             raise ConfigError(_refusal(cfg, model_type, name))
         return {}
     defaults = DEFAULTS[model_type]
+    if model_type.startswith("deepseek"):
+        return _deepseek_fields(cfg, defaults, cfg.get("num_hidden_layers") or 0)
     experts = next((cfg[k] for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None),
                    defaults["experts"])
     k = cfg.get("num_experts_per_tok") or defaults["k"]
@@ -93,6 +106,38 @@ def moe_fields(cfg: dict, model_type: str, name: str) -> dict:
         fields.update(experts=0, experts_per_token=0, expert_intermediate=0, shared_intermediate=0,
                       shared_gate=False, dense_blocks=())
     return fields
+
+
+def _deepseek_fields(cfg: dict, defaults: dict, layers: int) -> dict:
+    """DeepSeek-V2/V3: n_routed_experts (or an alias), n_shared_experts of moe_intermediate_size as one shared
+    MLP without a gate, blocks before first_k_dense_replace dense."""
+    experts = next((cfg[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if cfg.get(k)),
+                   defaults["experts"])
+    width = cfg.get("moe_intermediate_size") or defaults["moe_intermediate_size"]
+    shared = cfg.get("n_shared_experts", defaults["n_shared_experts"]) or 0
+    first_dense = cfg.get("first_k_dense_replace", defaults["first_k_dense_replace"]) or 0
+    return dict(experts=experts, experts_per_token=cfg.get("num_experts_per_tok") or defaults["k"] or 0,
+                expert_intermediate=width, shared_intermediate=width * shared,
+                dense_blocks=tuple(range(min(first_dense, layers))))
+
+
+def moe_hf_kwargs(arch) -> dict:
+    """transformers config keys of a built-in Qwen3-MoE or DeepSeek-V3 Arch (toolkit.plan.arch.to_hf_config):
+    its experts, dense blocks and (DeepSeek) latent attention."""
+    if arch.model_type == "qwen3_moe":
+        return dict(num_experts=arch.experts, num_experts_per_tok=arch.experts_per_token,
+                    moe_intermediate_size=arch.expert_intermediate, mlp_only_layers=list(arch.dense_blocks),
+                    attention_bias=arch.o_bias)
+    if arch.dense_blocks != tuple(range(len(arch.dense_blocks))):
+        raise ConfigError(f"architecture {arch.name!r}: DeepSeek's dense blocks come first (first_k_dense_replace), "
+                          f"got {arch.dense_blocks}")
+    return dict(n_routed_experts=arch.experts, num_experts_per_tok=arch.experts_per_token,
+                moe_intermediate_size=arch.expert_intermediate,
+                n_shared_experts=arch.shared_intermediate // arch.expert_intermediate,
+                first_k_dense_replace=len(arch.dense_blocks), q_lora_rank=arch.q_lora_rank or None,
+                kv_lora_rank=arch.kv_lora_rank, qk_rope_head_dim=arch.qk_rope_dim,
+                qk_nope_head_dim=arch.head_dim - arch.qk_rope_dim, v_head_dim=arch.v_head_dim,
+                attention_bias=arch.o_bias)
 
 
 def _qwen_dense_blocks(cfg: dict, experts: int, layers: int) -> tuple:
@@ -130,10 +175,11 @@ def check_moe(arch) -> None:
 
 def moe_params(arch) -> int:
     """Parameters of one MoE block's MLP: router E x h, all E experts (gate, up, down: 3*h*I_e each),
-    the shared expert (3*h*I_s) and its gate (h). None of them has a bias in the modelled families."""
-    h = arch.hidden
+    the shared expert (3*h*I_s; with mlp_bias + 2*I_s + h) and its gate (h). Routed experts and routers
+    have no bias in the modelled families."""
+    h, shared = arch.hidden, arch.shared_intermediate
     return (arch.experts * h + arch.experts * 3 * h * arch.expert_intermediate
-            + 3 * h * arch.shared_intermediate + arch.shared_gate * h)
+            + 3 * h * shared + (arch.mlp_bias and shared > 0) * (2 * shared + h) + arch.shared_gate * h)
 
 
 def block_inactive_params(arch) -> int:
@@ -159,12 +205,14 @@ def moe_elementwise_flops(arch, n: int) -> float:
 def moe_act_bytes(arch, n: int, e: int) -> int:
     """Bytes one MoE block's MLP keeps for backward for n tokens, e bytes per element, as HF's eager
     expert loop saves them. Per routed row (k*n of them): the gathered input (h), the gate_up output
-    (2*I_e; gate and up are views of it), the activation and the product (2*I_e), the expert's output
-    scaled by its routing weight (h + 1); int64 positions to scatter it back (3). Per token: the router's
-    fp32 probabilities (E) and top-k indices (k); with a shared expert its gated MLP (4*I_s), gate
-    output and product (h + 1). The norm output the router reads is counted with the block's norms."""
+    (2*I_e; gate and up are views of it), the activation and the product (2*I_e), the expert's output and
+    its routing weight (h + 1), the scaled output index_add_ keeps (h: IndexAddBackward saves its source);
+    int64 positions to scatter it back (3). Per token: the router's
+    fp32 probabilities (E) and top-k indices (k); with a shared expert its gated MLP (4*I_s), and with its
+    gate the gate's output and product (h + 1). The norm output the router reads is counted with the
+    block's norms."""
     k, h, ie = arch.experts_per_token, arch.hidden, arch.expert_intermediate
-    routed = k * n * (e * (2 * h + 4 * ie + 1) + 3 * 8)
+    routed = k * n * (e * (3 * h + 4 * ie + 1) + 3 * 8)
     router = n * (4 * arch.experts + 8 * k)
-    shared = e * n * (4 * arch.shared_intermediate + h + 1) if arch.shared_gate else 0
+    shared = e * n * (4 * arch.shared_intermediate + arch.shared_gate * (h + 1))
     return routed + router + shared

@@ -107,8 +107,8 @@ def shard_problems(name: str, model_type: str, has_plan: bool, tp: int, custom_p
 def tp_candidates(arch: Arch, gpus_per_node: int, lora: int | None = None) -> list[int]:
     """tp sizes `dstk plan` tries: divisors of the GPUs in one node (a tp group's all-reduces stay on
     the node's links), that AutoTP can shard the model by with its HF plan. Dense models without LoRA
-    only: AutoTP of experts and of LoRA adapters is not modelled."""
-    if lora is not None or arch.is_moe or not has_hf_plan(arch.model_type):
+    only: AutoTP of experts, of latent attention (MLA) and of LoRA adapters is not modelled."""
+    if lora is not None or arch.is_moe or arch.is_mla or not has_hf_plan(arch.model_type):
         return [1]
     # tp divides the heads, so at most heads of them (bounds the search whatever --gpus-per-node says)
     return [t for t in range(1, min(gpus_per_node, arch.heads) + 1)

@@ -9,7 +9,10 @@ I intermediate, V vocab, a query heads, qd = a*head_dim, kd = kv_heads*head_dim.
 FLOPs (a multiply-add counts 2), per micro-batch, forward:
   linear a -> b     2*N*a*b
   block             2*N*h*(qd + 2*kd) + 2*N*qd*h            q, k, v and output projections
-                    + 4*B*T^2*qd                             QK^T and P@V over the full T x T matrix
+                                                            (MLA: 2*N*in*out of each of its projections,
+                                                            toolkit.plan.mla)
+                    + 2*B*T^2*a*(head_dim + v_head_dim)     QK^T and P@V over the full T x T matrix (4*B*T^2*qd
+                                                            when value heads are as wide as query heads)
                                                             (eager / SDPA-math; flash kernels skip
                                                             the masked half of a causal one)
                     + (3 if gated else 2) * 2*N*h*I          MLP
@@ -41,6 +44,8 @@ e = bytes per activation element:
                + 2*qd + 2*kd                                q, k, v, attention output
                + (qd + kd if rotary)                        rotary's saved inputs
                + (2*qd + 2*kd with q/k norms)               their inputs and fp32 normalised (Qwen3, OLMoE)
+               (MLA: the q, k, v terms become toolkit.plan.mla.mla_act_elements: latents, their norms,
+               queries and keys a*(nope + rope) wide, values and output a*v)
                + m*I)                                       MLP: m = 2 (fc and activation outputs; 5 for
                                                            GPT-2's gelu_new, MLP_SAVED) + 2 if gated
           + c*e*B*a*T^2                                    attention="eager": c = 2 (softmax output and the
@@ -49,7 +54,8 @@ e = bytes per activation element:
                                                            (on CPU, SDPA with dropout falls back to the
                                                            math path and keeps them: use "eager")
           MoE block: the e*N*m*I term becomes toolkit.plan.moe.moe_act_bytes: per routed row (k*N of
-          them) its input, 4*I_e intermediates and scaled output; the router's fp32 probabilities (E per token)
+          them) its input, 4*I_e intermediates, its output and the scaled copy; the router's fp32
+          probabilities (E per token)
   norm    k/2 * e*N*h (LayerNorm: input; RMSNorm: input and normalised)
   head    e*N*h (x5 BERT's transform)                      input, saved by the matmul
           + e*N*V                                          the logits: DeepSpeed's pipeline engine keeps the
@@ -79,7 +85,8 @@ Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flig
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
-from toolkit.plan.arch import Arch, layer_params
+from toolkit.plan.arch import Arch, attention_linears, layer_inactive_params, layer_params
+from toolkit.plan.mla import mla_act_elements
 from toolkit.plan.lora import block_linears, lora_params
 from toolkit.plan.moe import moe_act_bytes, moe_elementwise_flops, moe_flops
 from toolkit.plan.memory.precision import PRECISIONS, weight_bytes
@@ -100,6 +107,7 @@ class LayerCost:
     act_bytes: int  # activations held per micro-batch in flight, until its backward
     trainable: int  # of `params`, those with gradients and optimizer states: all, or LoRA's adapters
     peak_bytes: int = 0  # transient bytes on top, once per stage (the head: its loss; module docstring)
+    inactive: int = 0  # of `params`, those one token's forward leaves unused (MoE: the E - k experts it skips)
 
     def memory(self, in_flight: int = 1) -> int:
         """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
@@ -108,7 +116,7 @@ class LayerCost:
 
 def _block_flops(arch: Arch, b: int, t: int, moe: bool) -> float:
     n, h, i = b * t, arch.hidden, arch.intermediate
-    attn = 4 * b * t * t * arch.heads * arch.head_dim
+    attn = 2 * b * t * t * arch.heads * (arch.head_dim + arch.v_head_dim)  # scores over head_dim, P@V over v
     mlp = moe_elementwise_flops(arch, n) if moe else 4 * n * i
     elementwise = 10 * n * h + 5 * b * arch.heads * t * t + mlp
     return _weight_flops(arch, "block", b, t, moe) + attn + elementwise  # projections and MLP + the rest
@@ -119,9 +127,8 @@ def _weight_flops(arch: Arch, kind: str, b: int, t: int, moe: bool = False) -> f
     `moe`: the block routes tokens to experts (the router, k experts per token, the shared expert)."""
     n, h = b * t, arch.hidden
     if kind == "block":
-        qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
         mlp = moe_flops(arch, n) if moe else (3 if arch.gated_mlp else 2) * 2 * n * h * arch.intermediate
-        return 2 * n * h * (qd + 2 * kd) + 2 * n * qd * h + mlp
+        return 2 * n * sum(i * o for i, o in attention_linears(arch)) + mlp
     if kind == "head":
         return 2 * n * h * arch.vocab + arch.is_encoder * 2 * n * h * h
     return 0.0
@@ -165,8 +172,11 @@ def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str, mo
     k = 2 if arch.norm == "layernorm" else 3
     if kind == "block":
         qd, kd = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-        per_token = (2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd)
-                     + bool(arch.qk_norm) * 2 * (qd + kd))
+        if arch.is_mla:
+            per_token = 2 * k * h + mla_act_elements(arch)
+        else:
+            per_token = (2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd)
+                         + bool(arch.qk_norm) * 2 * (qd + kd))
         copies = (2 + arch.attn_dropout) if attention == "eager" else 0
         if moe:
             mlp_bytes = moe_act_bytes(arch, n, e)
@@ -218,7 +228,7 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
     weight_bytes(precision)  # refuses an unknown precision
     p = PRECISIONS[precision]
     adapters = lora_params(arch, lora) if lora is not None else None
-    costs = []
+    costs, inactive = [], layer_inactive_params(arch)
     for i, (name, params, tied) in enumerate(layer_params(arch)):
         kind = name.split(".")[0]
         moe = kind == "block" and arch.moe_block(int(name.split(".")[1]))
@@ -233,7 +243,7 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
         acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention, moe)
         peak = loss_peak_bytes(arch, seq_len, mbs) if kind == "head" else 0
         costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable,
-                               peak))
+                               peak, inactive[i]))
     return costs
 
 

@@ -40,7 +40,7 @@ toolkit.plan.memory.overhead). A layout fits when that is at most the GPU's memo
 allocator's fragmentation, toolkit.plan.layouts.planner).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from toolkit.plan.memory.rank import activation_bytes, in_flight, in_flight_dualpipev, model_state_bytes
 from toolkit.plan.memory.overhead import Fixed, fixed_bytes
@@ -80,6 +80,19 @@ class Layout:
         return " ".join([f"pp={self.pp} dp={self.dp}{tp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
 
 
+@dataclass(frozen=True)
+class StageFigures:
+    """One pipeline stage of a layout (one tp rank's share with tp > 1)."""
+
+    stage: int
+    first: int  # layers first:last of the pipeline layer list (embed, blocks, norm, head)
+    last: int
+    params: int  # parameters it holds (a tied head's copy counted; LoRA's adapters too)
+    active_params: int  # of which one token's forward uses: all, but an MoE block's k of E routed experts
+    flops: float  # forward + backward FLOPs per sequence (one micro-batch of mbs sequences: x mbs)
+    memory_bytes: int  # GPU bytes of the rank holding it (DualPipeV: its two stages), fixed bytes included
+
+
 @dataclass
 class Estimate:
     layout: Layout
@@ -98,6 +111,9 @@ class Estimate:
     sp_comm_bytes: int = 0  # per rank per step, Ulysses' all-to-alls over its sp group
     loss_peak: int = 0  # of `activations`: the loss's transient peak, on the stage holding the head
     fixed: Fixed = Fixed(0, 0, 0)  # outside torch's allocator: CUDA context, NCCL buffers (toolkit.plan.memory.overhead)
+    stages: list = field(default_factory=list)  # StageFigures of every pipeline stage
+    flops_parts: list | None = None  # the FLOPs-balanced split `parts` replaced to fit memory (None: it is that one)
+    split_cost: float = 1.0  # the slowest stage's FLOPs over the FLOPs split's slowest (>= 1)
 
     @property
     def allocated(self) -> int:
@@ -132,7 +148,9 @@ class Estimate:
                 "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
                 "tp": self.layout.tp, "tp_comm_bytes": self.tp_comm_bytes,
                 "sp": self.layout.sp, "sp_comm_bytes": self.sp_comm_bytes,
-                "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts)}
+                "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts),
+                "stages": [asdict(s) for s in self.stages], "flops_parts": self.flops_parts,
+                "split_cost": self.split_cost}
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,8 @@ class Model:
     peak: list | None = None  # per layer, transient bytes on top, once per stage (the head's loss)
     attn_bytes: float = 0.0  # q, k, v and the attention output of one sequence, summed over the attention
     # layers: what Ulysses' 4 all-to-alls per layer carry (toolkit.plan.layouts.planner.model_of)
+    inactive: list | None = None  # per layer, of `params` those one token's forward leaves unused (an MoE
+    # block's E - k experts); None: every parameter runs (active = params)
 
 
 @dataclass(frozen=True)
@@ -213,37 +233,85 @@ def dualpipev_bubble(pp: int, micro_batches: int) -> float:
     return (4 * pp - 5) / (6 * micro_batches + 4 * pp - 5)
 
 
-def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
+def stage_flights(lay: Layout, stages: int) -> list:
+    """Micro-batches each of the `stages` stages keeps in flight: 1F1B's, or DualPipeV's."""
+    if lay.schedule == "dualpipev":
+        return [in_flight_dualpipev(lay.pp, s) for s in range(stages)]
+    return [in_flight(lay.pp, lay.gas, s) for s in range(stages)]
+
+
+def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) -> tuple[int, int]:
+    """(bytes, of which the loss's peak) of the activations a stage holding layers lo:hi keeps with `flight`
+    micro-batches in flight: theirs (or with checkpointing their inputs and one layer recomputed), the
+    stage's attention mask per micro-batch, and the loss's peak once (one loss runs at a time)."""
     # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
-    per_layer = [a * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a in model.act]
+    per_layer = [a * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a in model.act[lo:hi]]
     ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
-    stages, dual = len(parts) - 1, lay.schedule == "dualpipev"
-    flights = [in_flight_dualpipev(lay.pp, s) if dual else in_flight(lay.pp, lay.gas, s) for s in range(stages)]
-    acts = activation_bytes(per_layer, parts, stages, lay.gas, ckpt, flights)
-    stage_act = model.stage_act if lay.sp == 1 else 0
-    acts = [a + stage_act * lay.mbs * flights[s] for s, a in enumerate(acts)]
-    peaks = [max((model.peak or [0] * len(model.act))[parts[s]:parts[s + 1]]) * lay.mbs // lay.sp for s in range(stages)]
-    acts = [a + p for a, p in zip(acts, peaks)]  # the loss's peak: once, the last stage runs one loss at a time
+    acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, ckpt, [flight])[0]
+    acts += (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
+    peak = max((model.peak or [0] * len(model.act))[lo:hi]) * lay.mbs // lay.sp
+    return int(acts + peak), peak
+
+
+def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):
+    """memory.ModelStates of the rank holding stages `held` under `parts`."""
+    return model_state_bytes(rank_params(model, parts, held), lay.zero_ranks, lay.zero, precision, optimizer,
+                             lay.offload, pipeline=lay.pp > 1,
+                             overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
+                             fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
+                             trainable=rank_trainable(model, parts, held))
+
+
+def stage_fits(model: Model, lay: Layout, hw: Hardware, precision: str, optimizer: str):
+    """fits(stage, lo, hi): whether a 1F1B stage holding layers lo:hi fits the GPU (and offload the host) under
+    this layout: what predict counts for it (toolkit.plan.cost.partition.fitting_split's test)."""
+    flights = stage_flights(lay, lay.pp)
+    spare = hw.capacity - fixed_bytes(lay.pp, lay.zero_ranks, lay.tp).total
+    n = len(model.params)
+
+    def fits(stage, lo, hi):
+        parts = [0] * stage + [lo, hi] + [n] * (lay.pp - stage - 1)  # stage s holds lo:hi
+        states = rank_states(model, parts, [stage], lay, precision, optimizer)
+        acts, _ = stage_activations(model, lay, lo, hi, flights[stage])
+        return states.peak + acts <= spare and states.cpu <= hw.host_capacity
+
+    return fits
+
+
+def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str, optimizer: str) -> Estimate:
+    stages = len(parts) - 1
+    flights = stage_flights(lay, stages)
+    held_acts = [stage_activations(model, lay, parts[s], parts[s + 1], flights[s]) for s in range(stages)]
+    acts, peaks = [a for a, _ in held_acts], [p for _, p in held_acts]
     totals = []
     for r, held in enumerate(rank_stages(lay)):
-        states = model_state_bytes(rank_params(model, parts, held), lay.zero_ranks, lay.zero, precision, optimizer,
-                                   lay.offload, pipeline=lay.pp > 1,
-                                   overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
-                                   fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
-                                   trainable=rank_trainable(model, parts, held))
+        states = rank_states(model, parts, held, lay, precision, optimizer)
         totals.append((states.peak + int(sum(acts[s] for s in held)), r, states))
     _, heaviest, states = max(totals, key=lambda t: t[0])
     held = rank_stages(lay)[heaviest]
     w = weight_bytes(precision)
     working = 2 * max(model.params) * w if lay.zero == 3 else 0
-    bubble = dualpipev_bubble(lay.pp, lay.gas) if dual else bubble_fraction(lay.pp, lay.gas)
+    bubble = dualpipev_bubble(lay.pp, lay.gas) if lay.schedule == "dualpipev" else bubble_fraction(lay.pp, lay.gas)
     # sp: slices travel; DualPipeV: both phases cross each link
-    sends = 2 * model.boundary * lay.mbs * lay.gas * (2 if dual else 1) // lay.sp
+    sends = 2 * model.boundary * lay.mbs * lay.gas * (2 if lay.schedule == "dualpipev" else 1) // lay.sp
     est = Estimate(lay, heaviest, parts, states, int(sum(acts[s] for s in held)), working, hw.capacity,
                    hw.host_capacity, bubble, 0, sends if lay.pp > 1 else 0,
                    loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp))
+    est.stages = _stage_figures(model, parts, lay, [t[0] + working + est.fixed.total for t in totals])
     _times(est, model, hw, precision)
     return est
+
+
+def _stage_figures(model: Model, parts: list, lay: Layout, rank_bytes: list) -> list:
+    """StageFigures of every stage: its parameters, of which active per token, and its rank's GPU bytes."""
+    rank_of = {s: r for r, held in enumerate(rank_stages(lay)) for s in held}
+    out = []
+    for s in range(len(parts) - 1):
+        lo, hi = parts[s], parts[s + 1]
+        params = stage_params(model, parts, s)
+        inactive = sum(model.inactive[lo:hi]) if model.inactive else 0
+        out.append(StageFigures(s, lo, hi, params, params - inactive, sum(model.flops[lo:hi]), rank_bytes[rank_of[s]]))
+    return out
 
 
 def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:

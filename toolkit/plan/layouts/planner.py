@@ -4,7 +4,7 @@
     result.best[0].layout        # Layout(pp=1, dp=8, zero=..., mbs=..., gas=..., ...)
     result.closest               # when nothing fits: the layout needing the least memory
 
-Layouts: pp dividing the world and the model's block count; tensor parallelism (DeepSpeed AutoTP) with
+Layouts: pp dividing the world, up to the model's block count; tensor parallelism (DeepSpeed AutoTP) with
 tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
 (toolkit.plan.tp.tp_candidates), alone (pp = 1) or inside pipeline stages (3D: dp x pp x tp);
 Ulysses sequence parallelism (sp) at tp = 1, alone or inside pipeline stages, for a causal LM whose heads sp
@@ -13,8 +13,11 @@ refuses 2/3); mbs * gas * dp = gbs; offload of the optimizer (ZeRO >= 1) or of e
 checkpointing on or off. With tp at pp = 1 AutoTP shards every layer it has a plan for (the head, a tied
 embedding); inside pipeline stages only the decoder blocks are sharded, the embedding, final norm and
 head stay whole on every tp rank (toolkit.distributed.tensor_parallel). Each stage's
-layers come from toolkit.plan.cost.partition's exact split (least slowest stage); the stage with the most
-memory is reported. Estimates: toolkit.plan.memory.rank (bytes) and toolkit.plan.layouts.estimate (seconds).
+layers come from toolkit.plan.cost.partition's exact split (least slowest stage); where that split's heaviest
+stage does not fit the GPU, from the split of least slowest stage among those whose every stage fits under
+that layout (estimate_split; the rule and its arithmetic: toolkit.plan.cost.partition). The stage with the
+most memory is reported, and every stage's parameters, active parameters per token and memory. Estimates:
+toolkit.plan.memory.rank (bytes) and toolkit.plan.layouts.estimate (seconds).
 Activations come from toolkit.plan.cost.layers: attention="sdpa" (flash / memory-efficient kernels) stores no
 (seq x seq) attention probabilities, "eager" does.
 
@@ -108,8 +111,8 @@ def make_plan(req: PlanRequest) -> PlanResult:
     tps, hw = tp_candidates(arch, req.gpus_per_node, req.lora), _hardware(req, gpu)
     # one rank's figures per (tp, inside a pipeline): in 3D only the blocks are sharded
     models = {(tp, pipe): model_of(costs, arch, seq, req, tp, pipe) for tp in tps for pipe in (False, True)}
-    estimates = [predict(_stage_tp_comm(models[lay.tp, lay.pp > 1], costs, parts), parts, lay, hw, req.precision,
-                          req.optimizer)
+    unfit = {}  # per layout family, the least mbs at which no split fits: a larger mbs needs more memory
+    estimates = [estimate_split(models[lay.tp, lay.pp > 1], costs, parts, lay, hw, req, unfit)
                  for parts, lay in candidate_layouts(req, arch, costs, tps)]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory))
     closest = None if fitting else min(estimates, key=lambda e: e.excess)
@@ -121,8 +124,9 @@ def make_plan(req: PlanRequest) -> PlanResult:
     return result
 
 
-def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
-    """The estimate of one given layout (benchmarks compare it with a measured run)."""
+def estimate_layout(req: PlanRequest, layout: Layout, parts: list | None = None) -> Estimate:
+    """The estimate of one given layout (benchmarks compare it with a measured run): with the planner's split
+    (estimate_split), or with `parts` as given."""
     from toolkit.plan.cost.partition import partition_layers
 
     from toolkit.plan.tp import autotp_problems
@@ -131,9 +135,38 @@ def estimate_layout(req: PlanRequest, layout: Layout) -> Estimate:
     problems = autotp_problems(arch, layout.tp)
     if problems:
         raise ConfigError(problems[0])
+    model = model_of(costs, arch, seq, req, layout.tp, pipeline=layout.pp > 1)
+    if parts is not None:
+        return predict(_stage_tp_comm(model, costs, parts), parts, layout, _hardware(req, gpu), req.precision,
+                       req.optimizer)
     parts = partition_layers(costs, layout.pp * (2 if layout.schedule == "dualpipev" else 1), "compute")
-    model = _stage_tp_comm(model_of(costs, arch, seq, req, layout.tp, pipeline=layout.pp > 1), costs, parts)
-    return predict(model, parts, layout, _hardware(req, gpu), req.precision, req.optimizer)
+    return estimate_split(model, costs, parts, layout, _hardware(req, gpu), req)
+
+
+def estimate_split(model: Model, costs: list, parts: list, lay: Layout, hw: Hardware, req: PlanRequest,
+                   unfit: dict | None = None) -> Estimate:
+    """The estimate of `lay` with the FLOPs split `parts`; when its heaviest stage does not fit (1F1B, pp > 1),
+    with the split of least slowest stage among those whose every stage fits this layout's GPU
+    (toolkit.plan.cost.partition.fitting_split: an MoE model's stages differ in parameters at equal FLOPs).
+    When no split fits, the FLOPs split's estimate stands: the layout does not fit either way. `unfit` (family
+    -> mbs) skips the search where a smaller mbs of the same family found no split: every stage's bytes grow
+    with mbs (mbs x the micro-batches in flight, min(pp - s, gas) with gas = gbs / (dp x mbs), grows)."""
+    from toolkit.plan.cost.partition import fitting_split
+    from toolkit.plan.layouts.estimate import stage_fits
+
+    est = predict(_stage_tp_comm(model, costs, parts), parts, lay, hw, req.precision, req.optimizer)
+    family = replace(lay, mbs=0, gas=0)
+    if est.fits or lay.pp == 1 or lay.schedule != "1f1b" or lay.mbs >= (unfit or {}).get(family, math.inf):
+        return est
+    fitted = fitting_split(model.flops, lay.pp, stage_fits(model, lay, hw, req.precision, req.optimizer))
+    if fitted is None and unfit is not None:
+        unfit[family] = min(lay.mbs, unfit.get(family, math.inf))
+    if fitted is None or fitted == parts:
+        return est
+    moved = predict(_stage_tp_comm(model, costs, fitted), fitted, lay, hw, req.precision, req.optimizer)
+    slowest = [max(sum(model.flops[lo:hi]) for lo, hi in zip(p, p[1:])) for p in (fitted, parts)]
+    moved.flops_parts, moved.split_cost = list(parts), slowest[0] / slowest[1]
+    return moved
 
 
 def _prepare(req: PlanRequest) -> tuple:
@@ -212,12 +245,12 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
         recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
                      _held_logits(per_rank["act"], costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
-                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"])
+                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"])  # dense only: all active
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], _held_logits([c.act_bytes for c in costs], costs, arch, seq, req,
                                                             pipeline), boundary, seq,
                  trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act,
-                 peak=[c.peak_bytes for c in costs],
+                 peak=[c.peak_bytes for c in costs], inactive=[c.inactive for c in costs] if arch.is_moe else None,
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs))
 
@@ -252,7 +285,8 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
     by --gbs or the world size. tp > 1 also inside pipeline stages (3D: dstk train shards each stage's
     blocks over its tp group; tp groups are tp consecutive ranks, so inside one node)."""
     world = req.gpus_per_node * req.nodes
-    pps = [pp for pp in range(1, min(world, len(costs)) + 1) if world % pp == 0 and arch.layers % pp == 0]
+    # any pp up to the blocks: the exact split evens uneven counts (DeepSeek-V3's 61 blocks divide by no pp)
+    pps = [pp for pp in range(1, min(world, arch.layers) + 1) if world % pp == 0]
     combos = [(pp, tp, 1) for pp in pps for tp in tps if world % (pp * tp) == 0]
     sps = sp_candidates(arch, req.seq_len or min(2048, arch.max_positions), world)
     # sp inside stages too, where the pipeline's embedding adds no learned positions (dstk train's rule)
@@ -291,10 +325,12 @@ def _schedules(costs: list, pp: int, tp: int, sp: int) -> list:
 
 def sp_candidates(arch, seq: int, world: int) -> list:
     """Ulysses sizes > 1 to try at tp = 1 (any pp): those dividing the world, the sequence and the heads as
-    UlyssesSPAttentionHF needs (toolkit.config.rules.sequence_parallel.ulysses_problems); causal LMs only."""
+    UlyssesSPAttentionHF needs (toolkit.config.rules.sequence_parallel.ulysses_problems); causal LMs only, and
+    not MLA (DeepSeek), whose all-to-alls (queries and keys wider than values, model_of's attn_bytes) are not
+    modelled."""
     from toolkit.config.rules.sequence_parallel import ulysses_problems
 
-    if arch.model_type == "bert":
+    if arch.model_type == "bert" or arch.is_mla:
         return []
     return [sp for sp in range(2, min(world, arch.heads) + 1)  # sp divides the heads: bounded by them, not the world
             if world % sp == 0 and not ulysses_problems(arch.heads, arch.kv_heads, sp, seq)]

@@ -1,5 +1,7 @@
 """A PlanResult as text for a terminal, and its chosen layout as a DeepSpeed config."""
 
+import textwrap
+
 from toolkit.errors import ConfigError
 from toolkit.plan.gpus import format_bytes as fb
 from toolkit.plan.layouts.planner import PlanResult
@@ -58,7 +60,59 @@ def _describe(e: Estimate, label: str) -> list:
     if e.layout.tp > 1:
         comm += f", tp comm {fb(e.tp_comm_bytes)}/step/GPU (within a node)"
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if v)
-    return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})"]
+    split = textwrap.wrap(f"split {e.parts}, not the FLOPs-balanced {e.flops_parts} whose heaviest stage does not "
+                          f"fit: its slowest stage computes {e.split_cost - 1:.1%} more", 116, initial_indent="   ",
+                          subsequent_indent="     ") if e.flops_parts else []
+    return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})",
+            *_stage_lines(e), *split]
+
+
+def _stage_lines(e: Estimate) -> list:
+    """Per stage: its pipeline layers, parameters (MoE: and of those active per token) and its GPU's memory;
+    runs of like stages share a cell."""
+    moe = any(s.active_params != s.params for s in e.stages)
+    shard = f" (one tp={e.layout.tp} rank's)" if e.layout.tp > 1 else ""
+    if len(e.stages) == 1:
+        s = e.stages[0]
+        return [f"   parameters{shard} {_count(s.params)}"
+                + (f", {_count(s.active_params)} active per token" if moe else "")]
+    runs = []
+    for s in e.stages:
+        if runs and (s.last - s.first, s.params, s.active_params) == _shape(runs[-1][-1]):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    cells = [_run_cell(run, moe) for run in runs]
+    what = "parameters (active per token), memory/GPU" if moe else "parameters, memory/GPU"
+    return textwrap.wrap(f"stages{shard} [{what}]: " + "; ".join(cells), 116, initial_indent="   ",
+                         subsequent_indent="     ", break_on_hyphens=False)
+
+
+def _shape(s) -> tuple:
+    return s.last - s.first, s.params, s.active_params
+
+
+def _run_cell(run: list, moe: bool) -> str:
+    """'0: layers 0-4, 5.94B (1.71B active), 70.7 GiB' or '1-6: 4 layers each, ..., 68.7-69 GiB'."""
+    first, last = run[0], run[-1]
+    if len(run) == 1:
+        where = f"{first.stage}: layer{'s' if first.last - first.first > 1 else ''} {first.first}"
+        where += f"-{first.last - 1}" if first.last - first.first > 1 else ""
+    else:
+        layers = first.last - first.first
+        where = f"{first.stage}-{last.stage}: {layers} layer{'s' * (layers > 1)} each"
+    low, high = min(s.memory_bytes for s in run), max(s.memory_bytes for s in run)
+    memory = fb(low) if fb(low) == fb(high) else f"{fb(low)}-{fb(high)}"
+    active = f" ({_count(first.active_params)} active)" if moe else ""
+    return f"{where}, {_count(first.params)}{active}, {memory}"
+
+
+def _count(n: int) -> str:
+    """A parameter count to three figures: 1.23B, 456M."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 def layout_config(result: PlanResult, index: int = 0) -> dict:
@@ -74,4 +128,7 @@ def layout_config(result: PlanResult, index: int = 0) -> dict:
         mbs=lay.mbs, gbs=r.gbs, zero=lay.zero, precision=r.precision, optimizer=OPTIMIZER_TYPES[r.optimizer],
         offload_optimizer="cpu" if lay.offload != "none" else "none",
         offload_param="cpu" if lay.offload == "all" else "none", activation_checkpointing=lay.checkpointing)
-    return build_config(options)
+    cfg = build_config(options)
+    if result.best[index].flops_parts:  # the split that fits, which training would not find by FLOPs alone
+        cfg["pipeline"]["parts"] = list(result.best[index].parts)
+    return cfg
