@@ -61,3 +61,46 @@ def test_streaming_evaluates_on_eval_data_and_its_checkpoint_is_not_resumed_with
     plain = [a for a in STREAM if a != "--streaming"]
     rc, log = launch(cfg, out, 2, "--steps", 3, "--eval-data", held, "--resume", model_args=plain)
     assert rc != 0 and "Traceback" not in log and "another run" in log and "streaming" in log, log[-3000:]
+
+
+def _train(cfg: Path, out: Path, procs: int, *flags) -> None:
+    from tests.ranks import run_train
+
+    rc, log = run_train(["--config", cfg, *STREAM, "--out", out, *flags], procs)
+    assert rc == 0, log[-3000:]
+
+
+def _continues(moved: Path, whole: Path, steps) -> None:
+    got, want = losses(moved), losses(whole)
+    assert all(abs(got[s] - want[s]) <= 1e-4 * abs(want[s]) for s in steps), ({s: got[s] for s in steps}, want)
+
+
+@pytest.mark.parametrize("case", ["dualpipev->1f1b", pytest.param("pp3->pp2", marks=pytest.mark.heavy),
+                                  pytest.param("reshard pp2->pp1", marks=pytest.mark.heavy)])
+def test_a_streaming_run_moved_to_another_pipeline_reads_its_replicas_rows(tmp_path, case):
+    """Only the ranks that load micro-batches advance their stream position (DualPipeV: pipe rank 0; 1F1B: the first
+    and last stages), so a rank that never read it could become one that reads labels after a move, and train on
+    another row's (+1.4% loss at steps 4-6). The place is found per data-parallel replica: the moved run continues
+    the run that was not moved (1e-4: DualPipeV and 1F1B agree to that)."""
+    from tests.invoke import invoke_dstk
+
+    cfg2 = write_config(tmp_path / "pp2.json", run_config(2, 4, 2, clip=1.0))
+    _train(cfg2, tmp_path / "whole", 2, "--steps", 6)
+    part = tmp_path / "part"
+    if case == "dualpipev->1f1b":
+        _train(cfg2, part, 2, "--steps", 3, "--schedule", "dualpipev")
+        _train(cfg2, part, 2, "--steps", 6, "--resume")
+        moved = part
+    elif case == "pp3->pp2":
+        _train(write_config(tmp_path / "pp3.json", run_config(2, 4, 3, clip=1.0)), part, 3, "--steps", 3)
+        _train(cfg2, part, 2, "--steps", 6, "--resume")
+        moved = part
+    else:
+        _train(cfg2, part, 2, "--steps", 3)
+        moved = tmp_path / "moved"
+        done = invoke_dstk(["reshard", str(part), str(moved), "--pp", "1"])
+        assert done.returncode == 0, done.stderr
+        _train(write_config(tmp_path / "pp1.json", run_config(2, 4, 1, clip=1.0)), moved, 1, "--steps", 6, "--resume")
+        refused = invoke_dstk(["reshard", str(part), str(tmp_path / "dp2"), "--dp", "2"])
+        assert refused.returncode == 1 and "is a --streaming run" in refused.stderr and "keeps dp 1" in refused.stderr
+    _continues(moved, tmp_path / "whole", [4, 5, 6])

@@ -17,7 +17,7 @@ from toolkit.files import check_writable
 from toolkit.checkpoint import portable
 from toolkit.checkpoint.lock import RunLock, is_lock_file
 from toolkit.checkpoint.run_folder import check_not_in_use
-from toolkit.checkpoint.manifest import META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
+from toolkit.checkpoint.manifest import DATA_POSITION, META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 
 
@@ -41,6 +41,11 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     if schedule is None and target["pp"] == 1 and target.get("schedule") == "dualpipev":
         target["schedule"] = "1f1b"  # one stage has no pipeline schedule: moving onto pp 1 drops DualPipeV
     _check_target(ckpt_dir, manifest, target, _pipeline_layers(ckpt_dir, manifest))
+    positions = sorted((ckpt_dir / tag).glob(DATA_POSITION.format("*")))  # a --streaming run's places in its stream
+    if positions and target["dp"] != source["dp"]:
+        raise ConfigError(f"--dp {target['dp']}: {ckpt_dir} is a --streaming run, whose place in its stream is kept "
+                          f"per data-parallel replica (rows i % dp); it moves to another pp, sp or ZeRO stage but "
+                          f"keeps dp {source['dp']}")
     check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
     state = portable.read(ckpt_dir, tag)
     recipe_text = _recipe(ckpt_dir.parent / "recipe.yaml", out, source, target)  # read before anything is written
@@ -53,7 +58,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
         with RunLock(out, "dstk reshard", "OUT_DIR") as held:  # OUT made and locked: no run starts there meanwhile
             held.take()
             _check_empty(out)
-            size = _write(out, ckpt_dir, tag, {**manifest, **target, "portable": True}, state)
+            size = _write(out, ckpt_dir, tag, {**manifest, **target, "portable": True}, state, positions)
             if recipe is not None:
                 recipe.write_text(recipe_text)
     except BaseException:
@@ -111,8 +116,9 @@ def _check_empty(out: Path) -> None:
         raise ConfigError(f"{out} already holds files; give a new OUT folder (reshard never overwrites a run)")
 
 
-def _write(out: Path, ckpt_dir: Path, tag: str, manifest: dict, state) -> int:
-    """OUT/checkpoints: the run's dstk/ with `manifest`, the tag's state by HF name, `latest`; written in a
+def _write(out: Path, ckpt_dir: Path, tag: str, manifest: dict, state, positions: list) -> int:
+    """OUT/checkpoints: the run's dstk/ with `manifest`, the tag's state by HF name, its stream positions (a
+    --streaming run's, found by replica on resume: toolkit.train.loop.stream_position), `latest`; written in a
     temporary folder beside OUT and renamed into it, whole. Returns the state's bytes."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.dstk-", dir=out.absolute().parent))
     try:
@@ -120,6 +126,8 @@ def _write(out: Path, ckpt_dir: Path, tag: str, manifest: dict, state) -> int:
         shutil.copytree(ckpt_dir / META, folder / META)
         write_manifest(folder, manifest)  # an older run's layout.json goes
         size = portable.write(state, folder / tag / portable.PORTABLE)
+        for position in positions:
+            shutil.copy2(position, folder / tag / position.name)
         write_latest(folder, tag)
         folder.rename(out / "checkpoints")
     finally:

@@ -135,6 +135,10 @@ class TokenData:
         idx = torch.as_tensor(idx, dtype=torch.long)
         return (self.input_ids[idx], self.doc_ids[idx]), self.labels[idx]
 
+    def head(self, n: int | None) -> "TokenData":
+        """The first n rows (all of them when n is None or more)."""
+        return self if n is None else TokenData(self.input_ids[:n], self.doc_ids[:n], self.labels[:n])
+
 
 class ShardedBatches:
     """Micro-batches of one data-parallel rank: mbs rows each, gas of them per optimizer step.

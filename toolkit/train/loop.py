@@ -4,6 +4,7 @@ A `Job` holds the engine and this rank's data streams. `train_step` is one optim
 gbs rows: train_batch() for a pipeline, gas forward/backward/step calls for pp = 1.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -248,22 +249,25 @@ def _resume(engine, ckpt_dir: Path, tag: str, record: dict, save_frozen: bool, s
 
 
 def stream_position(tag_dir: Path, saved: dict, topo, rank: int) -> dict:
-    """Rank `rank`'s place in the stream of a --streaming run's checkpoint (toolkit.data.stream). Each rank saved its
-    own, by global rank: on another layout a rank may find none, or one of another dp rank's share. Refused then,
-    naming both layouts, in the same words on every rank that refuses (prepare's agreement says which)."""
+    """Rank `rank`'s place in the stream of a --streaming run's checkpoint (toolkit.data.stream): its data-parallel
+    replica's. Every rank saves its own position, but only the ranks that load micro-batches advance theirs (1F1B:
+    the first and last stages; DualPipeV: pipe rank 0), so a replica's place is the farthest its ranks saved,
+    whatever their stage: found by replica, it holds on another pp, tp, sp or schedule. The shares are rows
+    i % dp == dp_rank: another dp is refused, naming both layouts, in the same words on every rank."""
     _, dp_rank = topo.coords(rank)
-    path = tag_dir / manifest.DATA_POSITION.format(rank)
-    if not path.is_file() and not any(tag_dir.glob(manifest.DATA_POSITION.format("*"))):
+    files = sorted(tag_dir.glob(manifest.DATA_POSITION.format("*")))
+    if not files:
         return manifest.load_data_position(tag_dir, rank)  # refused: not a --streaming run's checkpoint
-    position = manifest.load_data_position(tag_dir, rank) if path.is_file() else None
-    if position is not None and (position.get("dp"), position.get("dp_rank")) == (topo.dp, dp_rank):
-        return position
-    found = "no stream position of its own" if position is None else "one saved for another dp rank's share"
+    positions = [json.loads(f.read_text()) for f in files]
+    mine = [p for p in positions if (p.get("dp"), p.get("dp_rank")) == (topo.dp, dp_rank)]
+    if mine:
+        return max(mine, key=lambda p: (p["pass"], p["docs"], p["rows"]))
     was = _layout_words(*(int(saved.get(k, 1)) for k in ("dp", "pp", "tp", "sp")))  # older runs: no sp
     now = _layout_words(topo.dp, topo.pp, topo.tp, topo.sp)
-    raise UnusableInput(f"--resume --streaming: {tag_dir.name} was saved on {was}, each rank keeping its own place in "
-                        f"the stream; on {now} a rank finds {found} there. A --streaming run resumes on the layout it "
-                        f"was saved with ({was}), or starts afresh in another --out")
+    raise UnusableInput(f"--resume --streaming: {tag_dir.name} was saved on {was}; a --streaming run's place in its "
+                        f"stream is kept per data-parallel replica (rows i % dp), so it resumes with dp "
+                        f"{positions[0].get('dp')}, not {topo.dp} ({now}): keep dp {positions[0].get('dp')} (pp, tp "
+                        "and sp may change), or start afresh in another --out")
 
 
 def _layout_words(dp: int, pp: int, tp: int, sp: int) -> str:
