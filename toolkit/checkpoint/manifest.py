@@ -196,10 +196,21 @@ def read_latest(ckpt_dir: Path) -> str | None:
 
 
 def agreed_latest(ckpt_dir: Path) -> str | None:
-    """`latest` as rank 0 reads it, on every rank (node-local disks or caches can disagree)."""
+    """`latest` as rank 0 reads it, on every rank (node-local disks or caches can disagree). Rank 0's read is
+    agreed on before the broadcast: a `latest` it cannot read (unreadable bytes, a folder) is every rank's
+    refusal, not a broadcast the others wait in until the group's timeout."""
     import torch.distributed as dist
 
-    box = [read_latest(ckpt_dir) if dist.get_rank() == 0 else None]
+    from toolkit.distributed.agreement import agree
+
+    box = [None]
+    with agree("reading the checkpoint's latest", name_ranks=False):
+        if dist.get_rank() == 0:
+            try:
+                box = [read_latest(ckpt_dir)]
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UnusableInput(f"--resume: {Path(ckpt_dir) / 'latest'} cannot be read ({exc}); it names the "
+                                    "checkpoint to resume: write a tag such as global_step100 into it") from None
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
