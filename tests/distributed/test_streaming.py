@@ -63,11 +63,12 @@ def test_streaming_evaluates_on_eval_data_and_its_checkpoint_is_not_resumed_with
     assert rc != 0 and "Traceback" not in log and "another run" in log and "streaming" in log, log[-3000:]
 
 
-def _train(cfg: Path, out: Path, procs: int, *flags) -> None:
+def _train(cfg: Path, out: Path, procs: int, *flags) -> str:
     from tests.ranks import run_train
 
     rc, log = run_train(["--config", cfg, *STREAM, "--out", out, *flags], procs)
     assert rc == 0, log[-3000:]
+    return log
 
 
 def _continues(moved: Path, whole: Path, steps) -> None:
@@ -85,7 +86,11 @@ def test_a_streaming_run_moved_to_another_pipeline_reads_its_replicas_rows(tmp_p
     from tests.invoke import invoke_dstk
 
     cfg2 = write_config(tmp_path / "pp2.json", run_config(2, 4, 2, clip=1.0))
-    _train(cfg2, tmp_path / "whole", 2, "--steps", 6)
+    log = _train(cfg2, tmp_path / "whole", 2, "--steps", 6)
+    said = [line for line in log.splitlines() if line.startswith("data: ")]  # a stream says what it reads, too
+    assert len(said) == 1 and said[0].startswith(f"data: --streaming {CORPUS}: format text") and "rows of 32" in said[0]
+    data = json.loads((tmp_path / "whole" / "summary.json").read_text())["data"]
+    assert data["streaming"] and data["format"] == "text" and data["position"]["rows"] == 6 * 4 * 2, data
     part = tmp_path / "part"
     if case == "dualpipev->1f1b":
         _train(cfg2, part, 2, "--steps", 3, "--schedule", "dualpipev")

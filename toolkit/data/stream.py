@@ -78,7 +78,7 @@ def unreadable(path, exc: Exception) -> UnusableInput:
 
 
 def open_stream(opts):
-    """(the rows of --data as an IterableDataset, their format)."""
+    """(the rows of --data as an IterableDataset, their format, a line saying how it was chosen)."""
     import datasets
 
     from toolkit.data.formats import infer_format
@@ -93,8 +93,8 @@ def open_stream(opts):
         raise unreadable(path, exc) from None
     if not columns:
         raise UnusableInput(f"data file {str(path)!r} is empty; it needs text or rows to train on")
-    fmt, _ = infer_format(columns, opts.task, opts.format, opts.text_field)
-    return ds, fmt
+    fmt, how = infer_format(columns, opts.task, opts.format, opts.text_field)
+    return ds, fmt, how
 
 
 class StreamBatches:
@@ -111,7 +111,7 @@ class StreamBatches:
 
         check_seq_len(opts)
         self.mbs, self.gas, self.dp, self.dp_rank = mbs, gas, dp, dp_rank
-        self.rows, fmt = open_stream(opts)
+        self.rows, fmt, how = open_stream(opts)
         try:
             empty = next(iter(self.rows.skip(dp_rank).take(1)), None) is None  # this rank's share
         except Exception as exc:  # noqa: BLE001  (as in share)
@@ -126,6 +126,8 @@ class StreamBatches:
         self.packer = pack.Packer(opts.seq_len, pad_id(tokenizer), packing, opts.drop_long,
                                   split_long=packing and fmt == "text")
         self.position = {"pass": 0, "docs": 0, "rows": 0, "dp": dp, "dp_rank": dp_rank}
+        self.info = {"streaming": True, "how": how, "format": fmt, "packing": packing, "seq_len": opts.seq_len,
+                     "path": str(opts.path)}  # the run's data line and its summary's "data" (+ where it got to)
 
     def resume_from(self, position: dict) -> None:
         if (position.get("dp"), position.get("dp_rank")) != (self.dp, self.dp_rank):

@@ -101,7 +101,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval.head(args.max_eval_rows),
                start_step=start, steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp,
                sp_rank=topo.sp_rank(dist.get_rank()), backward_scale=backward_scale(cfg, topo.sp),
-               dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info,
+               dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info or stream_info(sampler, prepared),
                param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs,
                progress=args.progress)
 
@@ -152,6 +152,13 @@ def read_inputs(args, cfg: dict, topo) -> tuple:
     if args.task == "sequence-classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
     return tokenizer, config, prepared
+
+
+def stream_info(sampler, prepared: data.Prepared) -> dict | None:
+    """A --streaming run's data line and summary "data": what the stream is (its `position`, where it got to, is
+    added at the end), with the eval rows of --eval-data."""
+    info = getattr(sampler, "info", None)
+    return None if info is None else {**info, "eval_rows": len(prepared.eval)}
 
 
 def eval_only(opts: data.DataOptions, tokenizer) -> data.Prepared:
@@ -546,12 +553,18 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
     final_eval = eval_loss(job)
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
-               "eval_ppl": _perplexity(final_eval), "data": job.data_info,
+               "eval_ppl": _perplexity(final_eval), "data": _data_summary(job),
                **throughput(step_seconds, job.tokens_per_step, job.rows_per_step),
                "seconds": time.perf_counter() - start, "run": job.about, **per_rank(job.engine, load_peaks)}
     if log:
         log.close(summary)
     return summary
+
+
+def _data_summary(job: Job) -> dict | None:
+    """The summary's "data": the preparation's counts, or a stream's description and where this rank got to."""
+    position = getattr(job.train, "position", None)
+    return job.data_info if position is None or job.data_info is None else {**job.data_info, "position": position}
 
 
 def _perplexity(loss: float | None) -> float | None:
