@@ -192,6 +192,10 @@ def check_directory(path) -> None:
         raise UnusableInput(f"{config} is not a HF model config (a JSON object with a \"model_type\"); restore the "
                             "model's config.json")
     weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    broken = [name for name in weights if (path / name).is_symlink() and not (path / name).exists()]
+    if broken:
+        raise UnusableInput(f"{path / broken[0]} is a broken link (to {os.readlink(path / broken[0])}, which is gone); "
+                            "copy or download the model's files again")
     if not any((path / name).is_file() for name in weights):
         raise UnusableInput(f"{path} holds no weights (none of {', '.join(weights)}); copy the model's weight files "
                             "there, or pass a built-in name to train from random weights")

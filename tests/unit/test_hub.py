@@ -153,3 +153,30 @@ def test_train_check_reads_the_cached_folder_and_resume_compares_folders(offline
                                                                                 config="ds.json", tokenizer=local.model)))
     assert {k: by_id[k] for k in ("model", "tokenizer", "data")} == {k: by_folder[k] for k in ("model", "tokenizer", "data")}
     assert by_id["hub"] == {"--model": REPO_ID, "--tokenizer": REPO_ID, "--revision": "v2"}
+
+
+@pytest.mark.parametrize("fault", ["blob deleted", "ref to a missing commit", "typo"])
+def test_a_damaged_cache_or_a_typo_is_named_for_what_it_is(tmp_path, monkeypatch, fault):
+    """A blob deleted under a snapshot's link once read "holds no weights ... pass a built-in name"; refs/main
+    naming a commit whose snapshot is gone, "holds revision(s) main"; a typo got no hint."""
+    from huggingface_hub import constants
+
+    cache = tiny_llama_cache(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    repo = cache / ("models--" + REPO_ID.replace("/", "--"))
+    name, revision = REPO_ID, "main"
+    if fault == "blob deleted":
+        os.remove(Path(snapshot_dir(cache, "main")) / "model.safetensors")  # the link's target: its blob
+        link = Path(snapshot_dir(cache, "main")) / "model.safetensors"
+        link.symlink_to(repo / "blobs" / "gone")
+        words = [f"{link} is a broken link (its blob is gone from the cache", "--force-download"]
+    elif fault == "ref to a missing commit":
+        (repo / "refs" / "main").write_text("0" * 40)
+        words = ["its refs/main names commit 000000000000, whose snapshot folder is gone", "(a damaged cache)"]
+    else:
+        name = REPO_ID[:-2] + REPO_ID[-1] + REPO_ID[-2]  # two letters swapped
+        words = [f"did you mean {REPO_ID}? the cache holds it"]
+    with pytest.raises(UnusableInput) as info:
+        hub.snapshot(name, revision, flag="--model")
+    assert all(w in str(info.value) for w in words), str(info.value)

@@ -16,6 +16,7 @@ the command that fills it. A built-in name (toolkit.plan.arch) and an existing p
     snapshot("meta-llama/Llama-3.2-1B", "main")       # the folder; online, downloads what is missing first
 """
 
+import difflib
 import os
 import re
 
@@ -80,7 +81,20 @@ def snapshot(repo_id: str, revision: str = "main", flag: str = "--model", files=
     if folder is None:
         raise missing(repo_id, revision, flag, "HF_HUB_OFFLINE is set, so the hub is not contacted" if offline()
                       else "it has not been downloaded")
+    check_links(folder, repo_id, revision, flag)
     return folder
+
+
+def check_links(folder: str, repo_id: str, revision: str, flag: str) -> None:
+    """A snapshot's files are links into the cache's blobs/: one whose blob is gone (deleted, a cache cleaned by
+    hand) is named as such, not read as a folder that lacks the file."""
+    broken = sorted(name for name in os.listdir(folder)
+                    if os.path.islink(os.path.join(folder, name)) and not os.path.exists(os.path.join(folder, name)))
+    if broken:
+        shown = ", ".join(broken[:3]) + (", ..." if len(broken) > 3 else "")
+        raise UnusableInput(f"{flag} {repo_id}: {os.path.join(folder, broken[0])} is a broken link (its blob is gone "
+                            f"from the cache; {len(broken)} file(s): {shown}). Fetch them again with `hf download "
+                            f"{repo_id} --revision {revision} --force-download`")
 
 
 def missing(repo_id: str, revision: str, flag: str, why: str) -> UnusableInput:
@@ -88,7 +102,35 @@ def missing(repo_id: str, revision: str, flag: str, why: str) -> UnusableInput:
     repo = os.path.join(cache_folder(), "models--" + repo_id.replace("/", "--"))
     refs = sorted(os.listdir(os.path.join(repo, "refs"))) if os.path.isdir(os.path.join(repo, "refs")) else []
     held = f" (it holds revision(s) {', '.join(refs)})" if refs else ""
+    dangling = _dangling_ref(repo, revision)
+    if dangling:
+        held, why = "", dangling
+    elif not os.path.isdir(repo):
+        close = difflib.get_close_matches(repo_id, cached_ids(), n=1, cutoff=0.6)
+        held = f" (did you mean {close[0]}? the cache holds it)" if close else ""
     return UnusableInput(f"{flag} {repo_id}: no such local directory, and the hub id is not in the Hugging Face cache "
                          f"{cache_folder()} at revision {revision}{held}: {why}. Fill the cache with `hf download "
                          f"{repo_id} --revision {revision}` (where the hub can be reached; HF_HUB_CACHE or HF_HOME "
                          "name the cache), or pass a local directory")
+
+
+def _dangling_ref(repo: str, revision: str) -> str | None:
+    """Why refs/REVISION leads nowhere, where it names a commit whose snapshot folder is gone (else None)."""
+    ref = os.path.join(repo, "refs", revision)
+    try:
+        commit = open(ref).read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if commit and not os.path.isdir(os.path.join(repo, "snapshots", commit)):
+        return (f"its refs/{revision} names commit {commit[:12]}, whose snapshot folder is gone from the cache "
+                f"(a damaged cache)")
+    return None
+
+
+def cached_ids() -> list:
+    """The model ids the cache holds (models--org--name folders)."""
+    try:
+        names = os.listdir(cache_folder())
+    except OSError:
+        return []
+    return [n.removeprefix("models--").replace("--", "/", 1) for n in names if n.startswith("models--")]
