@@ -116,3 +116,26 @@ def child_env(**extra) -> dict:
 
 # Runs several test folders read (tests/distributed, tests/launchers), each made once per session.
 from tests.runs import bf16_runs, engine_runs, saved_models, train_runs  # noqa: E402, F401
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a fresh tmpfs of `size` bytes under tmp_path, unmounted after the test: a disk that really
+    fills (tests of a full disk). Skipped where mounting is not allowed (not root, a container without the right)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: int):
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip() or 'mount failed'})")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)

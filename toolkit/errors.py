@@ -12,3 +12,8 @@ class UnusableInput(ConfigError):
 class RankFailed(ConfigError):
     """Another rank failed with an error that is no refusal (its traceback is in that rank's output): what the
     ranks that agreed on it (toolkit.distributed.agreement) raise, so it ends them with one line, exit code 1."""
+
+
+class DiskFull(UnusableInput):
+    """No space left where dstk writes (a checkpoint, an export, the data cache): the folder, what was being
+    written, the space free, and what is safe (toolkit.files.full_disk_is_one_line), exit code 2."""

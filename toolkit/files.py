@@ -5,14 +5,23 @@ plot or an exported model renamed into place from them would keep that mode, unr
 colleagues a cluster's group permissions are meant for. `as_umask` gives them the mode a plain
 open() / mkdir() would have: 0666 / 0777 less the process's umask.
 
-check_writable refuses, before any work, a place dstk could not write.
+check_writable refuses, before any work, a place dstk could not write; full_disk_is_one_line turns a full disk,
+wherever dstk writes, into one line that says what is safe.
 """
 
+import errno
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, DiskFull
+
+# torch's file writer reports a full disk in its own words (no errno): "[enforce fail at inline_container.cc] .
+# unexpected pos ...", "PytorchStreamWriter failed writing file ...: file write failed", "basic_ios::clear"
+TORCH_WRITE_FAILED = ("inline_container.cc", "PytorchStreamWriter", "basic_ios::clear", "file write failed")
+LOW_SPACE = 256 * 2**20  # bytes free under which a failed torch write is taken for a full disk
 
 
 def umask() -> int:
@@ -48,3 +57,40 @@ def check_writable(path, flag: str, beside: bool = False) -> None:
                           "write, or fix its permissions") from None
     os.close(fd)
     os.unlink(name)
+
+
+@contextmanager
+def full_disk_is_one_line(folder, doing: str, safe: str):
+    """Run the block; a full disk under it (ENOSPC, a quota, or torch's writer failing with less than LOW_SPACE
+    free in `folder`) is raised as DiskFull: one line naming `folder`, what was being done (`doing`), the space
+    free, and `safe` (what still holds, what to do next). Every other error passes through as it is."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001  (re-raised unless it is a full disk)
+        free = _free_bytes(folder)
+        if not _is_full(exc, free):
+            raise
+        raise DiskFull(f"no space left on the device of {folder} while {doing} ({free / 2**20:,.0f} MiB free); "
+                       f"{safe}") from None
+
+
+def _is_full(exc: BaseException, free: int | None) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(mark in str(exc) for mark in TORCH_WRITE_FAILED) and free is not None and free < LOW_SPACE:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free_bytes(folder) -> int | None:
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None

@@ -101,3 +101,19 @@ def test_streaming_moves_that_keep_dp_resume(tmp_path, saved, moved):
     assert rc == 0, log[-3000:]
     steps = [json.loads(line).get("step") for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-2:] == [3, 4] or steps[-3:-1] == [3, 4], steps  # (the summary line last)
+
+
+def test_a_full_disk_while_saving_is_every_ranks_one_line(tmp_path, small_disk):
+    """dp 2 saving every 2 steps onto a 4 MB disk: each rank's write that fails is agreed on before `latest` moves,
+    so both ranks end at once with one line, printed once, naming the last whole checkpoint."""
+    from tests.ranks import run_train
+
+    out = small_disk(4 * 2**20) / "run"
+    cfg = write_config(tmp_path / "dp2.json", run_config(2, 1, 1))
+    start = time.monotonic()
+    rc, log = run_train(["--config", cfg, *STREAM, "--data", CORPUS, "--out", out, "--steps", 12, "--save-every", 2], 2,
+                        timeout=TIMEOUT_S)
+    assert rc == 2 and "Traceback" not in log and time.monotonic() - start < QUICK_S, log[-3000:]
+    heads = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(heads) == 1 and "no space left on the device of" in heads[0], log[-3000:]
+    assert "the last whole checkpoint is" in heads[0] or "no whole checkpoint was written yet" in heads[0], heads

@@ -17,12 +17,15 @@ Runs written before the manifest had its name hold dstk/layout.json and dstk-lay
 import json
 import os
 import re
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.data.fingerprint import compare as compare_inputs  # (the module: `toolkit.data` would load torch)
-from toolkit.distributed.process_group import patient_group
+from toolkit.distributed.agreement import agree
 from toolkit.errors import ConfigError, UnusableInput
+from toolkit.files import full_disk_is_one_line
 
 META = "dstk"
 MANIFEST = "manifest.json"  # in META: the run's record
@@ -49,22 +52,68 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
         client[UNIVERSAL_CHECKPOINT_INFO] = engine.module.dstk_tp_info
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
-                           exclude_frozen_parameters=not frozen)
-    save_rng(Path(ckpt_dir) / tag, dist.get_rank())  # DeepSpeed keeps the client state of dp rank 0 only
-    if data_position is not None:
-        from toolkit.config.generate import write_text
+    full = partial(full_disk_is_one_line, ckpt_dir, f"saving checkpoint {tag}", _what_is_safe(ckpt_dir))
+    # each rank writes its own files (DeepSpeed's collectives come before its writes); the agreement is the
+    # barrier before `latest` names the tag, and makes a full disk on any rank every rank's one line
+    with agree(f"saving checkpoint {tag}"), full():
+        with writes_raised_after(engine):  # its last barrier passed: an error here is agreed on, not waited for
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False,
+                                   exclude_frozen_parameters=not frozen)
+        save_rng(Path(ckpt_dir) / tag, dist.get_rank())  # DeepSpeed keeps the client state of dp rank 0 only
+        if data_position is not None:
+            from toolkit.config.generate import write_text
 
-        write_text(json.dumps(data_position), str(Path(ckpt_dir) / tag / DATA_POSITION.format(dist.get_rank())),
-                   force=True)
-    dist.barrier(group=patient_group())  # every rank's files are on disk before `latest` names the tag (slow disks)
-    if dist.get_rank() == 0:
-        if manifest is not None:
-            (Path(ckpt_dir) / tag / TAG_MANIFEST).write_text(json.dumps(manifest, indent=1))
-        write_file_list(Path(ckpt_dir) / tag)
-        write_latest(ckpt_dir, tag)
-    dist.barrier()
+            write_text(json.dumps(data_position), str(Path(ckpt_dir) / tag / DATA_POSITION.format(dist.get_rank())),
+                       force=True)
+    with agree(f"recording checkpoint {tag}", name_ranks=False), full():
+        if dist.get_rank() == 0:
+            if manifest is not None:
+                (Path(ckpt_dir) / tag / TAG_MANIFEST).write_text(json.dumps(manifest, indent=1))
+            write_file_list(Path(ckpt_dir) / tag)
+            write_latest(ckpt_dir, tag)
     return tag
+
+
+@contextmanager
+def writes_raised_after(engine):
+    """DeepSpeed's save_checkpoint ends in a barrier after its writes (runtime/engine.py), so a write that raises
+    on one rank (a full disk) would leave the others waiting there. Its checkpoint engine's save and makedirs
+    (every file DeepSpeed writes: states, ZeRO partitions, pipeline layers) keep the first error and skip the
+    writes after it; the error is raised once save_checkpoint has returned, past its barrier."""
+    ce, errors = engine.checkpoint_engine, []
+    own = {name: vars(ce).get(name) for name in ("save", "makedirs")}
+
+    def kept(write):
+        def call(*args, **kwargs):
+            if errors:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (raised below)
+                errors.append(exc)
+        return call
+
+    for name in own:
+        setattr(ce, name, kept(getattr(ce, name)))
+    try:
+        yield
+    finally:
+        for name, value in own.items():
+            if value is None:
+                delattr(ce, name)  # the class's method again
+            else:
+                setattr(ce, name, value)
+    if errors:
+        raise errors[0]
+
+
+def _what_is_safe(ckpt_dir: Path) -> str:
+    """What a save that failed leaves whole: the tag `latest` names (the new one it never names), or none."""
+    latest = read_latest(ckpt_dir)
+    if latest is None:
+        return "no whole checkpoint was written yet: free space, then start the run again"
+    return (f"the last whole checkpoint is {Path(ckpt_dir) / latest} (`latest` still names it): free space, then "
+            f"--resume, or export it with `dstk export {Path(ckpt_dir).parent} OUT_DIR`")
 
 
 def write_file_list(tag_dir: Path) -> None:

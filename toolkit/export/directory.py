@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from toolkit.errors import ConfigError, UnusableInput
-from toolkit.files import as_umask, check_writable
+from toolkit.files import as_umask, check_writable, full_disk_is_one_line
 from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
 from toolkit.checkpoint.run_folder import check_not_in_use
@@ -60,9 +60,12 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(manifest.get("lora")))
     if adapter_dir is not None:
         _check_out(Path(adapter_dir), overwrite)
-    if stream and _streamed(ckpt_dir, tag, manifest, out_dir, dtype, max_bytes, adapter_dir, merge):
-        return out_dir
-    return _export_in_memory(ckpt_dir, out_dir, tag, dtype, adapter_dir, merge, max_bytes)
+    safe = (f"{out_dir} is as it was (an export is written beside it and renamed into place) and the checkpoint "
+            f"is whole: free space, then `dstk export {ckpt_dir.parent} {out_dir}`")
+    with full_disk_is_one_line(out_dir.absolute().parent, f"writing the export {out_dir}", safe):
+        if stream and _streamed(ckpt_dir, tag, manifest, out_dir, dtype, max_bytes, adapter_dir, merge):
+            return out_dir
+        return _export_in_memory(ckpt_dir, out_dir, tag, dtype, adapter_dir, merge, max_bytes)
 
 
 def _streamed(ckpt_dir: Path, tag, manifest: dict, out_dir: Path, dtype: str, max_bytes: int, adapter_dir,

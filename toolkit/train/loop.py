@@ -18,9 +18,11 @@ import torch.distributed as dist
 from toolkit.distributed.agreement import agree
 from toolkit.distributed.process_group import all_reduce_sum
 from toolkit.errors import ConfigError, UnusableInput
+from toolkit.files import full_disk_is_one_line
 from toolkit.distributed.topology import config_batch
 from toolkit.distributed.sequence_parallel import backward_scale
 from toolkit import data
+from toolkit.data.source import cache_root
 from toolkit.data.transfer import to_device
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
@@ -148,7 +150,10 @@ def read_inputs(args, cfg: dict, topo) -> tuple:
             hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
                                                                        or section.get("partition_config")))
     opts = data_options(args, hf.max_positions(config))
-    prepared = data.prepare_once_per_node(opts, tokenizer) if not args.streaming else eval_only(opts, tokenizer)
+    with full_disk_is_one_line(cache_root(opts.cache_dir), "tokenizing into the data cache",
+                               "nothing of the run is written yet: free space there, or give --data-cache a folder on "
+                               "a disk with room"):
+        prepared = data.prepare_once_per_node(opts, tokenizer) if not args.streaming else eval_only(opts, tokenizer)
     if args.task == "sequence-classification":
         config.num_labels = prepared.info["num_labels"]  # the head's size, from the data
     return tokenizer, config, prepared
