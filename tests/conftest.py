@@ -115,7 +115,7 @@ def child_env(**extra) -> dict:
 
 
 # Runs several test folders read (tests/distributed, tests/launchers), each made once per session.
-from tests.runs import bf16_runs, engine_runs, saved_models, train_runs  # noqa: E402, F401
+from tests.runs import bf16_runs, engine_runs, moe_dirs, saved_models, train_runs  # noqa: E402, F401
 
 
 @pytest.fixture

@@ -134,3 +134,25 @@ class SavedModels:
 def saved_models(tmp_path_factory) -> SavedModels:
     """Saved tiny model directories that test_tensor_parallel, test_resume_layouts and test_lora_pipeline use."""
     return SavedModels(tmp_path_factory.mktemp("saved_models"))
+
+
+class SavedMoe:
+    """Tiny MoE checkpoints saved by save_pretrained (tests.moe_models), once per session for each model type."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def get(self, model_type: str) -> Path:
+        from tests.moe_models import save_tiny_moe
+
+        out = self.folder / model_type
+        if not out.exists():
+            save_tiny_moe(model_type, out.with_suffix(".tmp")).rename(out)
+        return out
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory) -> SavedMoe:
+    """Tiny MoE directories (mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v3, gpt_oss) that test_moe_checkpoints
+    and test_weights_complete read."""
+    return SavedMoe(tmp_path_factory.mktemp("moe_dirs"))

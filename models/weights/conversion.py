@@ -82,6 +82,21 @@ class DiskNames:
         for group in seen.values():
             yield {n: t for n, t in self._convert(group, get_tensor).items() if n in names}
 
+    def lacking(self, names) -> list:
+        """The checkpoint names save_pretrained writes for the model tensors `names` that the directory does not
+        hold: every name of a tensor with no source at all, and the missing members of a converted group that has
+        some (one expert's tensor of a layer). Names in another (legacy) spelling count as sources."""
+        meta = self.skeleton.state_dict()
+        absent = [n for n in names if n not in self.owner]
+        out = list(to_disk(self.skeleton, {n: meta[n] for n in absent})) if absent else []
+        groups = {id(g): g for n in names if (g := self.owner.get(n)) is not None and g.converter is not None}
+        for group in groups.values():
+            written = to_disk(self.skeleton, {t: meta[t] for t in group.targets})
+            if len(group.sources) < len(written):  # a conversion would merge too few (transformers: a size error)
+                held = {key for key, _ in group.sources}
+                out += [key for key in written if key not in held][:len(written) - len(group.sources)]
+        return out
+
     def _convert(self, group: Group, get_tensor) -> dict:
         if group.converter is None:
             return {group.targets[0]: get_tensor(group.sources[0][0])}

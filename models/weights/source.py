@@ -17,6 +17,7 @@ from __future__ import annotations  # (nn.Module in signatures: torch is importe
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -134,6 +135,31 @@ class StoredTensors:
         yield from self.names.read_groups(names, get_tensor)
 
 
+def check_complete(path, skeleton) -> None:
+    """Refuse a directory that lacks tensors of the model's body (skeleton: the HF model on the meta device),
+    named as the files name them: a tensor with no source under any name transformers reads, or a part of
+    one (an expert's tensor of a layer's fused experts). Heads outside the base model may be absent (a base
+    checkpoint under a classifier: initialised, as from_pretrained does), and so may buffers. Reads the
+    index or the safetensors headers alone."""
+
+    prefix = f"{skeleton.base_model_prefix}."
+    ignored = [*(skeleton._keys_to_ignore_on_save or []), *(skeleton._keys_to_ignore_on_load_missing or [])]
+    stored = StoredTensors(path, skeleton)
+    names_of = {}  # a parameter's names: several where tied (embed_tokens and lm_head)
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    body = [names[0] for names in names_of.values() if names[0].startswith(prefix)
+            and not any(re.search(pattern, names[0]) for pattern in ignored)
+            and not any(stored.has(n) for n in names[1:])]  # a tied one stored under another of its names
+    lacking = stored.names.lacking(body)
+    if lacking:
+        index = os.path.isfile(os.path.join(stored.path, "model.safetensors.index.json"))
+        source = "model.safetensors.index.json" if index else "model.safetensors"
+        raise UnusableInput(f"{path}: {source} lacks {len(lacking)} tensor(s) that its config.json's model needs: "
+                            f"{', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''}; the checkpoint is "
+                            "incomplete: copy the model's files again")
+
+
 def _init_unstored(module: nn.Module, init_weights, loaded: list) -> None:
     """HF's init (`init_weights`, per sub-module) for what the checkpoint does not hold: tensors in `loaded`
     are flagged `_is_hf_initialized`, which transformers' init functions skip (from_pretrained's own rule),
@@ -199,21 +225,55 @@ def check_directory(path) -> None:
     if not any((path / name).is_file() for name in weights):
         raise UnusableInput(f"{path} holds no weights (none of {', '.join(weights)}); copy the model's weight files "
                             "there, or pass a built-in name to train from random weights")
+    source, names = _checked_weights(path)
+    holes = expert_holes(names)
+    if holes:
+        raise UnusableInput(f"{path}: {source} lacks {len(holes)} tensor(s) that the other experts of their layer "
+                            f"have: {', '.join(holes[:4])}{' ...' if len(holes) > 4 else ''}; the checkpoint is "
+                            "incomplete: copy the model's files again")
+
+
+def _checked_weights(path: Path) -> tuple:
+    """(the file that lists the tensors: the index, else model.safetensors; the names it lists), every
+    safetensors file's header checked (none: other weight formats)."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UnusableInput(f"{index} is not a safetensors index (no readable weight_map: {exc}); restore it "
-                                "with the model's files") from None
-    else:
-        files = ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+    if not index.is_file():
+        single = path / "model.safetensors"
+        return single.name, check_safetensors(single, index) if single.is_file() else []
+    try:
+        listed = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted(set(listed.values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UnusableInput(f"{index} is not a safetensors index (no readable weight_map: {exc}); restore it "
+                            "with the model's files") from None
     for name in files:
         check_safetensors(path / name, index)
+    return index.name, list(listed)  # what a loader looks up
 
 
-def check_safetensors(file: Path, index: Path) -> None:
-    """The file's 8-byte header length, its JSON header, and a size that holds every tensor it lists."""
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(.+)")  # a per-expert tensor on disk: (layer's experts, e, leaf)
+
+
+def expert_holes(names) -> list:
+    """The per-expert tensors a checkpoint's names lack, from the names alone (no model): every expert of one
+    layer holds the same tensors (`...experts.{e}.w1.weight` for each e up to the highest), so a leaf the others
+    have that one expert lacks, or a number skipped, is missing. (The ranks check the rest against the model:
+    check_complete.)"""
+    layers = {}
+    for name in names:
+        if match := EXPERT.fullmatch(name):
+            layers.setdefault(match[1], {}).setdefault(int(match[2]), set()).add(match[3])
+    holes = []
+    for layer, experts in layers.items():
+        leaves = set().union(*experts.values())
+        holes += [f"{layer}.{e}.{leaf}" for e in range(max(experts) + 1)
+                  for leaf in sorted(leaves - experts.get(e, set()))]
+    return holes
+
+
+def check_safetensors(file: Path, index: Path) -> list:
+    """The file's 8-byte header length, its JSON header, and a size that holds every tensor it lists; returns
+    the names of its tensors."""
     if not file.is_file():
         raise UnusableInput(f"{file} is missing ({index.name} names it); copy the model's files again")
     size = file.stat().st_size
@@ -232,3 +292,4 @@ def check_safetensors(file: Path, index: Path) -> None:
     if size < need:
         raise UnusableInput(f"{file} is cut short: {size} bytes where its header lists {need}; copy the model's "
                             "weights again") from None
+    return [key for key in header if key != "__metadata__"]

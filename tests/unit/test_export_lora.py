@@ -38,7 +38,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
     torch.save({"module": state}, ckpt / "global_step1" / "mp_rank_00_model_states.pt")
     layout = {"pp": 1, "dp": 1, "tp": 1, "zero_stage": 0, "task": "causal-lm", "base_saved": base_dir is None,
               "model": None if base_dir is None else str(base_dir),
-              "lora": lora.manifest_entry(settings, peft.peft_config["default"])}
+              "lora": settings.to_dict()}  # as a run records it (loop.run_identity): the targets asked for
     save_meta(ckpt, model.config, tokenizer, layout)
     write_latest(ckpt, "global_step1")
     return peft
@@ -107,3 +107,49 @@ def test_the_streamed_lora_export_writes_the_whole_exports_directory(tmp_path, d
             assert config["base_model_name_or_path"] == str(tmp_path / "base"), config
             loaded = AutoPeftModelForCausalLM.from_pretrained(streamed)
             assert sum(".lora_A." in n for n, _ in loaded.named_parameters()) == len(a) // 2
+
+
+def test_the_streamed_merge_of_adapted_fused_experts_is_peft_merge_and_unload(tmp_path, monkeypatch):
+    """deepseek_v3's default targets name gate_proj/up_proj/down_proj (its dense first layer's): peft 0.21 then adapts
+    the fused experts in their place (ParamWrapper over gate_up_proj and down_proj, nested in one module: its
+    transformers-v5 conversion of the targets), whose delta is per expert. The streamed merge equals peft's
+    merge_and_unload bit for bit, written under save_pretrained's per-expert names; the experts changed."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.moe_models import tiny_moe
+    from toolkit.export import directory as export_module
+    from toolkit.export.directory import export
+
+    monkeypatch.setattr(export_module, "_export_in_memory", lambda *a, **k: pytest.fail("loaded the whole model"))
+    model = tiny_moe("deepseek_v3")
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    peft = fabricate_lora_checkpoint(model, hf.byte_tokenizer(), tmp_path / "run", tmp_path / "base")
+    assert any(".experts.base_layer.lora_A." in k for k in peft.state_dict())  # two wrappers, one module
+    want = peft.merge_and_unload().state_dict()
+    out = export(tmp_path / "run", tmp_path / "hf", max_shard_size="60KB")
+    assert any(".experts.0." in k for k in read_weights(out))  # per-expert names on disk
+    got = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    assert not torch.equal(got[experts], base[experts])
+
+
+def test_an_adapter_the_recorded_settings_do_not_make_is_refused_not_dropped(tmp_path):
+    """peft records the targets it kept after moving gate_proj/up_proj/down_proj onto the experts; a manifest holding
+    those (not the targets asked for) rebuilds no experts' adapters: the export refuses, naming one, rather than
+    writing a merge without them."""
+    import json
+
+    from tests.moe_models import tiny_moe
+    from toolkit.errors import ConfigError
+    from toolkit.export.directory import export
+
+    peft = fabricate_lora_checkpoint(tiny_moe("deepseek_v3"), hf.byte_tokenizer(), tmp_path / "run", tmp_path / "base")
+    manifest = tmp_path / "run" / "checkpoints" / "dstk" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["lora"]["targets"] = sorted(peft.peft_config["default"].target_modules)  # attention only
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.experts\..*lora_A\.default\.weight: an adapter the run's "
+                                          "recorded LoRA settings do not make"):
+        export(tmp_path / "run", tmp_path / "hf")

@@ -238,8 +238,8 @@ def _same_base(state: dict, model, sample: int = 8) -> bool:
 
 
 def _base_name(key: str) -> str:
-    """A PeftModel state-dict name -> the HF model's (no PEFT prefix, no `.base_layer`)."""
-    return key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    """A PeftModel state-dict name -> the HF model's (no PEFT prefix, no `.base_layer`, nested ones included)."""
+    return ".".join(part for part in key.removeprefix(PEFT_PREFIX).split(".") if part != "base_layer")
 
 
 def _with_adapters(model, settings: dict, task: str):

@@ -7,7 +7,9 @@ time): the first keeps the adapters (lora_A, lora_B and a classifier head PEFT t
 the second reads the base, from the run's --model safetensors when export takes the base from there
 (toolkit.export.directory decides), else from the checkpoint, and writes each tensor (+ its adapted
 linear's delta) into the shards as toolkit.export.stream does. The delta is peft's merge,
-in fp32: W += transpose(B @ A, fan_in_fan_out) * alpha / r (fan_in_fan_out: GPT-2's Conv1D).
+in fp32: W += transpose(B @ A, fan_in_fan_out) * alpha / r (fan_in_fan_out: GPT-2's Conv1D); for a
+parameter peft adapts directly (a ParamWrapper: fused MoE experts (E, ., .), which peft targets when the
+targets name gate_proj/up_proj/down_proj), its per-expert B_e @ A_e, as ParamWrapper.get_delta_weight.
 Peak memory ~ one layer + the adapters. The PEFT adapter folder is saved (by the caller) from a
 meta-device PeftModel holding the adapters alone.
 """
@@ -23,8 +25,53 @@ ADAPTER = "default"  # the adapter name dstk's PeftModels use
 
 def hf_name(name: str) -> str:
     """A checkpoint's name (PeftModel's, or a pipeline's) -> the HF model's: no PEFT prefix, no
-    `.base_layer`, a head PEFT trains whole under its own name (`score.modules_to_save.default.weight`)."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+    `.base_layer` (nested where peft wraps two parameters of one module: `experts.base_layer.base_layer.
+    down_proj`), a head PEFT trains whole under its own name (`score.modules_to_save.default.weight`).
+    An adapter keeps peft's own name (without the prefix): two wrappers of one module differ by it alone."""
+    name = name.removeprefix(PEFT_PREFIX)
+    if ".lora_" in name:
+        return name
+    parts = name.replace(f".modules_to_save.{ADAPTER}.", ".").split(".")
+    return ".".join(part for part in parts if part != "base_layer")
+
+
+class Delta:
+    """What one peft LoRA layer adds to the HF parameter it adapts, from its lora_A and lora_B (fp32)."""
+
+    def __init__(self, module: str, layer, fan_in_fan_out: bool):
+        from peft.tuners.lora import ParamWrapper
+
+        self.module, self.scaling = module, layer.scaling[ADAPTER]  # module: peft's name, without the prefix
+        wrapper = isinstance(layer, ParamWrapper)
+        self.experts = layer.num_experts if wrapper else 1
+        self.swapped = wrapper and layer._did_swap_in_out_features  # experts stored (E, in, out) vs (E, out, in)
+        self.fan_in_fan_out = fan_in_fan_out and not wrapper
+        self.target = f"{hf_name(module)}.{layer.parameter_name if wrapper else 'weight'}"
+
+    def __call__(self, adapters: dict):
+        import torch
+
+        down = adapters[f"{self.module}.lora_A.{ADAPTER}.weight"]  # (r * E, in)
+        up = adapters[f"{self.module}.lora_B.{ADAPTER}.weight"]  # (out, r * E)
+        if self.experts == 1:
+            delta = (up @ down).T if self.fan_in_fan_out else up @ down  # peft's get_delta_weight, in fp32
+        else:  # peft's ParamWrapper: A (E, r, in), B (out, r, E)
+            down, up = down.reshape(self.experts, -1, down.shape[-1]), up.reshape(up.shape[0], -1, self.experts)
+            delta = torch.einsum("o r e, e r i -> e o i" if self.swapped else "o r e, e r i -> e i o", up, down)
+        return delta * self.scaling
+
+
+def deltas(wrapped) -> dict:
+    """{HF parameter name: [Delta, ...]} of a PeftModel (the meta-device one is enough)."""
+    from peft.tuners.lora import LoraLayer
+
+    fan_in_fan_out = wrapped.peft_config[ADAPTER].fan_in_fan_out
+    out = {}
+    for name, layer in wrapped.base_model.model.named_modules():
+        if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
+            delta = Delta(name, layer, fan_in_fan_out)
+            out.setdefault(delta.target, []).append(delta)
+    return out
 
 
 class SafetensorsReader:
@@ -58,10 +105,9 @@ class MergedReader:
     """The base tensors `bases` yields that the model saves (`keep`), + `extra` (from the checkpoint),
     with the adapters merged into the linears they adapt: a reader for stream.write_weights."""
 
-    def __init__(self, bases, keep, extra: dict, adapters: dict, scaling: float, fan_in_fan_out: bool):
-        self.bases, self.keep, self.extra, self.adapters = bases, keep, extra, adapters
-        self.scaling, self.fan_in_fan_out = scaling, fan_in_fan_out
-        self.merged = set()  # the linears merged (each must be, once)
+    def __init__(self, bases, keep, extra: dict, adapters: dict, deltas: dict):
+        self.bases, self.keep, self.extra, self.adapters, self.deltas = bases, keep, extra, adapters, deltas
+        self.merged = set()  # the LoRA layers merged (each must be, once)
 
     def names(self) -> list:
         return [n for n in self.bases.names() if n in self.keep and n not in self.extra] + list(self.extra)
@@ -78,20 +124,16 @@ class MergedReader:
         yield dict(self.extra)
 
     def _merged(self, name: str, weight):
-        module = name.removesuffix(".weight")
-        down = self.adapters.get(f"{module}.lora_A.{ADAPTER}.weight")  # (r, in)
-        if down is None or not name.endswith(".weight"):
-            return weight
-        up = self.adapters[f"{module}.lora_B.{ADAPTER}.weight"]  # (out, r)
-        delta = (up @ down).T if self.fan_in_fan_out else up @ down  # peft's get_delta_weight, in fp32
-        self.merged.add(module)
-        return weight.float().view(delta.shape) + delta * self.scaling  # peft: base_layer.weight.data += delta
+        for delta in self.deltas.get(name, []):  # (two where peft wraps a parameter twice: none in dstk's runs)
+            change = delta(self.adapters)
+            weight = weight.float().view(change.shape) + change  # peft: base_layer.weight.data += delta
+            self.merged.add(delta.module)
+        return weight
 
     def check_all_merged(self, where: str) -> None:
-        linears = {n.rsplit(".lora_A.", 1)[0] for n in self.adapters if ".lora_A." in n}
-        if linears - self.merged:
-            raise ConfigError(f"{where}: adapters without a base weight to merge into: "
-                              f"{sorted(linears - self.merged)[:4]}")
+        unmerged = sorted(d.module for ds in self.deltas.values() for d in ds if d.module not in self.merged)
+        if unmerged:
+            raise ConfigError(f"{where}: adapters without a base weight to merge into: {unmerged[:4]}")
 
 
 def export_lora_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, out: Path, dtype: str, max_bytes: int,
@@ -128,9 +170,8 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, out:
         from_dir, base_dir, extra = None, None, {n: extra[n] for n in heads}
     stats = {}
     if merge:
-        lora = wrapped.peft_config[ADAPTER]
         bases = from_dir or open_reader(tag_dir, manifest, alias)
-        reader = MergedReader(bases, set(tied), extra, adapters, lora.lora_alpha / lora.r, lora.fan_in_fan_out)
+        reader = MergedReader(bases, set(tied), extra, adapters, deltas(wrapped))
         stats = write_weights(reader, skeleton, out, dtype, max_bytes, str(tag_dir))
         reader.check_all_merged(str(tag_dir))
         write_metadata(skeleton, ckpt_dir / META, out, dtype, base_dir)
@@ -212,6 +253,9 @@ def read_adapters(reader, shapes: dict, wanted: set, same: SameBase | None = Non
                 same.see(name, t)
             if name in shapes:
                 adapters[name] = t.float().clone().view(shapes[name])  # pipeline masters come flat
+            elif ".lora_" in name:  # the run's LoRA settings, rebuilt, make no such adapter: it would be lost
+                raise ConfigError(f"{name}: an adapter the run's recorded LoRA settings do not make (targets "
+                                  "changed?); export the checkpoint with the dstk version that trained it")
             elif name in wanted:
                 extra[name] = t.float().clone()
         del group

@@ -234,6 +234,8 @@ BUILTINS = {a.name: a for a in [
     replace(_gpt2("tiny-gpt2", 64, 4, 4), vocab=512, max_positions=256),
     replace(_gpt2("small-gpt2", 128, 6, 4), vocab=512, max_positions=512),
     _llama("tiny-llama", "llama", 64, 4, 4, 2, 176, 512, 256),
+    _llama("tiny-mixtral", "mixtral", 64, 4, 4, 2, 128, 512, 256, experts=4, experts_per_token=2,
+           expert_intermediate=128),  # MoE: fused experts in memory, one tensor per expert on disk
     _bert("tiny-bert", 64, 4, 4, 128, vocab=512),
 ]}
 ALIASES = {"gpt2-small": "gpt2", "bert-base-uncased": "bert-base", "bert-large-uncased": "bert-large",

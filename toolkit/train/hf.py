@@ -153,6 +153,29 @@ def check_attention(attention: str) -> None:
                           "use --attention sdpa (PyTorch's fused kernels)")
 
 
+ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}  # transformers' own
+
+
+def check_model_class(model: str, config, task: str) -> None:
+    """What the model's class needs, before the data or a weight is read (the class is known only once
+    transformers is imported: on the ranks): the attention kernel of `config` (--attention) among those it
+    implements (gpt_oss: no sdpa, its attention sinks), and a directory's safetensors holding every tensor of
+    its body (models.weights.source.check_complete: an expert's tensor missing is named as the files name it)."""
+    import torch
+
+    import models
+    from models.weights.source import check_complete
+
+    cls = models.auto_class(task, config)
+    attention = config._attn_implementation
+    if not getattr(cls, ATTENTION_FLAGS.get(attention, ""), True):
+        raise ConfigError(f"--attention {attention}: transformers' {cls.__name__} has no {attention} attention "
+                          f"({ATTENTION_FLAGS[attention]} is False); pass --attention eager")
+    if Path(model).is_dir():
+        with torch.device("meta"):  # names and shapes only
+            check_complete(model, cls._from_config(config, dtype=torch.float32))
+
+
 def builtin_config(name: str, tokenizer):
     """A name from the one model registry (toolkit.plan.arch: what `dstk partition`, `plan` and `parity`
     mean by it) with the tokenizer's vocabulary and dropout off (runs are deterministic and every

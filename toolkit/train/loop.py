@@ -145,6 +145,7 @@ def read_inputs(args, cfg: dict, topo) -> tuple:
     with agree("reading the tokenizer and the model's config"):  # each rank reads its node's files
         tokenizer = hf.load_tokenizer(args.model, args.tokenizer, args.chat_template)
         config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
+        hf.check_model_class(args.model, config, args.task)
         if topo.tp > 1:
             section = cfg.get("tensor_parallel") or {}
             hf.check_tensor_parallel(config, topo.tp, custom_plan=bool(section.get("preset_model")
