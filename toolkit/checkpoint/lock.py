@@ -219,11 +219,16 @@ def _remove(path: Path, held: dict) -> bool:
     return True
 
 
+GRACE_S = 5.0  # how long a graceful stop may take to unwind before the signal's default action ends the process
+
+
 class RunLock:
     """OUT's lock for the span of a `with`: taken by `take` (a run: `take_on_rank0`), released on leaving, however.
     SIGTERM and SIGHUP release it, then end the process as they would have; at once, even while the main thread
     waits in C (a collective, a save), where Python would run a handler only after the call returns: a thread
-    woken by the signal (signal.set_wakeup_fd) releases the lock and delivers the signal's default action."""
+    woken by the signal (signal.set_wakeup_fd) releases the lock and delivers the signal's default action. Where
+    the process has a graceful handler of its own (toolkit.train's: the signal raised as Ctrl-C so clean-ups run),
+    that handler runs, and the default action comes only if it has not ended the process within GRACE_S."""
 
     SIGNALS = ("SIGTERM", "SIGHUP")
 
@@ -271,7 +276,8 @@ class RunLock:
             return  # handlers can only be set there; the `with` still releases
         for name in self.SIGNALS:
             number = getattr(signal, name, None)
-            if number is not None and signal.getsignal(number) is signal.SIG_DFL:
+            current = signal.getsignal(number) if number is not None else None
+            if current is signal.SIG_DFL or getattr(current, "graceful", False):
                 self.handlers[number] = signal.signal(number, self._signalled)
         if self.handlers:
             read_end, write_end = os.pipe()
@@ -284,12 +290,22 @@ class RunLock:
             while data := os.read(read_end, 64):
                 for number in data:
                     if number in self.handlers:
-                        self._end_by(number)
+                        release(self.out, self.held)  # at once, whatever the main thread is doing
+                        if self._graceful(number):  # the main thread's handler unwinds it; unless it waits in C
+                            threading.Timer(GRACE_S, self._end_by, (number,)).start()
+                        else:
+                            self._end_by(number)
         finally:
             os.close(read_end)
 
     def _signalled(self, number, frame) -> None:
+        if self._graceful(number):  # the process's own handler: its clean-ups run, then it ends by the signal
+            release(self.out, self.held)
+            self.handlers[number](number, frame)
         self._end_by(number)
+
+    def _graceful(self, number: int) -> bool:
+        return getattr(self.handlers.get(number), "graceful", False)
 
     def _end_by(self, number: int) -> None:
         """Release the lock file, then end the process by signal `number`'s default action (from any thread:

@@ -208,6 +208,9 @@ def read_jsonl(path: Path, cache_dir: str | None):
             partial.unlink(missing_ok=True)
             declined.touch()
             return None
+        except BaseException:  # stopped (Ctrl-C, launch.sh's SIGTERM: toolkit.train.runner), a full disk, ...
+            partial.unlink(missing_ok=True)
+            raise
         os.replace(partial, target)  # whole or absent: no rank maps a file being written
     table = MemoryMappedTable.from_file(str(target))
     if table.num_rows == 0:

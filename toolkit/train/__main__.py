@@ -2,6 +2,7 @@
 rank: the same options as `dstk train`."""
 
 import os
+import signal
 import sys
 
 from toolkit.cli import main
@@ -28,12 +29,39 @@ def end_rank(code: int) -> None:
         os._exit(code)
 
 
+STOPPED = []  # the signal that stopped this rank (stopped()), delivered again once its clean-ups have run
+
+
+def stopped(signum, frame) -> None:
+    """SIGTERM (launch.sh's Ctrl-C and stop, a scheduler's preemption) as Ctrl-C: raised in the main thread, so
+    `finally` blocks and `except BaseException` clean-ups run (a half-written data cache file, a temporary
+    export folder), where the default action would end the process on the spot and leave them for good. The
+    process still ends by the signal (end_by_signal). OUT's lock (toolkit.checkpoint.lock.RunLock) is released at
+    once, even while the main thread waits in C."""
+    STOPPED.append(signum)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+stopped.graceful = True  # RunLock chains to it (its own handler otherwise ends the process at once)
+
+
+def end_by_signal(signum: int) -> None:
+    """End the process by `signum`'s default action, as if no handler had caught it (launchers read the cause)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 # A rank's stdout is a pipe under some launchers (mpirun without a pty, srun): line-buffer it so
 # progress arrives as it happens and nothing is left in a buffer when MPI finalizes at exit.
 sys.stdout.reconfigure(line_buffering=True)
+signal.signal(signal.SIGTERM, stopped)
 try:
     main(["train", *sys.argv[1:]])
 except SystemExit as exc:
+    if STOPPED:
+        end_by_signal(STOPPED[0])
     if exc.code in REFUSED and os.environ.get("WORLD_SIZE", "1") != "1":
         end_rank(exc.code)
     raise
