@@ -254,3 +254,17 @@ def test_dropout_draws_another_stream_on_each_data_parallel_replica(tmp_path):
     assert sorted(by_replica) == [0, 1] and all(sorted(v) == [0, 1] for v in by_replica.values())
     assert all(v[0] == v[1] for v in by_replica.values())  # a replica's stages: one stream
     assert by_replica[0][0] != by_replica[1][0]  # another per replica
+
+
+def test_a_pipeline_resumed_on_its_layout_prints_nothing_of_torchs_c10d_warning(train_runs, tmp_path):
+    """Resuming at pp 2 loads through DeepSpeed, whose pipeline then broadcasts its tied weights in place: with
+    autograd on, torch warned at the next backward that c10d::broadcast_ "may lead to silently incorrect behavior"
+    (the values were right: the load is under no_grad now, as the pipeline's build already was)."""
+    import shutil
+
+    done = train_runs.get("pp2dp1")
+    out = tmp_path / "pp2dp1"
+    shutil.copytree(done, out)
+    rc, log = launch(train_runs.folder / "pp2dp1.json", out, 2, "--steps", 12, "--resume", "--no-export")
+    assert rc == 0 and summary(out)["start_step"] == 10, log[-3000:]
+    assert "c10d" not in log and "Warning" not in log, log[-3000:]

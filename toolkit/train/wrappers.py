@@ -68,8 +68,14 @@ def load(engine, ckpt_dir, tag: str, strict: bool):
     import contextlib
     import io
 
+    import torch
+
     bf16_zero0 = is_bf16_optimizer(engine.optimizer) and not engine.zero_optimization()
-    with contextlib.redirect_stdout(io.StringIO()):  # BF16_Optimizer prints a debugging line as it loads
+    # no_grad: a pipeline's load_state_dir ends by broadcasting its tied weights in place (module.py
+    # _synchronize_tied_weights), which with autograd on records c10d::broadcast_ in the weights' history:
+    # torch warns at the next backward ("may lead to silently incorrect behavior"). Nothing in a load needs a
+    # graph; the building of the pipeline avoids the same broadcast's warning the same way
+    with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():  # (BF16_Optimizer prints a line as it loads)
         loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict,
                                            load_optimizer_states=not bf16_zero0)
         if loaded is not None and bf16_zero0:  # what load_checkpoint does at ZeRO 1-3: every dp rank's files, a list
