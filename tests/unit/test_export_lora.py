@@ -26,6 +26,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
         model.save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
     settings = lora.LoraSettings(r=4, alpha=8)
+    entry = lora.manifest_entry(settings, model, "causal-lm")  # before peft wraps the model in place
     peft = lora.apply(model, settings, "causal-lm", seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -38,7 +39,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
     torch.save({"module": state}, ckpt / "global_step1" / "mp_rank_00_model_states.pt")
     layout = {"pp": 1, "dp": 1, "tp": 1, "zero_stage": 0, "task": "causal-lm", "base_saved": base_dir is None,
               "model": None if base_dir is None else str(base_dir),
-              "lora": lora.manifest_entry(settings, peft.peft_config["default"])}
+              "lora": entry}
     save_meta(ckpt, model.config, tokenizer, layout)
     write_latest(ckpt, "global_step1")
     return peft

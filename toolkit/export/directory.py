@@ -24,7 +24,7 @@ from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
 from toolkit.checkpoint.run_folder import check_not_in_use
 from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
-from toolkit.train.lora import PEFT_PREFIX, is_adapter
+from toolkit.train.lora import PEFT_PREFIX, base_name, is_adapter
 
 __all__ = ["export", "find_checkpoint_dir", "first_line", "load_state_dict"]  # the last three: toolkit.checkpoint's
 
@@ -137,7 +137,7 @@ def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_di
     else:
         model = cls.from_config(config, dtype=torch.float32)  # CPU; every weight is then overwritten
     if lora:
-        model = _with_adapters(model, lora, manifest["task"])
+        model = _with_adapters(model, manifest)
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
              for k, v in state.items()}  # pipeline masters come flat
@@ -233,15 +233,14 @@ def _same_base(state: dict, model, sample: int = 8) -> bool:
 
 def _base_name(key: str) -> str:
     """A PeftModel state-dict name -> the HF model's (no PEFT prefix, no `.base_layer`)."""
-    return key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    return base_name(key)
 
 
-def _with_adapters(model, settings: dict, task: str):
+def _with_adapters(model, manifest: dict):
     """The base model wrapped with the run's LoRA adapters (same names as in training's checkpoint)."""
-    from toolkit.train.lora import LoraSettings, apply
+    from toolkit.train.lora import apply, recorded_settings
 
-    return apply(model, LoraSettings(settings["r"], settings["alpha"], settings["dropout"], tuple(settings["targets"]),
-                                     bool(settings.get("qlora"))), task)
+    return apply(model, recorded_settings(manifest), manifest["task"])
 
 
 def _check_out(out_dir: Path, overwrite: bool) -> None:

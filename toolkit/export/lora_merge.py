@@ -16,15 +16,17 @@ import json
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.lora import PEFT_PREFIX, is_adapter
+from toolkit.train.lora import PEFT_PREFIX, base_name, is_adapter
 
 ADAPTER = "default"  # the adapter name dstk's PeftModels use
 
 
 def hf_name(name: str) -> str:
-    """A checkpoint's name (PeftModel's, or a pipeline's) -> the HF model's: no PEFT prefix, no
-    `.base_layer`, a head PEFT trains whole under its own name (`score.modules_to_save.default.weight`)."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+    """A checkpoint's name (PeftModel's, or a pipeline's) -> the HF model's: no PEFT prefix, a base tensor without
+    its `.base_layer`s, a head PEFT trains whole under its own name (`score.modules_to_save.default.weight`); a
+    LoRA matrix keeps its wrapper's path (an expert module's adapters: experts.lora_A, experts.base_layer.lora_A)."""
+    name = name.removeprefix(PEFT_PREFIX).replace(f".modules_to_save.{ADAPTER}.", ".")
+    return name if ".lora_" in name else base_name(name)
 
 
 class SafetensorsReader:
@@ -54,14 +56,29 @@ class SafetensorsReader:
         yield from self.stored.read_groups(self.keep)
 
 
+def expert_wrappers(wrapped) -> dict:
+    """{HF name of an expert parameter peft adapts (target_parameters): (its ParamWrapper's name, E, whether peft
+    swapped in and out)} in the PeftModel `wrapped` (meta device is enough)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    found = {}
+    for name, module in wrapped.named_modules():
+        if isinstance(module, ParamWrapper):
+            path = name.removeprefix(PEFT_PREFIX)
+            found[base_name(path + ".") + module.parameter_name] = (path, module.num_experts,
+                                                                    module._did_swap_in_out_features)
+    return found
+
+
 class MergedReader:
     """The base tensors `bases` yields that the model saves (`keep`), + `extra` (from the checkpoint),
-    with the adapters merged into the linears they adapt: a reader for stream.write_weights."""
+    with the adapters merged into the linears and expert parameters they adapt: a reader for stream.write_weights."""
 
-    def __init__(self, bases, keep, extra: dict, adapters: dict, scaling: float, fan_in_fan_out: bool):
+    def __init__(self, bases, keep, extra: dict, adapters: dict, scaling: float, fan_in_fan_out: bool,
+                 experts: dict | None = None):
         self.bases, self.keep, self.extra, self.adapters = bases, keep, extra, adapters
-        self.scaling, self.fan_in_fan_out = scaling, fan_in_fan_out
-        self.merged = set()  # the linears merged (each must be, once)
+        self.scaling, self.fan_in_fan_out, self.experts = scaling, fan_in_fan_out, experts or {}
+        self.merged = set()  # the linears and expert wrappers merged (each must be, once)
 
     def names(self) -> list:
         return [n for n in self.bases.names() if n in self.keep and n not in self.extra] + list(self.extra)
@@ -78,6 +95,8 @@ class MergedReader:
         yield dict(self.extra)
 
     def _merged(self, name: str, weight):
+        if name in self.experts:
+            return self._merged_experts(name, weight)
         module = name.removesuffix(".weight")
         down = self.adapters.get(f"{module}.lora_A.{ADAPTER}.weight")  # (r, in)
         if down is None or not name.endswith(".weight"):
@@ -86,6 +105,21 @@ class MergedReader:
         delta = (up @ down).T if self.fan_in_fan_out else up @ down  # peft's get_delta_weight, in fp32
         self.merged.add(module)
         return weight.float().view(delta.shape) + delta * self.scaling  # peft: base_layer.weight.data += delta
+
+    def _merged_experts(self, name: str, weight):
+        """peft's ParamWrapper.get_delta_weight, in fp32: lora_A (r E, in) and lora_B (out, r E) as E pairs."""
+        import torch
+
+        path, experts, swapped = self.experts[name]
+        down = self.adapters[f"{path}.lora_A.{ADAPTER}.weight"]
+        up = self.adapters[f"{path}.lora_B.{ADAPTER}.weight"]
+        if experts == 1:
+            delta = up @ down
+        else:
+            a, b = down.reshape(experts, -1, down.shape[-1]), up.reshape(up.shape[0], -1, experts)
+            delta = torch.einsum("o r e, e r i -> e o i" if swapped else "o r e, e r i -> e i o", b, a)
+        self.merged.add(path)
+        return weight.float() + delta * self.scaling
 
     def check_all_merged(self, where: str) -> None:
         linears = {n.rsplit(".lora_A.", 1)[0] for n in self.adapters if ".lora_A." in n}
@@ -130,7 +164,8 @@ def export_lora_streaming(ckpt_dir: Path, tag: str, manifest: dict, config, out:
     if merge:
         lora = wrapped.peft_config[ADAPTER]
         bases = from_dir or open_reader(tag_dir, manifest, alias)
-        reader = MergedReader(bases, set(tied), extra, adapters, lora.lora_alpha / lora.r, lora.fan_in_fan_out)
+        reader = MergedReader(bases, set(tied), extra, adapters, lora.lora_alpha / lora.r, lora.fan_in_fan_out,
+                              expert_wrappers(wrapped))
         stats = write_weights(reader, skeleton, out, dtype, max_bytes, str(tag_dir))
         reader.check_all_merged(str(tag_dir))
         write_metadata(skeleton, ckpt_dir / META, out, dtype, base_dir)
@@ -161,15 +196,13 @@ def _skeletons(config, manifest: dict):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import models
-    from toolkit.train.lora import LoraSettings, apply
+    from toolkit.train.lora import apply, recorded_settings
 
     unset_hf_deepspeed_config()  # plain skeletons, even in a process that trained under ZeRO-3
     cls = models.auto_class(manifest["task"])
-    s = manifest["lora"]
     with torch.device("meta"):
         skeleton, base = (cls.from_config(config, dtype=torch.float32) for _ in range(2))
-        settings = LoraSettings(s["r"], s["alpha"], s["dropout"], tuple(s["targets"]), bool(s.get("qlora")))
-        wrapped = apply(base, settings, manifest["task"])
+        wrapped = apply(base, recorded_settings(manifest), manifest["task"])
     return skeleton, wrapped
 
 
