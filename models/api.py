@@ -121,3 +121,18 @@ def default_task(config):
     if "SequenceClassification" in archs:
         return "sequence-classification"
     return "masked-lm" if config.model_type == "bert" else "causal-lm"
+
+
+def check_router_aux(path, task: str = "causal-lm") -> None:
+    """`dstk train --check` at pp > 1: the refusal a stage would raise building the layers of the model at `path` (a
+    directory whose config turns output_router_logits on): its MoE router aux loss is
+    one dstk carries between stages, or refused with the reason and the fix. On a meta-device skeleton (no weights)."""
+    import torch
+    from transformers import AutoConfig
+
+    from models.moe import RouterAux
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        skeleton = auto_class(task, config)._from_config(config)
+    RouterAux.of(skeleton, config)

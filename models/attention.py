@@ -2,9 +2,12 @@
 
 Between stages travel only the hidden state and the document ids (B, T): 0 padding, 1..k the k-th
 document packed in a row (a 0/1 padding mask is the one-document case). From them each stage builds,
-for its first block and reused by the others (cached on the document-id tensor itself), row by row what
-HF builds: for a row holding one document, its padding mask and positions 0 .. T-1; for a packed row,
-HF's packed-sequence format (positions restart at each document, padding a segment of its own):
+for its first block and reused by the others (cached on the document-id tensor itself), what the HF model
+builds at pp = 1 from the inputs dstk gives it (models.spec.attention_inputs, decided per micro-batch): for
+a micro-batch of one document per row, each row's padding mask and positions 0 .. T-1; for one holding a
+packed row, HF's packed-sequence format in every row (positions restart at each document, padding a
+segment of its own). The padding tokens then compute what they compute at pp = 1 too, which the MoE router
+aux loss sees (it counts them in a packed micro-batch, as HF does: models/moe.py):
   - position ids (B, T) (learned and rotary positions count from each document's start);
   - the attention mask for each layer kind (causal, sliding-window, chunked), by HF's own mask builders
     with the rows' rule added (so eager, sdpa and flex masks agree with HF's), never crossing a document
@@ -48,13 +51,14 @@ def _memo(doc_ids: torch.Tensor, what, build):
 
 
 def _single(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: the rows holding at most one document (a padded row is one)."""
-    return _memo(doc_ids, "single", lambda: doc_ids.amax(dim=1) <= 1)
+    """(B,) bool: whether the rows are read as one document each (padded or not), i.e. no row of the micro-batch
+    is packed: HF at pp = 1 gets a padding mask then, else the packed format for every row."""
+    return _memo(doc_ids, "single", lambda: (doc_ids.amax() <= 1).expand(doc_ids.shape[0]))
 
 
 def positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions: 0 .. T-1 in a one-document row (HF's default), restarting at each document of a
-    packed row; once per micro-batch."""
+    """(B, T) positions: 0 .. T-1 in a micro-batch of one-document rows (HF's default), else restarting at each
+    document (and padding run) of every row; once per micro-batch."""
     def build():
         counting = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
         return torch.where(_single(doc_ids)[:, None], counting, document_positions(doc_ids))
@@ -115,8 +119,9 @@ def document_bounds(position_ids: torch.Tensor) -> Documents:
 
 
 def _rows_rule(doc_ids: torch.Tensor):
-    """HF's mask_function form of the rows' rule, added to the layer kind's causal rule: a one-document row
-    attends to its tokens, not its padding (HF's padding mask); a packed row stays inside each document."""
+    """HF's mask_function form of the rows' rule, added to the layer kind's causal rule: in a micro-batch of
+    one-document rows a token attends to its row's tokens, not its padding (HF's padding mask); in one with a
+    packed row, every token stays inside its document (padding: its own run)."""
     single = _single(doc_ids)
 
     def inner(batch_idx, head_idx, q_idx, kv_idx):

@@ -1,6 +1,6 @@
 """Two real pipeline stages (2 processes, deepspeed launcher, gloo) give the HF model's loss, logits
-and gradients for llama, qwen2 (tied), gemma2, gpt2 (tied), BERT MLM (tied) and classification, mixtral
-with its router aux loss in the loss (the sums cross the stage boundary),
+and gradients for llama, qwen2 (tied), gemma2, gpt2 (tied), BERT MLM (tied) and classification, mixtral and
+qwen3_moe with their router aux loss in the loss (the sums cross the stage boundary),
 with and without padding; packed rows of several documents give each document's own logits and loss;
 a sharded saved model loads per stage. Part of the session's one launch of scripts/engines.py
 (tests/distributed/conftest.py; this part ~30 s on 2 cores)."""
@@ -21,7 +21,7 @@ def results(engine_runs):
 @pytest.mark.distributed
 def test_two_stages_match_hf(results):
     cases = [c for c in results[0] if c != "dir" and not c.startswith("packed:")]
-    assert len(cases) == 14 and set(cases) == {c for c in results[1] if c != "dir" and not c.startswith("packed:")}
+    assert len(cases) == 16 and set(cases) == {c for c in results[1] if c != "dir" and not c.startswith("packed:")}
     assert results[0]["gpt2:causal-lm:pad=True"]["parts"] == [0, 1, 5]  # the given boundaries, not DeepSpeed's
     for case in cases:
         first, last = results[0][case], results[1][case]

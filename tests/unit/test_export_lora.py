@@ -26,6 +26,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
         model.save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
     settings = lora.LoraSettings(r=4, alpha=8)
+    entry = lora.manifest_entry(settings, model, "causal-lm")  # before peft wraps the model in place
     peft = lora.apply(model, settings, "causal-lm", seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -38,7 +39,7 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
     torch.save({"module": state}, ckpt / "global_step1" / "mp_rank_00_model_states.pt")
     layout = {"pp": 1, "dp": 1, "tp": 1, "zero_stage": 0, "task": "causal-lm", "base_saved": base_dir is None,
               "model": None if base_dir is None else str(base_dir),
-              "lora": settings.to_dict()}  # as a run records it (loop.run_identity): the targets asked for
+              "lora": settings.to_dict(), "lora_adapters": entry}  # as a run records them: the flags, the adapters
     save_meta(ckpt, model.config, tokenizer, layout)
     write_latest(ckpt, "global_step1")
     return peft
@@ -148,7 +149,8 @@ def test_an_adapter_the_recorded_settings_do_not_make_is_refused_not_dropped(tmp
     peft = fabricate_lora_checkpoint(tiny_moe("deepseek_v3"), hf.byte_tokenizer(), tmp_path / "run", tmp_path / "base")
     manifest = tmp_path / "run" / "checkpoints" / "dstk" / "manifest.json"
     record = json.loads(manifest.read_text())
-    record["lora"]["targets"] = sorted(peft.peft_config["default"].target_modules)  # attention only
+    record["lora_adapters"].update(targets=sorted(peft.peft_config["default"].target_modules), parameters=[])
+    # (attention only, no expert parameter: settings that do not make the experts' adapters)
     manifest.write_text(json.dumps(record))
     with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.experts\..*lora_A\.default\.weight: an adapter the run's "
                                           "recorded LoRA settings do not make"):

@@ -43,7 +43,7 @@ def _peft_counts(arch, r: int) -> dict:
 
     model, settings = build_hf_model(arch, device="cpu"), LoraSettings(r=r)
     if arch.is_encoder:  # the planner's BERT is the MLM model (no causal-LM wrapper): the trainer's targets
-        model = get_peft_model(model, LoraConfig(r=r, target_modules=resolve_targets(model, settings)))
+        model = get_peft_model(model, LoraConfig(r=r, target_modules=resolve_targets(model, settings)[0]))
     else:
         model = apply(model, settings, task="causal-lm")
     counts = {}

@@ -206,9 +206,11 @@ def test_flops_and_activations_match_a_real_hf_moe_model(name):
             assert moe_act_bytes(arch, n, 4) == pytest.approx(mlp_bytes, rel=0.01), cost.name
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_lora_adapts_attention_and_the_shared_expert_as_peft_does(name):
-    """transformers' experts and routers are parameters, not nn.Linear: peft adapts what is left."""
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_lora_adapts_attention_the_shared_expert_and_the_experts_as_peft_does(name):
+    """transformers' experts are 3-D parameters, adapted through peft's target_parameters (the router is not
+    adapted); qwen3_moe's dense block's gate/up/down_proj are names peft takes for its experts' (frozen, and
+    the experts' gate_up_proj at rank 2 r)."""
     from toolkit.train.lora import LoraSettings, apply
 
     cfg = _config(name)

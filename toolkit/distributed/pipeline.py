@@ -42,7 +42,8 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
 
     is_dir = isinstance(model, (str, Path))
     attention = getattr(config, "_attn_implementation", None) if config is not None else None
-    adapters = _peft_config(config, task, lora) if lora is not None else None
+    skeleton = _skeleton_for_lora(config, task) if lora is not None else None
+    adapters = peft_config(skeleton, lora, task) if lora is not None else None
     adapt = StageAdapters(adapters, task, seed) if adapters is not None and is_dir else None
     spec = models.pipeline_layers(str(model) if is_dir else model, task=task, attention=attention,
                                   adapt=adapt, dtype=param_dtype(cfg))  # no fp32 copy of a bf16 run's weights
@@ -62,7 +63,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     if dual:
         record["schedule"] = schedule
     if lora is not None:
-        record["lora"] = manifest_entry(lora, adapters)
+        record["lora"] = manifest_entry(lora, skeleton, task)
         _check_every_stage_trains(record, spec)
     # no_grad: PipelineModule broadcasts tied weights in place while it is built; with autograd on, torch
     # marks the parameter and warns at every backward that c10d::broadcast_ has no autograd kernel
@@ -144,11 +145,11 @@ def _check_every_stage_trains(record: dict, spec) -> None:
                               "(`dstk partition MODEL --pp N --lora R --config FILE`)")
 
 
-def _peft_config(config, task: str, lora):
-    """peft's LoraConfig for the run's model, its targets found on a meta-device skeleton."""
+def _skeleton_for_lora(config, task: str):
+    """The run's model on the meta device, where peft's LoraConfig finds its targets."""
     if config is None:
         raise ValueError("pipeline_module(lora=...) needs the run's HF config")
-    return peft_config(_skeleton(config, task), lora, task)
+    return _skeleton(config, task)
 
 
 def _skeleton(config, task: str, adapters=None):

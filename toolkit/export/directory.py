@@ -24,7 +24,7 @@ from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
 from toolkit.checkpoint.run_folder import check_not_in_use
 from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
-from toolkit.train.lora import PEFT_PREFIX, is_adapter
+from toolkit.train.lora import PEFT_PREFIX, base_name, is_adapter
 
 __all__ = ["export", "find_checkpoint_dir", "first_line", "load_state_dict"]  # the last three: toolkit.checkpoint's
 
@@ -142,7 +142,7 @@ def _export_in_memory(ckpt_dir: Path, out_dir: Path, tag, dtype: str, adapter_di
     if lora:
         from toolkit.export.lora_merge import name_base, run_base
 
-        model = _with_adapters(model, lora, manifest["task"])
+        model = _with_adapters(model, manifest)
         name_base(model, run_base(manifest) if not merge or base is not None else None)
     shapes = model.state_dict()
     state = {k: v.view(shapes[k].shape) if k in shapes and v.dim() == 1 and shapes[k].dim() != 1 else v
@@ -239,15 +239,14 @@ def _same_base(state: dict, model, sample: int = 8) -> bool:
 
 def _base_name(key: str) -> str:
     """A PeftModel state-dict name -> the HF model's (no PEFT prefix, no `.base_layer`, nested ones included)."""
-    return ".".join(part for part in key.removeprefix(PEFT_PREFIX).split(".") if part != "base_layer")
+    return base_name(key)
 
 
-def _with_adapters(model, settings: dict, task: str):
+def _with_adapters(model, manifest: dict):
     """The base model wrapped with the run's LoRA adapters (same names as in training's checkpoint)."""
-    from toolkit.train.lora import LoraSettings, apply
+    from toolkit.train.lora import apply, recorded_settings
 
-    return apply(model, LoraSettings(settings["r"], settings["alpha"], settings["dropout"], tuple(settings["targets"]),
-                                     bool(settings.get("qlora"))), task)
+    return apply(model, recorded_settings(manifest), manifest["task"])
 
 
 def _check_out(out_dir: Path, overwrite: bool) -> None:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.lora import PEFT_PREFIX, is_adapter
+from toolkit.train.lora import PEFT_PREFIX, base_name, is_adapter
 
 ADAPTER = "default"  # the adapter name dstk's PeftModels use
 
@@ -103,7 +103,7 @@ class SafetensorsReader:
 
 class MergedReader:
     """The base tensors `bases` yields that the model saves (`keep`), + `extra` (from the checkpoint),
-    with the adapters merged into the linears they adapt: a reader for stream.write_weights."""
+    with the adapters merged into the linears and expert parameters they adapt: a reader for stream.write_weights."""
 
     def __init__(self, bases, keep, extra: dict, adapters: dict, deltas: dict):
         self.bases, self.keep, self.extra, self.adapters, self.deltas = bases, keep, extra, adapters, deltas
@@ -215,15 +215,13 @@ def _skeletons(config, manifest: dict):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import models
-    from toolkit.train.lora import LoraSettings, apply
+    from toolkit.train.lora import apply, recorded_settings
 
     unset_hf_deepspeed_config()  # plain skeletons, even in a process that trained under ZeRO-3
     cls = models.auto_class(manifest["task"])
-    s = manifest["lora"]
     with torch.device("meta"):
         skeleton, base = (cls.from_config(config, dtype=torch.float32) for _ in range(2))
-        settings = LoraSettings(s["r"], s["alpha"], s["dropout"], tuple(s["targets"]), bool(s.get("qlora")))
-        wrapped = apply(base, settings, manifest["task"])
+        wrapped = apply(base, recorded_settings(manifest), manifest["task"])
     return skeleton, wrapped
 
 

@@ -121,8 +121,9 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
             "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp, "sp": topo.sp,
                        "schedule": args.schedule if topo.pp > 1 else None,  # pp 1 runs no pipeline schedule
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
-            "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len, "lora": record.get("lora"),
-            "start_step": start, "steps": steps, "resume": resume}
+            "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len,
+            "lora": record.get("lora_adapters") or record.get("lora"), "start_step": start, "steps": steps,
+            "resume": resume}
 
 
 def dtype_of(cfg: dict) -> str:
@@ -219,7 +220,8 @@ def run_record(args, record: dict, topo, cfg: dict) -> tuple:
     copy of the frozen base each time (a 7B base is ~14 GB a save); the base is read back from --model on
     resume and export."""
     record["base_saved"] = save_frozen = "lora" not in record or not Path(args.model).is_dir()
-    return {**record, **run_identity(args, topo, cfg), "portable": True}, save_frozen
+    adapters = {"lora_adapters": record["lora"]} if record.get("lora") else {}  # resolved; "lora" becomes the flags
+    return {**record, **run_identity(args, topo, cfg), **adapters, "portable": True}, save_frozen
 
 
 def seed_streams(seed: int, dp_rank: int, step: int = 0) -> None:
@@ -390,8 +392,8 @@ def make_model(args, config, topo, cfg: dict):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings is None:
             return model, {"pp": 1}
-        model = lora.apply(model, settings, args.task, args.seed)
-        return model, {"pp": 1, "lora": lora.manifest_entry(settings, model.peft_config["default"])}
+        entry = lora.manifest_entry(settings, model, args.task)
+        return lora.apply(model, settings, args.task, args.seed), {"pp": 1, "lora": entry}
     from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():

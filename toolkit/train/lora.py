@@ -5,9 +5,13 @@
 
 The base model is frozen; only the adapters train (gradients and optimizer states exist for them
 alone). Targets default to every linear layer inside the decoder blocks (attention and MLP), found by
-module names per architecture; a target that matches nothing is refused with the linear modules that
-exist. The export writes OUT/adapter (PEFT's format, for PeftModel.from_pretrained) and OUT/hf with the
-adapters merged into full weights.
+module names per architecture, and the fused experts of an MoE model (transformers 5 holds them as 3-D
+parameters, `mlp.experts.gate_up_proj` (E, 2I, H)): PEFT adapts those through `target_parameters` (its
+lora.ParamWrapper: a rank-r pair per expert, which takes no dropout: with --lora-dropout > 0 the experts
+stay frozen, and the opening block says so). --lora-targets names linears by their last name part and
+expert parameters by a suffix (`gate_up_proj` or `mlp.experts.gate_up_proj`); a target that matches
+nothing is refused with what exists. The export writes OUT/adapter (PEFT's format, for
+PeftModel.from_pretrained) and OUT/hf with the adapters merged into full weights.
 
 Every layout builds the same adapters. pp = 1 and a pipeline of a model in memory wrap the model with
 `get_peft_model`; a pipeline stage reading its layers from a directory injects them per HF module
@@ -22,6 +26,8 @@ import zlib
 from dataclasses import asdict, dataclass
 
 from models import task_named
+from models.lora_experts import (PEFT_PREFIX, as_peft_converts, base_name, expert_parameters,  # noqa: F401
+                                  frozen_experts)
 from toolkit.errors import ConfigError
 
 HEADS = ("lm_head", "score", "classifier", "cls", "embed_out")  # never adapted by default: outputs, not blocks
@@ -32,11 +38,25 @@ class LoraSettings:
     r: int = 16
     alpha: int | None = None  # None: 2 r
     dropout: float = 0.0
-    targets: tuple = ()  # module name suffixes; (): every linear layer in the blocks
+    targets: tuple = ()  # module name suffixes; (): every linear layer in the blocks and the fused experts
     qlora: bool = False  # the base loaded in 4 bits (NF4, bitsandbytes): CUDA only
+    parameters: tuple | None = None  # the expert parameters adapted, as a run recorded them; None: from targets
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "alpha": self.alpha or 2 * self.r, "targets": list(self.targets)}
+        out = {**asdict(self), "alpha": self.alpha or 2 * self.r, "targets": list(self.targets)}
+        if self.parameters is None:  # a run's flags (what a resume compares): as before experts were adapted
+            del out["parameters"]
+        else:
+            out["parameters"] = list(self.parameters)
+        return out
+
+
+def recorded_settings(manifest: dict) -> LoraSettings:
+    """The adapters a run's manifest says it trained: "lora_adapters" (manifest_entry: its targets and expert
+    parameters as resolved), or in a run from before those were recorded its flags ("lora"), with no expert adapted."""
+    entry = manifest.get("lora_adapters") or manifest["lora"]
+    return LoraSettings(entry["r"], entry.get("alpha"), entry["dropout"], tuple(entry["targets"]),
+                        bool(entry.get("qlora")), tuple(entry.get("parameters") or ()))
 
 
 def settings_of(args) -> LoraSettings | None:
@@ -61,21 +81,32 @@ def linear_names(model) -> list:
     return found
 
 
-def resolve_targets(model, settings: LoraSettings) -> list:
-    """The module names peft adapts: the asked-for ones (each must match), else every block linear."""
-    available = linear_names(model)
-    if not available:
+def resolve_targets(model, settings: LoraSettings) -> tuple[list, list]:
+    """(module names, expert parameters) peft adapts: the asked-for ones (each must match), else every block
+    linear and (without dropout, which PEFT's ParamWrapper refuses) every fused expert parameter."""
+    available, experts = linear_names(model), expert_parameters(model)
+    if settings.parameters is not None:  # a run's record (no targets, no parameters: a run's default linears)
+        modules = list(settings.targets) if settings.targets or settings.parameters else available
+        return modules, list(settings.parameters)
+    if not available and not experts:
         raise ConfigError(f"--lora: {type(model).__name__} has no linear layers inside its blocks to adapt")
     if not settings.targets:
-        return available
-    missing = [t for t in settings.targets if t not in available]
+        return available, [] if settings.dropout else experts
+    named = {t: [e for e in experts if e == t or e.endswith("." + t)] for t in settings.targets}
+    missing = [t for t in settings.targets if t not in available and not named[t]]
     if missing:
-        raise ConfigError(f"--lora-targets {','.join(missing)} match no linear layer of {type(model).__name__}; "
-                          f"its block linears are: {', '.join(available)}")
-    return list(settings.targets)
+        raise ConfigError(f"--lora-targets {','.join(missing)} match no linear layer "
+                          + ("or fused expert parameter " if experts else "") + f"of {type(model).__name__}; its "
+                          f"block linears are: {', '.join(available)}"
+                          + (f"; its fused expert parameters: {', '.join(experts)}" if experts else ""))
+    parameters = [e for e in experts if any(e in found for found in named.values())]
+    if parameters and settings.dropout:
+        raise ConfigError(f"--lora-dropout {settings.dropout} with --lora-targets naming fused expert parameters "
+                          f"({', '.join(parameters)}): PEFT's LoRA on them (target_parameters) takes no dropout; use "
+                          "--lora-dropout 0, or leave them out of --lora-targets")
+    return [t for t in settings.targets if t in available], parameters
 
 
-PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the HF model: its state dict's names start so
 CLASSIFIER_HEADS = ("classifier", "score")  # trained whole under sequence classification, as PEFT does
 
 
@@ -84,15 +115,27 @@ def peft_config(model, settings: LoraSettings, task: str):
     from peft import LoraConfig, TaskType
 
     kind = TaskType.SEQ_CLS if task_named(task) == "sequence-classification" else TaskType.CAUSAL_LM
-    return LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r, lora_dropout=settings.dropout,
-                      target_modules=resolve_targets(model, settings), task_type=kind,
-                      fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
+    modules, parameters = resolve_targets(model, settings)
+    # target_modules [] rather than None: None makes peft add its default modules for the model type
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha or 2 * settings.r, lora_dropout=settings.dropout,
+                        target_modules=modules, target_parameters=parameters or None, task_type=kind,
+                        fan_in_fan_out=type(model).__name__.startswith("GPT2"))  # Conv1D stores W transposed
+    return as_peft_converts(config, model)
 
 
-def manifest_entry(settings: LoraSettings, config) -> dict:
-    """What the run's manifest records of a LoRA run (export rebuilds the adapters from it): the settings,
-    with the targets peft's LoraConfig `config` resolved to."""
-    return {**settings.to_dict(), "targets": sorted(config.target_modules)}
+def manifest_entry(settings: LoraSettings, model, task: str) -> dict:
+    """What the run's manifest records of a LoRA run on `model` (the HF model or its meta-device skeleton, before
+    peft wraps it): the settings with the targets and expert parameters they resolve to (export rebuilds the same
+    adapters from them, recorded_settings), what peft adapts after its conversion, and the opening block's
+    sentence on what stays frozen."""
+    modules, parameters = resolve_targets(model, settings)
+    config = peft_config(model, settings, task)
+    entry = {**settings.to_dict(), "targets": modules, "parameters": parameters,
+             "adapted": sorted(config.target_modules or ()) + sorted(config.target_parameters or ())}
+    note = frozen_experts(model, config, modules)
+    if note:
+        entry["experts_frozen"] = note
+    return entry
 
 
 def apply(model, settings: LoraSettings, task: str, seed: int = 0):
@@ -100,6 +143,11 @@ def apply(model, settings: LoraSettings, task: str, seed: int = 0):
     wrapped = wrap(model, peft_config(model, settings, task))
     init_adapters(wrapped.base_model.model, seed)
     return wrapped
+
+
+# peft's warnings that say nothing about dstk's adapters: its rank/alpha patterns are checked against target modules
+# only (the 2 r of gate_up_proj, a target parameter, does apply), and a dense block has no expert parameter
+PEFT_NOISE = ".*(were set but no (module|parameter) was matched|keys did not match any targeted module)"
 
 
 def wrap(model, config):
@@ -110,6 +158,7 @@ def wrap(model, config):
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=PEFT_NOISE, category=RuntimeWarning)
         return get_peft_model(model, config)
 
 
@@ -144,15 +193,20 @@ class StageAdapters:
         self.config, self.task, self.seed = config, task_named(task), seed
 
     def __call__(self, module, name: str):
+        import warnings
+
         from peft import inject_adapter_in_model
         from peft.utils import ModulesToSaveWrapper
 
         module.requires_grad_(False)
         if self.task == "sequence-classification" and name.rsplit(".", 1)[-1] in CLASSIFIER_HEADS:
             return ModulesToSaveWrapper(module, "default")  # a trainable copy beside the frozen original
-        targets = set(self.config.target_modules)
-        if any(sub.rsplit(".", 1)[-1] in targets for sub, _ in module.named_modules() if sub):
-            inject_adapter_in_model(self.config, module)
+        targets, experts = set(self.config.target_modules or ()), set(self.config.target_parameters or ())
+        if any(sub.rsplit(".", 1)[-1] in targets for sub, _ in module.named_modules() if sub) or any(
+                leaf == t or leaf.endswith("." + t) for leaf, _ in module.named_parameters() for t in experts):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=PEFT_NOISE, category=RuntimeWarning)
+                inject_adapter_in_model(self.config, module)
             init_adapters(module, self.seed, prefix=f"{name}.")
         return module
 

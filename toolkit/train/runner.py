@@ -158,6 +158,7 @@ def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
     check_recorded_parts(cfg, args.config, args.model, args.task)
     _check_dualpipev_layers(args, cfg)
     _check_fits_model(args, cfg)
+    _check_router_aux(args, cfg)
     if world_size is not None and args.qlora:  # known: the ranks run here (launch.sh on a login node passes none)
         from toolkit.train.lora import check_qlora_here
 
@@ -209,6 +210,29 @@ def _check_dualpipev_layers(args: TrainArgs, cfg: dict) -> None:
     except ConfigError:  # a structure the planner does not read: the build checks the stages itself
         return
     check_layers(args.schedule, pp, args.model, layers)
+
+
+def _check_router_aux(args: TrainArgs, cfg: dict) -> None:
+    """pp > 1 from a directory whose config.json turns output_router_logits on: the MoE router aux loss that the
+    stages carry (models.moe), or the refusal a stage would raise, with its reason and fix. Only then does --check
+    import transformers (the model class decides)."""
+    pp = args.pp or (cfg.get("pipeline") or {}).get("stages") or 1
+    if isinstance(pp, int) and pp > 1 and Path(args.model).is_dir() and _router_logits_on(Path(args.model)):
+        from models.api import check_router_aux
+
+        check_router_aux(args.model, args.task)
+
+
+def _router_logits_on(folder: Path) -> bool:
+    """Whether folder/config.json turns output_router_logits on, in itself or a sub-config (its text config)."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the model checks say what is wrong with the folder
+    subs = [v for v in config.values() if isinstance(v, dict)]
+    return any(c.get("output_router_logits") is True for c in [config, *subs])
 
 
 def check_sequence_parallel(args: TrainArgs, cfg: dict, pp: int = 1) -> None:

@@ -34,6 +34,9 @@ CASES = [  # (model_type, task, config overrides, parts over L + 3 (or L + 2) la
     # MoE with the router aux loss in the loss: its sums travel from stage 0's router to the loss on stage 1
     ("mixtral", None, {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
                        "router_aux_loss_coef": 0.5}, [0, 2, 5]),
+    # another router (softmax top-k of its own, no normalisation): stage 0 holds both MoE blocks, stage 1 the head
+    ("qwen3_moe", None, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "output_router_logits": True, "router_aux_loss_coef": 0.5}, [0, 3, 5]),
 ]
 DS_CONFIG = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
              "steps_per_print": 10**6, "gradient_clipping": 0.0, "pipeline": {"activation_checkpoint_interval": 0}}

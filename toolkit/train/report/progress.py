@@ -59,8 +59,11 @@ def start_lines(about: dict) -> list:
     lora = about.get("lora")
     trains = f"{_count(about['trainable'])} ({100 * about['trainable'] / max(about['params'], 1):.2f}%)"
     if lora:
+        targets = lora.get("adapted") or lora.get("targets")  # linears, fused expert parameters
         lines.append(f"LoRA: r {lora['r']}, alpha {lora.get('alpha') or 2 * lora['r']}, on "
-                     f"{', '.join(lora.get('targets') or ['the default targets'])}; {trains} parameters train")
+                     f"{', '.join(targets or ['the default targets'])}; {trains} parameters train")
+        if lora.get("experts_frozen"):  # an MoE model whose experts the flags leave out (toolkit.train.lora)
+            lines.append(f"LoRA: {lora['experts_frozen']}")
     else:
         lines.append(f"training: all {trains} trainable parameters")
     resume = about.get("resume")
