@@ -183,17 +183,20 @@ def join(fragments: list, copy: bool = False):
 
 
 def torch_load(path: Path, mmap: bool = False):
-    """torch.load, with a one-line error for a missing, truncated or foreign file. mmap: the tensors
-    stay in the file (pages are read when touched, and let go with the last tensor)."""
+    """torch.load as data (toolkit.checkpoint.safe_load: a class outside DeepSpeed's is refused), with a
+    one-line error for a missing, truncated or foreign file. mmap: the tensors stay in the file (pages are
+    read when touched, and let go with the last tensor)."""
     import pickle
     import zipfile
 
-    import torch
+    from toolkit.checkpoint import safe_load
 
     if not path.is_file():
         raise UnusableInput(f"{path} is missing: the checkpoint is incomplete or from another layout")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        return safe_load.load(path, mmap=mmap)
+    except UnusableInput:  # a class outside the list: its own line
+        raise
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         raise UnusableInput(f"{path} cannot be read ({first_line(exc)}): the file is truncated or damaged "
                             "(a save cut short?); export another tag with --tag") from None

@@ -183,7 +183,9 @@ def save_rng(tag_dir: Path, rank: int) -> None:
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state(),
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # plain data: a pickled array would need numpy's classes
+    numpy_state = [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]  # keys: 624 uint32
+    state = {"python": random.getstate(), "numpy": numpy_state, "cpu": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}  # this rank's device
     path = tag_dir / RNG_STATE.format(rank)
     path.parent.mkdir(parents=True, exist_ok=True)  # a rank that wrote no DeepSpeed file may come first
@@ -200,12 +202,15 @@ def load_rng(tag_dir: Path, rank: int) -> bool:
     import numpy as np
     import torch
 
+    from toolkit.checkpoint import safe_load
+
     path = tag_dir / RNG_STATE.format(rank)
     if not path.is_file():
         return False
-    state = torch.load(path, weights_only=False)  # numpy's state is an array in a tuple; our own file
+    state = safe_load.load(path)  # an older dstk's file holds numpy's state as a pickled array: allowed there
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["cpu"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

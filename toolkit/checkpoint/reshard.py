@@ -19,6 +19,7 @@ from toolkit.checkpoint.lock import RunLock, is_lock_file
 from toolkit.checkpoint.run_folder import check_not_in_use
 from toolkit.checkpoint.manifest import DATA_POSITION, META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
+from toolkit.checkpoint.safe_load import check_tag
 
 
 def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None, schedule=None) -> dict:
@@ -27,6 +28,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     weights): an sp move is a move of the ZeRO partitions (over a stage's dp x sp ranks) and of dp."""
     ckpt_dir = find_checkpoint_dir(ckpt)
     tag = resolve_tag(ckpt_dir, tag)
+    check_tag(ckpt_dir / tag)  # a class outside DeepSpeed's in any of its files: refused before anything is read
     out = Path(out)
     check_writable(out, "OUT_DIR", beside=True)  # a file above it, a link to nowhere, a place this process cannot write
     check_not_in_use(out, "OUT_DIR")  # a run writing there now

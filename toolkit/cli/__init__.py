@@ -103,6 +103,16 @@ def echo_json(data, indent: int = 2) -> None:
     click.echo(json.dumps(data, indent=indent), file=(ctx.obj or {}).get("stdout", sys.stdout))
 
 
+def trust_checkpoints(on: bool) -> None:
+    """--trust-checkpoint of export and reshard: this process loads checkpoints as pickles, and says so first."""
+    from toolkit.checkpoint import safe_load  # (imports no torch until a file is loaded)
+
+    safe_load.trust(on)
+    if on:
+        click.echo("note: --trust-checkpoint: the checkpoint's .pt files are loaded as pickles (torch.load "
+                   "weights_only=False), unchecked: any code in them runs", err=True)
+
+
 def main(argv=None):
     """Console entry point: library errors become one line on stderr and an exit code. Under a
     launcher every rank reaches the same refusal: only rank 0 prints it, every rank exits with it."""

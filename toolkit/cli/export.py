@@ -20,7 +20,10 @@ import click
               "(PEFT's adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained).")
 @click.option("--adapter-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="A LoRA run: also write the adapters alone (PEFT's format) into DIR.")
-def export(checkpoint_dir, out_dir, tag, force, dtype, max_shard_size, merge, adapter_dir):
+@click.option("--trust-checkpoint", is_flag=True, help="Load the checkpoint's .pt files as pickles, unchecked "
+              "(torch.load weights_only=False), for a checkpoint from a source you trust that holds classes other than "
+              "DeepSpeed's; by default any other class is refused before loading (a pickle can run code).")
+def export(checkpoint_dir, out_dir, tag, force, dtype, max_shard_size, merge, adapter_dir, trust_checkpoint):
     """Convert a DeepSpeed checkpoint (pipeline layers or ZeRO shards) to a HF directory.
 
     CHECKPOINT_DIR is a run's checkpoints/ folder, or the run's --out folder that holds it.
@@ -33,9 +36,11 @@ def export(checkpoint_dir, out_dir, tag, force, dtype, max_shard_size, merge, ad
     dstk export runs/big runs/big/hf_bf16 --dtype bf16 --max-shard-size 2GB
     dstk export runs/lora runs/lora/adapter_500 --tag global_step500 --no-merge
     """
+    from toolkit.cli import trust_checkpoints
     from toolkit.export.directory import export as export_checkpoint
     from toolkit.export.directory import find_checkpoint_dir
 
+    trust_checkpoints(trust_checkpoint)
     found = find_checkpoint_dir(checkpoint_dir)
     if found != Path(checkpoint_dir):
         click.echo(f"reading {found} (the checkpoints of run {checkpoint_dir})", err=True)

@@ -4,7 +4,7 @@ layout."""
 
 import click
 
-from toolkit.cli import echo_json
+from toolkit.cli import echo_json, trust_checkpoints
 
 
 @click.command()
@@ -19,7 +19,10 @@ from toolkit.cli import echo_json
               "(dualpipev: 2 pp stages, `dstk train --schedule dualpipev`; default: unchanged).")
 @click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
-def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, schedule, tag, as_json):
+@click.option("--trust-checkpoint", is_flag=True, help="Load the checkpoint's .pt files as pickles, unchecked "
+              "(torch.load weights_only=False), for a checkpoint from a source you trust that holds classes other than "
+              "DeepSpeed's; by default any other class is refused before loading (a pickle can run code).")
+def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, schedule, tag, as_json, trust_checkpoint):
     """Make a run's checkpoint resumable on another layout (pp, dp, sp, ZeRO stage), offline.
 
     OUT_DIR becomes a run folder holding the checkpoint's weights, Adam moments, optimizer step, LR
@@ -35,6 +38,7 @@ def reshard(checkpoint_dir, out_dir, pp, dp, sp, zero, schedule, tag, as_json):
     """
     from toolkit.checkpoint.reshard import reshard_checkpoint
 
+    trust_checkpoints(trust_checkpoint)
     done = reshard_checkpoint(checkpoint_dir, out_dir, tag, pp, dp, zero, sp, schedule)
     if as_json:
         echo_json(done, indent=1)

@@ -12,7 +12,7 @@ from toolkit.plan.arch import builtin_names
 
 # What one invocation does rather than what the run is: never in a recipe, nor in the OUT/recipe.yaml a run
 # saves (so `--recipe OUT/recipe.yaml --resume` reads back as it was written, whatever the first run was given).
-COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data", "overwrite")
+COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data", "overwrite", "trust_checkpoint")
 
 
 @click.command()
@@ -71,6 +71,9 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               help="With --resume: continue although the token stream changed (data, format, chat template, "
                    "--train-on, --seq-len, packing or tokenizer files): the weights, optimizer and step carry on, "
                    "on the new rows from the same step.")
+@click.option("--trust-checkpoint", is_flag=True, help="With --resume: load the checkpoint's .pt files as pickles, "
+              "unchecked (torch.load weights_only=False), for a checkpoint from a source you trust that holds classes "
+              "other than DeepSpeed's; by default any other class is refused before loading (a pickle can run code).")
 @click.option("--overwrite", is_flag=True, help="Delete the run OUT holds, then start a fresh run there (a folder holding files no run writes is refused).")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Model init and data order.")
 @click.option("--eval-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,

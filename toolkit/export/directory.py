@@ -47,6 +47,8 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     model and save_pretrained it. A LoRA run (manifest["lora"]): OUT_DIR holds the adapters merged
     into full weights, and `adapter_dir` (when given) the adapters alone in PEFT's format; with
     merge=False OUT_DIR holds the adapters alone instead (no merged weights)."""
+    from toolkit.checkpoint.safe_load import check_tag
+    from toolkit.checkpoint.state import resolve_tag
     from toolkit.export.stream import parse_size
 
     ckpt_dir = find_checkpoint_dir(ckpt_dir)
@@ -60,6 +62,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None, overwrite: bool = True, dt
     check_adapter_flags(ckpt_dir, out_dir, adapter_dir, merge, bool(manifest.get("lora")))
     if adapter_dir is not None:
         _check_out(Path(adapter_dir), overwrite)
+    check_tag(ckpt_dir / resolve_tag(ckpt_dir, tag))  # a class outside DeepSpeed's in any of its files: refused
     safe = (f"{out_dir} is as it was (an export is written beside it and renamed into place) and the checkpoint "
             f"is whole: free space, then `dstk export {ckpt_dir.parent} {out_dir}`")
     with full_disk_is_one_line(out_dir.absolute().parent, f"writing the export {out_dir}", safe):

@@ -98,7 +98,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     steps = args.steps or sampler.steps_per_epoch
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
                      {"tag": resume_tag, "saved": saved, "notes": manifest.resume_notes(
-                         saved, record, args.resume_with_new_data)} if resume_tag else None)
+                         saved, record, args.resume_with_new_data) + trust_notes(args)} if resume_tag else None)
     about.update(tf32=tf32_on, tf32_note=tf32_line, startup=clock.phases() if clock is not None else None)
     return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval.head(args.max_eval_rows),
                start_step=start, steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp,
@@ -106,6 +106,14 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info or stream_info(sampler, prepared),
                param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs,
                progress=args.progress)
+
+
+def trust_notes(args) -> list:
+    """The opening block's word on --trust-checkpoint: the checkpoint was loaded as pickles, unchecked."""
+    if not args.trust_checkpoint:
+        return []
+    return ["--trust-checkpoint: the checkpoint's .pt files were loaded as pickles (torch.load weights_only=False), "
+            "unchecked: any code in them ran"]
 
 
 def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, steps: int, resume) -> dict:

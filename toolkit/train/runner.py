@@ -39,6 +39,7 @@ class TrainArgs:
     eval_batches: int | None = None  # deprecated, ignored: evaluation covers the whole eval split
     save_every: int = 0  # 0: only at the end
     resume: bool = False
+    trust_checkpoint: bool = False  # --resume loads the checkpoint's pickles unchecked (toolkit.checkpoint.safe_load)
     resume_with_new_data: bool = False  # --resume although the token stream changed (data, template, tokenizer...)
     overwrite: bool = False  # clear a used --out first
     seed: int = 1234
@@ -311,9 +312,15 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         from toolkit.checkpoint import manifest
         from toolkit.train.loop import run_identity
 
+        from toolkit.checkpoint import safe_load
+
         folder = run_folder.RunFolder(args.out)
-        manifest.check_resumable(folder.checkpoints, run_identity(local), manifest.read_latest(folder.checkpoints),
+        latest = manifest.read_latest(folder.checkpoints)
+        manifest.check_resumable(folder.checkpoints, run_identity(local), latest,
                                  new_data=args.resume_with_new_data, layout=False)
+        safe_load.trust(args.trust_checkpoint)
+        if latest is not None:
+            safe_load.check_tag(folder.checkpoints / latest)
 
 
 def out_inputs(args: TrainArgs) -> dict:
@@ -418,7 +425,7 @@ def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
     they agree (toolkit.distributed.agreement): an error only some reach is every rank's, one line."""
     import torch.distributed as dist
 
-    from toolkit.checkpoint import manifest, run_folder
+    from toolkit.checkpoint import manifest, run_folder, safe_load
     from toolkit.distributed.agreement import agree
     from toolkit.train import lora
     from toolkit.train import loop as train_loop
@@ -445,6 +452,8 @@ def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
         if resume_tag:
             manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag,
                                      new_data=args.resume_with_new_data)
+            safe_load.trust(args.trust_checkpoint)
+            safe_load.check_tag(ckpt_dir / resume_tag)  # before DeepSpeed or dstk loads any of it
         if args.overwrite and dist.get_rank() == 0:
             run_folder.clear(args.out)
     return args, train_loop.prepare(args, cfg, topo, dp_rank, resume_tag, clock)
