@@ -74,33 +74,28 @@ def saved_tag(tmp_path, positions: dict):
     return tag
 
 
-def test_a_streaming_resume_on_more_ranks_names_both_layouts(tmp_path):
-    """pp 1 -> pp 2: rank 1 has no position of its own (the issue's message said "not saved by a --streaming run")."""
+def test_a_streaming_resume_on_more_stages_finds_each_replicas_place(tmp_path):
+    """pp 1 -> pp 2: rank 1 saved no position of its own (once refused on rank 1 alone, then hung the others): a
+    place is its replica's, so both stages of the replica resume from rank 0's."""
     from toolkit.train.loop import stream_position
 
     tag = saved_tag(tmp_path, {0: (1, 0)})
     saved = {"dp": 1, "pp": 1, "tp": 1, "sp": 1}
-    assert stream_position(tag, saved, Topology(2, pp=2), 0)["rows"] == 4
-    with pytest.raises(UnusableInput) as refused:
-        stream_position(tag, saved, Topology(2, pp=2), 1)
-    message = str(refused.value)
-    assert "not saved by a --streaming run" not in message
-    assert ("global_step2 was saved on dp 1 x pp 1 x tp 1 x sp 1, 1 rank, each rank keeping its own place in the "
-            "stream; on dp 1 x pp 2 x tp 1 x sp 1, 2 ranks a rank finds no stream position of its own there. A "
-            "--streaming run resumes on the layout it was saved with (dp 1 x pp 1 x tp 1 x sp 1, 1 rank)") in message
+    assert [stream_position(tag, saved, Topology(2, pp=2), r)["rows"] for r in (0, 1)] == [4, 4]
 
 
-def test_a_streaming_resume_that_keeps_dp_but_not_the_ranks_says_why(tmp_path):
+def test_a_streaming_resume_that_keeps_dp_but_not_the_ranks_resumes_and_another_dp_is_refused(tmp_path):
     """dp 2 x sp 2 -> dp 2 x sp 1: rank 1 saved dp rank 0's position (the message said "belongs to dp rank 0 of 2"
-    with dp unchanged)."""
+    with dp unchanged); each replica's place is found by replica. dp 2 -> dp 1 is refused, naming both layouts."""
     from toolkit.train.loop import stream_position
 
     tag = saved_tag(tmp_path, {0: (2, 0), 1: (2, 0), 2: (2, 1), 3: (2, 1)})
+    saved = {"dp": 2, "pp": 1, "tp": 1, "sp": 2}
+    assert [stream_position(tag, saved, Topology(2), r)["dp_rank"] for r in (0, 1)] == [0, 1]
     with pytest.raises(UnusableInput) as refused:
-        stream_position(tag, {"dp": 2, "pp": 1, "tp": 1, "sp": 2}, Topology(2), 1)
-    assert ("saved on dp 2 x pp 1 x tp 1 x sp 2, 4 ranks, each rank keeping its own place in the stream; on dp 2 x "
-            "pp 1 x tp 1 x sp 1, 2 ranks a rank finds one saved for another dp rank's share there") in str(refused.value)
-    assert "belongs to" not in str(refused.value)
+        stream_position(tag, saved, Topology(1), 0)
+    assert ("global_step2 was saved on dp 2 x pp 1 x tp 1 x sp 2, 4 ranks; a --streaming run's place in its stream is "
+            "kept per data-parallel replica (rows i % dp), so it resumes with dp 2, not 1") in str(refused.value)
 
 
 def test_check_refuses_a_stream_with_fewer_documents_than_dp(tmp_path):
