@@ -255,19 +255,27 @@ EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(.+)")  # a per-expert tensor on dis
 
 
 def expert_holes(names) -> list:
-    """The per-expert tensors a checkpoint's names lack, from the names alone (no model): every expert of one
-    layer holds the same tensors (`...experts.{e}.w1.weight` for each e up to the highest), so a leaf the others
-    have that one expert lacks, or a number skipped, is missing. (The ranks check the rest against the model:
-    check_complete.)"""
+    """The per-expert tensors a checkpoint's names lack, from the names alone (no model): a leaf
+    (`...experts.{e}.w1.weight`) that expert e of a layer lacks while a later expert of that layer has it, or the
+    same expert of another layer does, is missing; so is a number skipped. Not every expert holds every leaf:
+    longcat_flash's zero-computation experts (the last ones) have no down_proj in any layer. (The ranks check the
+    rest against the model: check_complete.)"""
     layers = {}
     for name in names:
         if match := EXPERT.fullmatch(name):
             layers.setdefault(match[1], {}).setdefault(int(match[2]), set()).add(match[3])
+    held = {}  # (expert, leaf) -> the layers holding it
+    for layer, experts in layers.items():
+        for e, leaves in experts.items():
+            for leaf in leaves:
+                held.setdefault((e, leaf), set()).add(layer)
     holes = []
     for layer, experts in layers.items():
-        leaves = set().union(*experts.values())
-        holes += [f"{layer}.{e}.{leaf}" for e in range(max(experts) + 1)
-                  for leaf in sorted(leaves - experts.get(e, set()))]
+        for e in range(max(experts) + 1):
+            for leaf in sorted({leaf for (_, leaf) in held} - experts.get(e, set())):
+                later = any(leaf in experts.get(f, ()) for f in range(e + 1, max(experts) + 1))
+                if later or held.get((e, leaf)):  # a later expert of the layer, or this expert elsewhere, has it
+                    holes.append(f"{layer}.{e}.{leaf}")
     return holes
 
 
