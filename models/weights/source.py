@@ -121,7 +121,9 @@ class StoredTensors:
 
     def read_groups(self, names):
         """{model name: tensor} for `names` (those the directory holds), a conversion group at a time
-        (one tensor, or one layer's fused experts); each file opened once."""
+        (one tensor, or one layer's fused experts). A file is opened for the group that reads it and closed
+        after: an open safe_open maps its file, and every page read stays resident while it is open (a reader
+        of a whole model, the streamed export, would hold the whole file)."""
         from safetensors import safe_open
 
         handles = {}
@@ -132,7 +134,9 @@ class StoredTensors:
                 handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
             return handles[file].get_tensor(key)
 
-        yield from self.names.read_groups(names, get_tensor)
+        for group in self.names.read_groups(names, get_tensor):
+            handles.clear()  # (the tensors are copies: the group holds no page of the files)
+            yield group
 
 
 def check_complete(path, skeleton) -> None:
