@@ -22,7 +22,11 @@ def test_sigterm_while_tokenizing_leaves_no_temporary_in_the_cache(tmp_path):
             f.write(json.dumps({"text": f"document {i}: " + "some words of text " * 10}) + "\n")
     cache = tmp_path / "cache"
     cfg = write_config(tmp_path / "ds.json", ds_config(2, 1))
-    env = {**os.environ, "DSTK_PROGRESS_SECONDS": "0.2", "PYTHONPATH": str(REPO)}
+    from tests.conftest import DIST_ENV
+
+    # a world of one started by hand: none of the launcher variables this test process's own group set (its port)
+    env = {**{k: v for k, v in os.environ.items() if k not in DIST_ENV}, "DSTK_PROGRESS_SECONDS": "0.2",
+           "PYTHONPATH": str(REPO)}
     for _ in range(3):  # (a world of one takes a free port for its group: another process may take it first)
         rank = subprocess.Popen([sys.executable, "-m", "toolkit.train", "--config", str(cfg), "--model", "tiny-gpt2",
                                  "--data", str(data), "--data-cache", str(cache), "--out", str(tmp_path / "run"),
