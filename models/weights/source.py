@@ -51,6 +51,9 @@ class DirSource:
         self.path = path
         self.adapt = adapt
         self.dtype = dtype or torch.float32  # of the parameters; fp32: they are the optimizer's masters
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # stages are never ZeRO-3: an earlier ZeRO-3 model in this process must not count
         with torch.device("meta"):  # shapes only, no memory; fp32, as buffers come out of a model built in code
             self.skeleton = model_cls._from_config(config, dtype=torch.float32)
         self.stored = StoredTensors(path, self.skeleton)  # the directory's tensors by the model's names

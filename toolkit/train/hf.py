@@ -172,6 +172,9 @@ def check_model_class(model: str, config, task: str) -> None:
         raise ConfigError(f"--attention {attention}: transformers' {cls.__name__} has no {attention} attention "
                           f"({ATTENTION_FLAGS[attention]} is False); pass --attention eager")
     if Path(model).is_dir():
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # a plain skeleton: an earlier ZeRO-3 model in this process would make it one
         with torch.device("meta"):  # names and shapes only
             check_complete(model, cls._from_config(config, dtype=torch.float32))
 
