@@ -13,11 +13,15 @@
 #
 # Everything after `--` goes to `dstk train` (see `dstk train --help`); --config is needed unless a --recipe
 # there gives it (--config here wins over the recipe's). --dry-run prints the command.
+# --max-restarts N: when a rank dies (killed, lost, past `--step-timeout`), stop every rank and continue the
+# run with --resume from its last whole checkpoint, at most N times (not when the first step fails, nor when
+# one step fails twice in a row). `--save-on-signal` after --: SIGUSR1/SIGTERM/Ctrl-C here make the ranks save
+# their step and stop (slurm: sbatch --signal=B:USR1@300).
 # --launcher-args STR goes to mpirun/srun/pdsh as it is. On a machine without CUDA, "GPUs" are
 # CPU processes: DS_ACCELERATOR=cpu, gloo, and OMP_NUM_THREADS = cores / processes unless set.
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "launch.sh: $*" >&2; exit 2; }
 usage_error() { die "$* (see ./launch.sh --help)"; }
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || usage_error "$1 needs a value"; }
@@ -33,10 +37,12 @@ PYTHON=${PYTHON:-python}
 DSTK_LAUNCHED_AT=${DSTK_LAUNCHED_AT:-$(date +%s.%N)}
 export DSTK_LAUNCHED_AT
 num_gpus="" num_nodes="" hostfile="" launcher="" node_rank="" master_addr="" master_port="" config="" dry_run=0
+max_restarts=0
 launcher_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --num-gpus|--num-nodes|--hostfile|--launcher|--node-rank|--master-addr|--master-port|--config) need_value "$@" ;;
+    --num-gpus|--num-nodes|--hostfile|--launcher|--node-rank|--master-addr|--master-port|--config|--max-restarts)
+      need_value "$@" ;;
     --launcher-args) [[ $# -ge 2 && -n "$2" ]] || usage_error "$1 needs a value" ;;
   esac
   case "$1" in
@@ -49,6 +55,7 @@ while [[ $# -gt 0 ]]; do
     --master-addr) master_addr=$2; shift 2 ;;
     --master-port) count "$1" "$2" 1 65535; master_port=$((10#$2)); shift 2 ;;
     --config) config=$2; shift 2 ;;
+    --max-restarts) count "$1" "$2" 0 1000; max_restarts=$((10#$2)); shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
     --) shift; break ;;
@@ -66,10 +73,11 @@ else
 fi
 # With a --recipe, the config file and --out the ranks will use (the recipe's, under --config here and flags
 # after --; an inline config written where every rank writes it). Unreadable: dstk train --check says why.
-checked_config=$config recipe_out=""
+checked_config=$config recipe_out="" save_on_signal=0
+for arg in "${train_args[@]}"; do [[ "$arg" == --save-on-signal ]] && save_on_signal=1; done
 if (( recipe )) && view=$("$PYTHON" -c 'import sys; from toolkit.cli.train import launch_view; print(launch_view(sys.argv[1:]))' \
     ${config:+--config "$config"} "${train_args[@]}" 2>/dev/null); then
-  checked_config=${view%%$'\n'*} recipe_out=${view#*$'\n'}
+  { read -r checked_config; read -r recipe_out; read -r save_on_signal; } <<< "$view"
 fi
 case "$launcher" in ""|pdsh|openmpi|slurm|mpich|impi|mvapich) ;; *) die "--launcher must be pdsh, openmpi or slurm" ;; esac
 # mpirun/srun start every rank themselves, from the hostfile's hosts and slots. DeepSpeed would take a
@@ -137,11 +145,11 @@ if [[ -n "$launcher" && "$launcher" != pdsh ]]; then
 elif [[ -n "$master_addr" ]]; then
   cmd+=(--master_addr "$master_addr")
 fi
-if [[ -z "$master_port" && -z "$node_rank" && -z "$hostfile" ]]; then
-  # one node: a free port, so two runs on one machine do not collide on DeepSpeed's default 29500
-  master_port=$("$PYTHON" -c 'from toolkit.distributed.process_group import free_port; print(free_port())')
+# One node without --master-port: a port drawn for each attempt (draw_port), so runs on one machine do not collide.
+port_drawn=0
+if [[ -z "$master_port" && -z "$node_rank" && -z "$hostfile" ]]; then port_drawn=1; else
+  [[ -n "$master_port" ]] && cmd+=(--master_port "$master_port")
 fi
-[[ -n "$master_port" ]] && cmd+=(--master_port "$master_port")
 case "$launcher" in
   openmpi|slurm)
     # Their runners pass no MASTER_* to the ranks: toolkit.distributed.process_group reads these (openmpi: DeepSpeed's MPI
@@ -230,11 +238,28 @@ fi
 # line for a rank's non-zero exit neither (a refusal is said by rank 0; any other failure by the end below).
 log_level=critical
 for arg in "${train_args[@]}"; do [[ "$arg" == --verbose ]] && log_level=info; done
-cmd+=(--log_level "$log_level" --module toolkit.train ${config:+--config "$config"} "${train_args[@]}")
+module=(--log_level "$log_level" --module toolkit.train ${config:+--config "$config"})
+# A port nobody listens on, outside the ephemeral range (toolkit.distributed.process_group.free_port); rank 0 names
+# it if it is taken before it listens (exit PORT_TAKEN), and the attempt runs again on another.
+draw_port() {
+  (( port_drawn )) || return 0
+  master_port=${DSTK_TEST_FIRST_PORT:-}  # testing: a port the test holds, to be taken
+  unset DSTK_TEST_FIRST_PORT
+  [[ -n "$master_port" ]] || master_port=$("$PYTHON" -c 'from toolkit.distributed.process_group import free_port
+print(free_port())')
+  export DSTK_PORT_PICKED=$master_port
+}
+attempt_cmd() {  # attempt_cmd TRAIN_ARGS...: the launcher's command line for one attempt
+  attempt=("${cmd[@]}")
+  (( port_drawn )) && attempt+=(--master_port "$master_port")
+  attempt+=("${module[@]}" "$@")
+}
 
 if [[ $dry_run == 1 ]]; then
+  draw_port
+  attempt_cmd "${train_args[@]}"
   echo "DS_ACCELERATOR=${DS_ACCELERATOR:-} OMP_NUM_THREADS=${OMP_NUM_THREADS:-}${DS_ENV_FILE:+ DS_ENV_FILE=$DS_ENV_FILE} \
-$(printf '%q ' "${cmd[@]}")"
+$(printf '%q ' "${attempt[@]}")"
   exit 0
 fi
 
@@ -242,6 +267,8 @@ fi
 # SIGINT / SIGTERM to this script, stops all of them within seconds: DeepSpeed's runner gets SIGTERM
 # first (under pdsh it then stops the other nodes' ranks), then the whole group, then SIGKILL. A rank
 # stopped mid-save leaves that tag without `latest`: the last whole checkpoint is still `latest`.
+# With --save-on-signal the first such signal (and SIGUSR1) goes to this machine's ranks instead: they finish
+# their step, save and stop; a second one stops them at once.
 out_dir=$recipe_out
 for ((i = 0; i < ${#train_args[@]}; i++)); do
   case "${train_args[i]}" in
@@ -249,10 +276,12 @@ for ((i = 0; i < ${#train_args[@]}; i++)); do
     --out=*) out_dir=${train_args[i]#--out=} ;;
   esac
 done
+ckpt="$out_dir/checkpoints"
+latest_tag() { [[ -n "$out_dir" && -f "$ckpt/latest" ]] && cat "$ckpt/latest" || true; }
 last_checkpoint() {  # one line: what a resume would start from
-  local ckpt="$out_dir/checkpoints" latest="" partial=""
+  local latest partial=""
   [[ -n "$out_dir" && -d "$ckpt" ]] || return 0
-  [[ -f "$ckpt/latest" ]] && latest=$(<"$ckpt/latest")
+  latest=$(latest_tag)
   for tag in "$ckpt"/global_step*; do
     [[ -d "$tag" ]] || continue
     tag=${tag##*/}
@@ -265,8 +294,13 @@ last_checkpoint() {  # one line: what a resume would start from
   fi
   [[ -z "$partial" ]] || echo "launch.sh: interrupted while saving:$partial (incomplete; a resume ignores it)" >&2
 }
+metrics_lines() { if [[ -n "$out_dir" && -f "$out_dir/metrics.jsonl" ]]; then wc -l < "$out_dir/metrics.jsonl"; else echo 0; fi; }
+last_step_after() {  # last_step_after LINES: the last step rank 0 logged after the first LINES lines of metrics.jsonl
+  [[ -n "$out_dir" && -f "$out_dir/metrics.jsonl" ]] || return 0
+  tail -n +"$(( $1 + 1 ))" "$out_dir/metrics.jsonl" | sed -n 's/^{"step": \([0-9]*\),.*/\1/p' | tail -n 1
+}
 stop() {  # stop SIGNAL EXIT_CODE
-  trap '' INT TERM
+  trap '' INT TERM USR1
   echo "launch.sh: $1: stopping every rank" >&2
   kill -TERM "$child" 2>/dev/null || true
   for _ in {1..30}; do kill -0 "$child" 2>/dev/null || break; sleep 0.1; done
@@ -277,21 +311,116 @@ stop() {  # stop SIGNAL EXIT_CODE
   [[ -z "${env_file:-}" ]] || rm -f "$env_file"
   exit "$2"
 }
+signalled=""
+on_signal() {  # on_signal SIGNAL EXIT_CODE
+  if (( save_on_signal )) && [[ -z "$signalled" ]]; then
+    signalled=$1
+    echo "launch.sh: $1: the ranks finish their step, save a checkpoint and stop (--save-on-signal; $1 again: stop now)" >&2
+    # to the ranks only: DeepSpeed's launcher would stop them on it
+    "$PYTHON" -c 'import signal, sys, psutil
+for p in psutil.Process(int(sys.argv[1])).children(recursive=True):
+    try:
+        cmd = p.cmdline()
+        if any(a == "-m" and b == "toolkit.train" for a, b in zip(cmd, cmd[1:])):
+            p.send_signal(signal.SIGUSR1 if sys.argv[2] == "SIGUSR1" else signal.SIGTERM)
+    except psutil.Error:
+        pass' "$child" "$1" || true
+  else
+    stop "$1" "$2"
+  fi
+}
+trap 'on_signal SIGINT 130' INT
+trap 'on_signal SIGTERM 143' TERM
+trap 'on_signal SIGUSR1 138' USR1
+run_attempt() {  # run_attempt TRAIN_ARGS...: start the ranks, wait for them; sets rc
+  attempt_cmd "$@"
+  setsid "${attempt[@]}" &
+  child=$!
+  while :; do
+    rc=0
+    wait "$child" || rc=$?
+    (( rc > 128 )) && kill -0 "$child" 2>/dev/null && continue  # a signal (trapped above) ended the wait
+    break
+  done
+}
+# Exit codes of the ranks (toolkit.distributed.resilience, toolkit.errors.PortTaken); a rank killed by a signal
+# exits 256 - signal through DeepSpeed's launcher (SIGKILL: 247, often the out-of-memory killer).
+PEER_LOST=75 STEP_TIMEOUT=124 PORT_TAKEN=98
+cause() {
+  if (( $1 >= 192 )); then
+    echo "a rank was killed by signal $((256 - $1))$( ((256 - $1 == 9)) && echo " (SIGKILL: out of memory?)")"
+  elif (( $1 == STEP_TIMEOUT )); then
+    echo "a rank ran past --step-timeout (the ranks' lines above say where each was)"
+  elif (( $1 == PEER_LOST )); then
+    echo "a rank lost its peers (the ranks' lines above)"
+  else
+    echo "a rank failed with exit code $1 (its error is above)"
+  fi
+}
+# The arguments of a restart: the run continues from its last whole checkpoint (--resume), or starts over in the
+# same --out when none was written yet (--overwrite: it holds only this run's files).
+restart_args() {  # restart_args TAG
+  run_args=()
+  for arg in "${train_args[@]}"; do
+    case "$arg" in
+      --resume|--overwrite) ;;
+      --resume-with-new-data) [[ -n "$1" ]] && run_args+=("$arg") ;;
+      *) run_args+=("$arg") ;;
+    esac
+  done
+  if [[ -n "$1" ]]; then run_args+=(--resume); else run_args+=(--overwrite); fi
+}
+
 echo "launch.sh: starting the ranks; rank 0 says what the run is once they are ready" >&2
-setsid "${cmd[@]}" &
-child=$!
-trap 'stop SIGINT 130' INT
-trap 'stop SIGTERM 143' TERM
-rc=0
-wait "$child" || rc=$?
+run_args=("${train_args[@]}")
+restarts=0 failed_step="" port_draws=0 DSTK_ATTEMPT=0
+resume_from=""
+for arg in "${train_args[@]}"; do [[ "$arg" == --resume ]] && resume_from=$(latest_tag); done
+while :; do
+  draw_port
+  logged=$(metrics_lines)
+  export DSTK_ATTEMPT=$((DSTK_ATTEMPT + 1))
+  (( DSTK_ATTEMPT + port_draws == 1 )) || DSTK_LAUNCHED_AT=$(date +%s.%N)  # "ready after" counts from this attempt
+  run_attempt "${run_args[@]}"
+  if (( rc == PORT_TAKEN && port_drawn && port_draws < 3 )); then  # rank 0 said so; the same attempt again
+    port_draws=$((port_draws + 1)) DSTK_ATTEMPT=$((DSTK_ATTEMPT - 1))
+    continue
+  fi
+  if [[ -n "$signalled" ]]; then
+    (( rc == 0 )) && echo "launch.sh: stopped on $signalled" >&2
+    last_checkpoint
+    [[ -z "${env_file:-}" ]] || rm -f "$env_file"
+    exit "$rc"
+  fi
+  # done, a refusal (rank 0 said why: PORT_TAKEN too) or an error of dstk's (its traceback is above)
+  (( rc > 2 && rc != PORT_TAKEN )) || break
+  echo "launch.sh: $(cause "$rc")" >&2
+  step=$(last_step_after "$logged")
+  from=${resume_from#global_step}
+  failed=$(( ${step:-${from:-0}} + 1 ))  # the step that was running
+  if (( restarts >= max_restarts )); then
+    (( max_restarts == 0 )) || echo "launch.sh: not restarted: --max-restarts $max_restarts reached" >&2
+    last_checkpoint
+    break
+  fi
+  if (( DSTK_ATTEMPT == 1 )) && [[ -z "$step" ]]; then
+    echo "launch.sh: not restarted: the run failed before its first step ended (a restart would fail alike)" >&2
+    last_checkpoint
+    break
+  fi
+  if [[ "$failed" == "$failed_step" ]]; then
+    echo "launch.sh: not restarted: step $failed failed twice in a row" >&2
+    last_checkpoint
+    break
+  fi
+  restarts=$((restarts + 1)) failed_step=$failed
+  resume_from=$(latest_tag)
+  restart_args "$resume_from"
+  if [[ -n "$resume_from" ]]; then
+    echo "launch.sh: restart $restarts of $max_restarts after a failure in step $failed: resuming from $ckpt/$resume_from" >&2
+  else
+    echo "launch.sh: restart $restarts of $max_restarts after a failure in step $failed: from the start (no whole checkpoint yet)" >&2
+  fi
+done
 [[ -z "${env_file:-}" ]] || rm -f "$env_file"
-# 1 and 2 are dstk's refusals (rank 0 said why); a rank killed by a signal exits 256 - signal through
-# DeepSpeed's launcher (SIGKILL: 247, often the out-of-memory killer).
-if (( rc >= 192 )); then
-  echo "launch.sh: a rank was killed by signal $((256 - rc))$( ((256 - rc == 9)) && echo " (SIGKILL: out of memory?)")" >&2
-  last_checkpoint
-elif (( rc > 2 )); then
-  echo "launch.sh: a rank failed with exit code $rc (its error is above)" >&2
-  last_checkpoint
-fi
 exit "$rc"

@@ -17,3 +17,10 @@ class RankFailed(ConfigError):
 class DiskFull(UnusableInput):
     """No space left where dstk writes (a checkpoint, an export, the data cache): the folder, what was being
     written, the space free, and what is safe (toolkit.files.full_disk_is_one_line), exit code 2."""
+
+
+class PortTaken(ConfigError):
+    """Rank 0 cannot listen on the rendezvous port (EADDRINUSE): exit code 98, which launch.sh reads to draw another
+    port when it drew this one."""
+
+    exit_code = 98

@@ -308,12 +308,17 @@ class RunLock:
         return getattr(self.handlers.get(number), "graceful", False)
 
     def _end_by(self, number: int) -> None:
-        """Release the lock file, then end the process by signal `number`'s default action (from any thread:
-        libc's signal(), as Python's may only be called in the main thread)."""
-        import ctypes
-
+        """Release the lock file, then end the process by signal `number`'s default action."""
         release(self.out, self.held)
-        libc = ctypes.CDLL(None)
-        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        libc.signal(number, None)  # SIG_DFL (a null handler)
-        os.kill(os.getpid(), number)
+        end_by_default(number)
+
+
+def end_by_default(number: int) -> None:
+    """End the process by signal `number`'s default action, from any thread (libc's signal(): Python's may only be
+    called in the main thread)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(number, None)  # SIG_DFL (a null handler)
+    os.kill(os.getpid(), number)

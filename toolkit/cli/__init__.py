@@ -132,6 +132,6 @@ def main(argv=None):
         sys.exit(exc.exit_code)
     except ConfigError as exc:  # UnusableInput included; `every_rank`: a refusal only some ranks reach
         if loud or getattr(exc, "every_rank", False):
-            click.echo(f"error: {exc}", err=True)
-        sys.exit(2 if isinstance(exc, UnusableInput) else 1)
+            click.echo(f"{getattr(exc, 'severity', 'error')}: {exc}", err=True)
+        sys.exit(getattr(exc, "exit_code", 2 if isinstance(exc, UnusableInput) else 1))
     sys.exit(rv if isinstance(rv, int) else 0)

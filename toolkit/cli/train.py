@@ -119,7 +119,16 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "--chat-template; --out (writable; used or not; not in use by a run training there); with --resume, that "
               "the latest checkpoint is whole and was written by this run on this token stream (its files by content).")
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")
+@click.option("--step-timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="End the run when a step, an "
+              "evaluation or a checkpoint save lasts longer than this on any rank (a stuck collective, a hung GPU): "
+              "each rank names where it was; under launch.sh --max-restarts the run restarts from its last checkpoint. "
+              "Allow for the slowest save. Default: no limit.")
+@click.option("--save-on-signal", is_flag=True, help="On SIGUSR1 or SIGTERM (a scheduler's warning before its time "
+              "limit, e.g. slurm --signal=USR1@300), finish the current step, save a checkpoint, then stop (exit 0; "
+              "`--resume` continues). A second SIGTERM stops at once.")
 @click.option("--crash-at-step", type=int, hidden=True)
+@click.option("--crash-in-step", type=int, hidden=True)
+@click.option("--stall-at-step", type=int, hidden=True)
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True, help="Set by the deepspeed launcher.")
 def train(local_rank, check_only, world_size, **options):
     """Train a HF model (run on every rank by the launcher).
@@ -152,12 +161,16 @@ def train(local_rank, check_only, world_size, **options):
         curve = summary["loss_png"] or f"skipped: {summary['loss_png_skipped']}"
         click.echo(f"loss curve: {curve}" + (f"; HF model: {summary['export']}" if "export" in summary else "")
                    + f"; summary: {summary['summary_json']}")
+        if summary.get("stopped_by"):
+            tag = RunFolder(options["out"]).checkpoints / f"global_step{summary['stopped_at']}"
+            click.echo(f"stopped by {summary['stopped_by']} (--save-on-signal) after step {summary['stopped_at']} of "
+                       f"{summary['steps']}: {tag} is saved; --resume continues the run")
     shutdown()
 
 
 def launch_view(argv: list) -> str:
     """What launch.sh needs before any rank starts, from the training arguments it passes on (--recipe
     included, the command line over it): the DeepSpeed config file (a recipe's inline one written where
-    every rank writes it) and --out, one a line."""
+    every rank writes it), --out, and whether --save-on-signal is on (1 or 0), one a line."""
     ctx = train.make_context("train", list(argv))
-    return f"{write_inline_config(ctx) or ctx.params['config']}\n{ctx.params['out']}"
+    return f"{write_inline_config(ctx) or ctx.params['config']}\n{ctx.params['out']}\n{int(ctx.params['save_on_signal'])}"

@@ -51,10 +51,63 @@ DEFAULT_PORT = 29500  # DeepSpeed's and torch's default rendezvous port
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now (for a rendezvous on this machine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A TCP port nobody listens on now, for a rendezvous (rank 0's store): drawn at random outside the kernel's
+    ephemeral range. Every outgoing connection on the machine (gloo's and NCCL's, of every run) takes its local
+    port from that range, and binding port 0 hands out one of them: such a port can be taken by a connection
+    before rank 0 listens on it, and two launches that ask at the same moment may be handed the same one."""
+    import random
+
+    low, high = ephemeral_ports()
+    spans = [(start, end) for start, end in ((20000, low - 1), (high + 1, 65535)) if end - start >= 1000]
+    spans = spans or [(1024, 65535)]  # the ephemeral range covers nearly every port: draw from all of them
+    draw = random.SystemRandom()  # not the `random` a run seeds: every rank and test would draw the same
+    sizes = [end - start + 1 for start, end in spans]
+    for _ in range(100):
+        at = draw.randrange(sum(sizes))
+        for (start, _end), size in zip(spans, sizes):
+            if at < size:
+                port = start + at
+                break
+            at -= size
+        if port != DEFAULT_PORT and listenable(port):
+            return port
+    with socket.socket() as s:  # 100 ports in use: let the kernel choose one
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple:
+    """The kernel's range of local ports for outgoing connections (Linux: /proc; elsewhere IANA's)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(n) for n in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def listenable(port: int) -> bool:
+    """Whether a server could listen on `port` of every address now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def port_taken(port: int) -> Exception:
+    """Rank 0 could not listen on the rendezvous port: the refusal, naming --master-port."""
+    from toolkit.errors import PortTaken
+
+    if os.environ.get("DSTK_PORT_PICKED") == str(port):  # launch.sh drew it, and draws another (exit PortTaken's code)
+        taken = PortTaken(f"the master port {port} that launch.sh drew was taken before rank 0 listened on it: "
+                          "launch.sh draws another")
+        taken.severity = "note"  # nothing for the user to do
+        return taken
+    return PortTaken(f"the master port {port} is in use on {socket.gethostname()} (EADDRINUSE: another run or "
+                     "service listens there): pass another --master-port to launch.sh (or MASTER_PORT to your launcher); "
+                     "without one launch.sh draws a free port")
 
 
 def launcher(env=None) -> str | None:
@@ -205,6 +258,7 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=
 
     if tdist.is_initialized():
         return tdist
+    picked = alone or (launcher() is None and "MASTER_PORT" not in os.environ)
     if alone:
         os.environ.update(WORLD_OF_ONE, MASTER_PORT=str(free_port()))
     elif launcher() is None:  # started by hand: a world of one on a free port
@@ -228,8 +282,18 @@ def init(cpu: bool = False, verbose: bool = False, alone: bool = False, timeout=
 
     # under mpirun DeepSpeed's MPI discovery sets MASTER_PORT to distributed_port: keep the launcher's
     port = int(os.environ.get("MASTER_PORT", DEFAULT_PORT))
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port, verbose=verbose,
-                               **({"timeout": timeout} if timeout is not None else {}))
+    for tries_left in (2, 1, 0):
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", distributed_port=port,
+                                       verbose=verbose, **({"timeout": timeout} if timeout is not None else {}))
+            break
+        except RuntimeError as exc:  # torch's DistNetworkError included
+            if "EADDRINUSE" not in str(exc) and "address already in use" not in str(exc).lower():
+                raise
+            if not (picked and tries_left):
+                raise port_taken(port) from None
+            port = free_port()  # a world of one on a port drawn here: taken meanwhile, draw another
+            os.environ["MASTER_PORT"] = str(port)
     if use_cuda:  # WORLD's first NCCL collective, before any engine: see _print_devices
         _print_devices(tdist)
     return tdist

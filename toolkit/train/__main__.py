@@ -7,7 +7,7 @@ import sys
 
 from toolkit.cli import main
 
-REFUSED = (1, 2)  # toolkit.cli.main's exit codes for a refusal (ConfigError, UnusableInput)
+REFUSED = (1, 2, 98)  # toolkit.cli.main's exit codes for a refusal (ConfigError, UnusableInput, PortTaken)
 
 
 def end_rank(code: int) -> None:
@@ -53,10 +53,32 @@ def end_by_signal(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
+def stop_while_in_c() -> None:
+    """SIGTERM while the main thread waits in C (a rendezvous on a port another process holds, a collective), where
+    Python runs `stopped` only once the call returns: its default action after GRACE_S. A thread reads the
+    signal's number from the wakeup fd, which the C-level handler writes at once. (RunLock, once it holds --out,
+    watches its own fd and gives this one back when released.)"""
+    import threading
+
+    from toolkit.checkpoint.lock import GRACE_S, end_by_default
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch():
+        while data := os.read(read_end, 64):
+            if signal.SIGTERM in data:
+                threading.Timer(GRACE_S, end_by_default, (signal.SIGTERM,)).start()
+
+    threading.Thread(target=watch, name="dstk-sigterm", daemon=True).start()
+
+
 # A rank's stdout is a pipe under some launchers (mpirun without a pty, srun): line-buffer it so
 # progress arrives as it happens and nothing is left in a buffer when MPI finalizes at exit.
 sys.stdout.reconfigure(line_buffering=True)
 signal.signal(signal.SIGTERM, stopped)
+stop_while_in_c()
 try:
     main(["train", *sys.argv[1:]])
 except SystemExit as exc:
@@ -65,3 +87,13 @@ except SystemExit as exc:
     if exc.code in REFUSED and os.environ.get("WORLD_SIZE", "1") != "1":
         end_rank(exc.code)
     raise
+except Exception as exc:  # another rank died: one line (which one, where this rank was), not gloo's traceback
+    from toolkit.distributed import resilience
+    from toolkit.distributed.process_group import env_rank
+
+    if os.environ.get("WORLD_SIZE", "1") == "1" or STOPPED or not resilience.peer_lost(exc):
+        raise
+    resilience.say_peer_lost(exc, env_rank())
+    if STOPPED:  # the launcher stopped it meanwhile, as it stops every rank once one has ended
+        end_by_signal(STOPPED[0])
+    end_rank(resilience.PEER_LOST)

@@ -535,10 +535,13 @@ def eval_progress(job: Job, count: int):
     return Progress(f"eval: {len(job.eval_set):,} rows", count * job.train.mbs * job.dp)
 
 
-def run_steps(args, job: Job, is_logger: bool) -> dict:
+def run_steps(args, job: Job, is_logger: bool, watchdog=None, signals=None) -> dict:
     """Steps start_step+1 .. steps: log, evaluate, checkpoint; returns the run's summary. Its tokens/s (and
     MFU) leave out the run's first step (report.summary.throughput); its peak memory counts from just before
-    that step, the load's peak beside it (report.memory.reset_peaks)."""
+    that step, the load's peak beside it (report.memory.reset_peaks). Each step, eval and save is a section of
+    `watchdog` (--step-timeout); with `signals` (--save-on-signal) the ranks stop after the step in which any of
+    them received one, with a checkpoint of it (summary["stopped_by"])."""
+    from toolkit.distributed.resilience import crash_injected, fault_in_step, section
     from toolkit.train.report.trackers import check_report_to
 
     # pinned where the engine's device is a CUDA one (on the stream's prefetch thread when --streaming)
@@ -546,32 +549,42 @@ def run_steps(args, job: Job, is_logger: bool) -> dict:
     stats = StepStats(job.engine, job.pipeline)  # on every rank: each step's measures are gathered
     log = ProgressLog(RunFolder(args.out), job, args, check_report_to(args.report_to)) if is_logger else None
     load_peaks = memory.reset_peaks(job.engine.device)  # built, not yet stepped: training's peaks count from here
-    losses, step_seconds, start = [], [], time.perf_counter()
+    losses, step_seconds, start, stopped_by = [], [], time.perf_counter(), None
+    last_rank = dist.get_rank() == dist.get_world_size() - 1
     for step in range(job.start_step + 1, job.steps + 1):
         stats.start()
         t0 = time.perf_counter()
-        loss = train_step(job, it)
+        with section(watchdog, f"step {step}"):
+            fault_in_step(args.crash_in_step, args.stall_at_step, step, last_rank)
+            loss = train_step(job, it)
+            stopped_by = signals.agreed(job.engine.device) if signals is not None else None
         seconds = time.perf_counter() - t0
         step_seconds.append(seconds)
         record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], **stats.gather(),
                   "tokens_per_s": job.tokens_per_step / seconds, "samples_per_s": job.rows_per_step / seconds}
-        if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set):
-            record["eval_loss"] = eval_loss(job)
+        if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set) and not stopped_by:
+            with section(watchdog, f"evaluating after step {step}"):
+                record["eval_loss"] = eval_loss(job)
             record["eval_ppl"] = _perplexity(record["eval_loss"])
-        if step == job.steps or (args.save_every and step % args.save_every == 0):
-            manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
-                          manifest=job.record, data_position=getattr(job.train, "position", None))
+        if step == job.steps or (args.save_every and step % args.save_every == 0) or stopped_by:
+            with section(watchdog, f"saving global_step{step}"):
+                manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
+                              manifest=job.record, data_position=getattr(job.train, "position", None))
         losses.append(loss)
         if log:
             log.write(record)
-        if args.crash_at_step == step and dist.get_rank() == dist.get_world_size() - 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # testing: a rank dies without cleaning up
-    final_eval = eval_loss(job)
+        crash_injected(args.crash_at_step, step, last_rank)
+        if stopped_by:
+            break
+    with section(watchdog, "the final evaluation"):
+        final_eval = eval_loss(job) if not stopped_by else None
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
                "eval_ppl": _perplexity(final_eval), "data": _data_summary(job),
                **throughput(step_seconds, job.tokens_per_step, job.rows_per_step),
                "seconds": time.perf_counter() - start, "run": job.about, **per_rank(job.engine, load_peaks)}
+    if stopped_by:
+        summary.update(stopped_by=stopped_by, stopped_at=job.start_step + len(losses))
     if log:
         log.close(summary)
     return summary

@@ -69,7 +69,11 @@ class TrainArgs:
     verbose: bool = False  # DeepSpeed INFO logs and every rank's output
     report_to: tuple = ()  # experiment trackers: tensorboard, wandb, mlflow, all, none (report.trackers)
     streaming: bool = False  # read --data as a stream (toolkit.data.stream), not prepared and cached ahead
+    step_timeout: float | None = None  # seconds a step, eval or save may take before the rank ends (resilience)
+    save_on_signal: bool = False  # SIGUSR1 / SIGTERM: finish the step, save, stop (resilience.SignalStop)
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step
+    crash_in_step: int | None = None  # testing: SIGKILL the last rank inside this step
+    stall_at_step: int | None = None  # testing: the last rank sleeps inside this step
 
     def __post_init__(self):
         self.task = task_named(self.task)  # one word per task from here on (and in the checkpoint's record)
@@ -356,12 +360,18 @@ def run(args: TrainArgs, teardown: bool = False, recipe: str | None = None) -> d
     """Train, checkpoint and export (run_locked) holding --out's lock: rank 0 takes it once the process group is up,
     before anything is written there, and releases it however the run ends (toolkit.checkpoint.lock)."""
     from toolkit.checkpoint.lock import RunLock
+    from toolkit.distributed.resilience import SignalStop
 
-    with RunLock(args.out, "dstk train") as out_lock:
-        return run_locked(args, out_lock, teardown, recipe)
+    signals = SignalStop() if args.save_on_signal else None  # before the lock: it then leaves SIGTERM to this
+    try:
+        with RunLock(args.out, "dstk train") as out_lock:
+            return run_locked(args, out_lock, teardown, recipe, signals)
+    finally:
+        if signals is not None:
+            signals.restore()
 
 
-def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | None = None) -> dict:
+def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | None = None, signals=None) -> dict:
     """Train, checkpoint and export; returns the summary (the same dict on every rank).
 
     recipe: the flags of this run as a YAML recipe (toolkit.config.recipe.recorded), which rank 0 saves as
@@ -372,6 +382,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     would abort the ranks) while a large model is converted. In-process callers keep their group.
     The export runs after the engine is gone and streams a full model (about one layer in memory)."""
     from toolkit.checkpoint import run_folder
+    from toolkit.distributed import resilience
     from toolkit.distributed.agreement import agree
     from toolkit.train import lora
     from toolkit.train import loop as train_loop
@@ -384,6 +395,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     clock.mark("checks")
     _log_levels(args.verbose)
     dist = process_group.init()
+    resilience.know_peers(train_loop.rank_device())
     clock.mark("process group")
     folder = run_folder.RunFolder(args.out)
     ckpt_dir = folder.checkpoints
@@ -398,7 +410,16 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
         if teardown and getattr(exc, "agreed", False):  # every rank raises it (an agreement): none is left to die at
             process_group.shutdown()  # exit in gloo's threads (exit -6); they meet in its barrier
         raise
-    summary = train_loop.run_steps(args, job, is_logger=dist.get_rank() == 0)
+    watchdog = None
+    if args.step_timeout:
+        from toolkit.checkpoint.lock import release
+
+        watchdog = resilience.Watchdog(args.step_timeout, dist.get_rank(), lambda: release(args.out, out_lock.held))
+    try:
+        summary = train_loop.run_steps(args, job, dist.get_rank() == 0, watchdog, signals)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     summary["rank0"] = dist.get_rank() == 0
     dist.barrier()  # every rank's last checkpoint is complete
     job.engine.destroy()  # autograd hooks keep an engine (and its buffers) alive otherwise
@@ -411,7 +432,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     if summary["rank0"]:
         summary.update(_loss_png(folder))  # loss_png: the path, or None and loss_png_skipped: why
         summary["summary_json"] = str(folder.summary)
-        if args.export:
+        if args.export and not summary.get("stopped_by"):
             adapters = folder.adapter if lora.settings_of(args) else None
             summary["export"] = str(export(ckpt_dir, folder.hf, adapter_dir=adapters))
         write_summary(folder.summary, {k: v for k, v in summary.items() if k != "rank0"})

@@ -118,7 +118,8 @@ class ProgressLog:
         if job.data_info:  # what was read and inferred, truncated and dropped: never silently
             self.bar.write(data.Prepared(None, None, job.data_info).message())
         self.mfu_per_rate = run_throughput({"tokens_per_s": 1.0}, job, args)["mfu"]  # None off CUDA
-        hparams = {"args": {k: v for k, v in vars(args).items() if k != "crash_at_step"},
+        testing = ("crash_at_step", "crash_in_step", "stall_at_step")  # the test suite's hooks
+        hparams = {"args": {k: v for k, v in vars(args).items() if k not in testing},
                    "layout": (job.about or {}).get("layout") or {}, "deepspeed": job.config or {}}
         self.trackers = Trackers(trackers, folder, hparams, resume=job.start_step > 0)
         if self.trackers.where():
