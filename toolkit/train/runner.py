@@ -391,7 +391,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
         args, job = set_up(args, world, clock, out_lock)
         with agree("writing --out's recipe.yaml", name_ranks=False):
             if recipe is not None and dist.get_rank() == 0:
-                from toolkit.config.generate import write_text
+                from toolkit.files import write_text
 
                 write_text(recipe, str(folder.recipe), force=True, flag="--out's")
     except Exception as exc:
@@ -463,7 +463,7 @@ def write_summary(path: Path, summary: dict) -> None:
     """OUT/summary.json, whole (per-rank lists included), replaced atomically."""
     import json
 
-    from toolkit.config.generate import write_text
+    from toolkit.files import write_text
 
     write_text(json.dumps(summary, indent=1) + "\n", str(path), force=True, flag="--out's")
 
