@@ -73,7 +73,7 @@ def _resolve(obj, task, attention=None, adapt=None, dtype=None):
 def _resolve_dir(path, task, attention=None, adapt=None, dtype=None):
     from transformers import AutoConfig
 
-    from toolkit.plan import hub
+    from models.weights import hub
 
     if not os.path.isdir(path) and hub.is_hub_id(path):  # org/name: its folder in huggingface_hub's cache
         path = hub.snapshot(path, flag="model")

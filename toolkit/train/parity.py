@@ -201,9 +201,9 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, dat
 
 def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None, revision="main") -> ParityReport:
     """`dstk parity MODEL`: MODEL is a local HF directory, a hub id at `revision` (its folder in
-    huggingface_hub's cache, toolkit.plan.hub), a built-in name (the registry's dimensions, random weights)
+    huggingface_hub's cache, models.weights.hub), a built-in name (the registry's dimensions, random weights)
     or a transformers model_type (SMALL dimensions)."""
-    from toolkit.plan import hub
+    from models.weights import hub
 
     check_min_seq_len(seq_len, pad)
     looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)
