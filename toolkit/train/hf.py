@@ -127,11 +127,10 @@ def check_model_name(model: str) -> None:
     from toolkit.plan.arch import builtin_names, is_builtin
 
     path = Path(model)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ConfigError(f"--model {model}: no config.json in this directory, so it is not a HF model directory")
     if path.is_dir():
-        from models.weights.source import check_directory
+        from models.weights.source import check_directory, check_model_folder
 
+        check_model_folder(path)
         check_directory(path)
     if not path.is_dir() and not is_builtin(model):
         raise ConfigError(f"--model {model!r} is neither a local HF directory nor a built-in architecture "

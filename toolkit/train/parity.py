@@ -75,13 +75,9 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
     from transformers import AutoConfig
 
     from models import auto_class, default_task
-    from models.weights.source import check_directory
+    from models.weights.source import check_directory, check_model_folder
 
-    if not os.path.isdir(path):
-        raise UnusableInput(f"{path}: no such directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UnusableInput(f"{path} has no config.json: not a HF model directory (one written by "
-                            "save_pretrained), nor a model type such as llama or gpt2")
+    check_model_folder(path, flag="MODEL")
     try:
         config = no_dropout(AutoConfig.from_pretrained(path))
     except (OSError, ValueError) as exc:
