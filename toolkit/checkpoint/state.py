@@ -17,7 +17,7 @@ from toolkit.checkpoint.deepspeed_files import (MODEL_STATES_GLOB, PARTITION_FIL
                                                 torch_load, zero3_full, zero3_model_states, zero3_pieces, zero3_table)
 from toolkit.checkpoint.manifest import META, hf_name_of, layer_of, read_latest, read_manifest, stage_of
 from toolkit.checkpoint.run_folder import RunFolder
-from toolkit.train.lora import is_adapter
+from models.lora.adapters import is_adapter
 
 
 def find_checkpoint_dir(path) -> Path:

@@ -385,6 +385,7 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
 def make_model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, its part of the manifest). pp > 1 with a local directory: no rank builds the
     whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline)."""
+    from models.lora import adapters
     from toolkit.train import lora
 
     settings = lora.settings_of(args)
@@ -400,8 +401,8 @@ def make_model(args, config, topo, cfg: dict):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings is None:
             return model, {"pp": 1}
-        entry = lora.manifest_entry(settings, model, args.task)
-        return lora.apply(model, settings, args.task, args.seed), {"pp": 1, "lora": entry}
+        entry = adapters.manifest_entry(settings, model, args.task)
+        return adapters.apply(model, settings, args.task, args.seed), {"pp": 1, "lora": entry}
     from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():
@@ -410,7 +411,7 @@ def make_model(args, config, topo, cfg: dict):
     else:  # built-in: tiny, random from the seed, identical on every rank and layout
         source = hf.build_model(args.model, config, args.task, args.seed)  # tiny: no ZeRO-3 at pp > 1
         if settings is not None:
-            source = lora.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
+            source = adapters.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
                            lora=settings, seed=args.seed, schedule=args.schedule)
 
