@@ -9,6 +9,7 @@ import torch
 from tests.configs import SHORT_EVAL, write_config
 from toolkit.errors import ConfigError
 from models.lora import adapters
+from models.weights import loading
 from toolkit.train import hf, lora
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +178,7 @@ def test_a_pipeline_stage_without_adapters_is_refused(ds_world1):
     from toolkit.distributed.pipeline import pipeline_module
 
     config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
-    model = adapters.apply(hf.build_model("tiny-gpt2", config, "causal-lm", 0), adapters.LoraSettings(r=2), "causal-lm")
+    model = adapters.apply(loading.build_model("tiny-gpt2", config, "causal-lm", 0), adapters.LoraSettings(r=2), "causal-lm")
     cfg = {"pipeline": {"stages": 3, "parts": [0, 1, 4, 5]}}
     topo = Topology(3, 3)
     with pytest.raises(ConfigError, match=r"pipeline stage 0 holds layers 0-0 \(embed\) and no adapters"):

@@ -3,7 +3,7 @@ that export needs to turn layer_XX-model_states.pt files back into a HF state di
 
 A local HF directory is never built whole: models.pipeline_layers(dir) gives LayerSpecs that each
 read only their own tensors (safetensors) on the stage that owns them, in the dtype DeepSpeed trains
-the parameters in (hf.param_dtype: a bf16 run never holds them in fp32). Built-in names arrive as
+the parameters in (models.weights.loading.param_dtype: a bf16 run never holds them in fp32). Built-in names arrive as
 a live (tiny, seeded) model, the same on every rank, whose modules the layers share.
 
 LoRA (`lora=` settings): a live model arrives already wrapped (models.lora.adapters.apply, its HF model
@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.hf import param_dtype
+from models.weights.loading import param_dtype
 from models.lora.adapters import StageAdapters, is_adapter, manifest_entry, peft_config, wrap
 from models.lora.experts import PEFT_PREFIX
 

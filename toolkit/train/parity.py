@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.checkpoint.state import first_line
-from toolkit.train.hf import no_dropout, random_model
+from models.weights.loading import random_model
+from toolkit.train.hf import no_dropout
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
 PAD = 3  # tokens of right padding in row 0 of the batch (pad=True)

@@ -60,6 +60,7 @@ def build(model: str, case: str) -> dict:
 
     from toolkit.distributed.topology import Topology
     from models.lora.adapters import LoraSettings, apply
+    from models.weights import loading
     from toolkit.train import hf
     from toolkit.distributed.pipeline import pipeline_module
 
@@ -72,7 +73,7 @@ def build(model: str, case: str) -> dict:
     tokenizer = hf.load_tokenizer(model)
     config = hf.load_config(model, tokenizer, "causal-lm")
     settings = LoraSettings(r=4) if with_lora else None
-    source = model if Path(model).is_dir() else hf.build_model(model, config, "causal-lm", 1234)
+    source = model if Path(model).is_dir() else loading.build_model(model, config, "causal-lm", 1234)
     if settings is not None and not Path(model).is_dir():
         source = apply(source, settings, "causal-lm", 1234).base_model.model
     module, layout = pipeline_module(source, "causal-lm", topo, {**cfg, "tensor_parallel": {"autotp_size": tp}}
