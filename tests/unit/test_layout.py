@@ -5,6 +5,7 @@ circle that only closes at run time is still a circle.
 """
 
 import ast
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -187,3 +188,26 @@ def test_no_function_named_after_its_module():
             for node in ast.parse(path.read_text()).body
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name.rpartition(".")[2]]
     assert same == []
+
+
+def test_the_package_map_names_every_module_and_subpackage_of_each_room():
+    """ARCHITECTURE.md's table of rooms names each module (`name.py`) and subpackage (`name/`) directly inside a
+    room, so a module that moves or appears moves or appears there too. toolkit/cli/ is one module per command
+    (toolkit.cli.COMMANDS)."""
+    rooms_table = (REPO / "ARCHITECTURE.md").read_text().split("## The rooms", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([\w/]+)/` \| (.*)$", rooms_table, re.M))
+    rooms = [REPO / "models"] + [p for p in sorted((REPO / "toolkit").iterdir())
+                                 if (p / "__init__.py").is_file() and p.name != "cli"]
+    unnamed = []
+    for room in rooms:
+        row = rows.get(str(room.relative_to(REPO)), "")
+        for entry in sorted(room.iterdir()):
+            if (entry / "__init__.py").is_file():
+                word = f"{entry.name}/"
+            elif entry.suffix == ".py" and entry.stem not in ("__init__", "__main__"):
+                word = entry.name
+            else:
+                continue
+            if f"`{word}" not in row:
+                unnamed.append(str(entry.relative_to(REPO)))
+    assert unnamed == [], "ARCHITECTURE.md's table of rooms does not name these"
