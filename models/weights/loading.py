@@ -1,13 +1,12 @@
-"""An HF model built in the dtype a run trains it in: the one place dstk, its pipeline stages, its benchmarks and
-its tests load or build a model's weights.
+"""An HF model built or loaded whole in the dtype a run trains it in (a pipeline stage reads only its own layers,
+models.weights.source, in the same dtype: `param_dtype`).
 
     dtype = param_dtype(ds_config)                       # what DeepSpeed casts the parameters to: bf16, fp16, fp32
     model = build_model("path/to/hf_dir", config, "causal-lm", seed=0, ds_config=cfg)  # loaded in that dtype
     model = random_model(config, "causal-lm", seed=0)    # random weights from a seed, the same on every rank
 
 A directory's weights never pass through a whole fp32 copy under bf16 (`build_model`); under ZeRO-3 the model is
-built already partitioned (`partition` for a model built whole). A pipeline stage reads its own layers in the
-same dtype (models.weights.source, given `param_dtype`).
+built already partitioned (`partition` for a model built whole).
 """
 
 from pathlib import Path
