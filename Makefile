@@ -102,4 +102,4 @@ wheelhouse:
 	bash bench/wheelhouse.sh $(BIN)/python $(WHEEL_PY) $(WHEELS)
 
 presets: $(STAMP)
-	$(BIN)/python -m toolkit.config.presets
+	$(BIN)/python -m toolkit.cli.generate

@@ -244,7 +244,7 @@ def build_tiny(model_type: str, seed: int = 0):
     """The tiny HF causal LM of `model_type`: fp32, eager attention, dropout off, eval mode."""
     import torch
 
-    from toolkit.train.hf import random_model
+    from models.weights.loading import random_model
 
     cls, config = causal_lm_class(tiny_config(model_type))
     with torch.device("meta"):

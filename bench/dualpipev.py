@@ -31,7 +31,7 @@ SCHEDULES = ("1f1b", "dualpipev")
 
 
 def predicted_bubble(schedule: str, pp: int, m: int) -> float:
-    from toolkit.distributed.topology import bubble_fraction
+    from toolkit.plan.schedule import bubble_fraction
     from toolkit.plan.layouts.estimate import dualpipev_bubble
 
     return dualpipev_bubble(pp, m) if schedule == "dualpipev" else bubble_fraction(pp, m)

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from toolkit.distributed.topology import bubble_fraction  # noqa: E402
+from toolkit.plan.schedule import bubble_fraction  # noqa: E402
 
 # name -> (processes, pp, mbs, gas): gbs = mbs * gas * dp = 16 everywhere
 LAYOUTS = {"dp=1": (1, 1, 4, 4), "dp=2": (2, 1, 4, 2), "pp=2": (2, 2, 4, 4)}

@@ -5,7 +5,7 @@ import os
 from models.weights.source import DirSource, LiveSource
 from models.spec import PipelineSpec
 from models import TASKS, task_named
-from toolkit.errors import ConfigError, UnusableInput
+from toolkit.errors import ConfigError
 
 
 def pipeline_layers(model_or_path_or_config, *, task=None, seq_len=None, attention=None, adapt=None,
@@ -73,15 +73,12 @@ def _resolve(obj, task, attention=None, adapt=None, dtype=None):
 def _resolve_dir(path, task, attention=None, adapt=None, dtype=None):
     from transformers import AutoConfig
 
-    from toolkit.plan import hub
+    from models.weights import hub
+    from models.weights.source import check_model_folder
 
     if not os.path.isdir(path) and hub.is_hub_id(path):  # org/name: its folder in huggingface_hub's cache
         path = hub.snapshot(path, flag="model")
-    if not os.path.isdir(path):
-        raise UnusableInput(f"{path}: no such directory (a local HF model directory with config.json is needed, "
-                            "or a hub id, org/name)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UnusableInput(f"{path}: no config.json in this directory: not a HF model directory")
+    check_model_folder(path, flag="model")
     config = AutoConfig.from_pretrained(path)
     if attention:
         config._attn_implementation = attention  # every stage runs the kernel the run chose

@@ -23,7 +23,7 @@ def tiny_moe(model_type: str, seed: int = 0):
     """The tiny HF causal LM of `model_type`, fp32, random weights from `seed`."""
     import torch
 
-    from toolkit.train import hf
+    from models.weights import loading
 
     sys.path.insert(0, str(REPO / "bench"))
     from arch_sweep_config import causal_lm_class, tiny_config
@@ -33,7 +33,7 @@ def tiny_moe(model_type: str, seed: int = 0):
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "yarn":  # 64 positions: yarn's factor 32 then stretches 2 (transformers warns)
         rope["original_max_position_embeddings"] = config.max_position_embeddings // int(rope["factor"])
-    return hf.random_model(config, seed=seed, cls=cls, attn_implementation="eager", dtype=torch.float32)
+    return loading.random_model(config, seed=seed, cls=cls, attn_implementation="eager", dtype=torch.float32)
 
 
 def save_tiny_moe(model_type: str, folder: Path, seed: int = 0, **save) -> Path:

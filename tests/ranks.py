@@ -171,7 +171,7 @@ def _warm_up():
     import toolkit.export.directory  # noqa: F401
     import toolkit.plan.arch  # noqa: F401
     import toolkit.plan.cost.mfu  # noqa: F401
-    import toolkit.train.lora  # noqa: F401
+    import models.lora.adapters  # noqa: F401
 
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         raise RuntimeError(f"the warm-up started threads ({len(os.listdir('/proc/self/task'))} native): "

@@ -5,7 +5,8 @@ plot or an exported model renamed into place from them would keep that mode, unr
 colleagues a cluster's group permissions are meant for. `as_umask` gives them the mode a plain
 open() / mkdir() would have: 0666 / 0777 less the process's umask.
 
-check_writable refuses, before any work, a place dstk could not write; full_disk_is_one_line turns a full disk,
+write_text writes a text file atomically (temp file + rename), the one writer of dstk's small files (configs,
+recipes, manifests, tracker ids). check_writable refuses, before any work, a place dstk could not write; full_disk_is_one_line turns a full disk,
 wherever dstk writes, into one line that says what is safe.
 """
 
@@ -94,3 +95,29 @@ def _free_bytes(folder) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def write_text(text: str, path: str, force: bool = False, flag: str = "-o") -> None:
+    """Write atomically (temp file + rename): a crash never leaves half a file, and an existing file
+    is replaced only with force. `flag` is the option that named `path`, for the messages."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; give a file name such as "
+                          f"{os.path.join(path, 'ds_config.json')}")
+    if os.path.exists(path) and not force:
+        raise ConfigError(f"{flag} {path} exists; pass --force to overwrite it, or give another file name")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ConfigError(f"cannot write {flag} {path}: directory {directory} does not exist; create it first "
+                          f"(mkdir -p {directory})")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=os.path.splitext(path)[1] or ".tmp", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        as_umask(tmp)  # mkstemp made it 0600
+        os.replace(tmp, path)
+    except OSError as exc:  # permissions, a full disk: one line, and no temp file left
+        raise ConfigError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

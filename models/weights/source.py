@@ -207,6 +207,17 @@ def weight_map(path: str) -> dict:
         return {key: "model.safetensors" for key in f.keys()}
 
 
+def check_model_folder(path, flag: str = "--model") -> None:
+    """The one check that `path` is a local HF model folder: a directory holding config.json (as save_pretrained
+    writes it); else one message, naming the option (`flag`) that gave it."""
+    if not os.path.isdir(path):
+        raise UnusableInput(f"{flag} {path}: no such directory (a local HF model directory with config.json is "
+                            "needed, or a hub id, org/name)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UnusableInput(f"{flag} {path}: no config.json in this directory, so it is not a HF model directory "
+                            "(one written by save_pretrained)")
+
+
 def check_directory(path) -> None:
     """A local HF model directory dstk will read: config.json is JSON, and each safetensors file (the
     index's, or model.safetensors) has a readable header and every byte its header promises. Read from

@@ -77,7 +77,8 @@ def test_the_base_comes_out_bit_identical_and_only_adapters_have_optimizer_state
     from safetensors.torch import load_file
 
     from toolkit.checkpoint.state import load_state_dict
-    from toolkit.train.lora import PEFT_PREFIX, is_adapter
+    from models.lora.adapters import is_adapter
+    from models.lora.experts import PEFT_PREFIX
 
     for name in LAYOUTS:
         state, layout = load_state_dict(runs / name / "checkpoints")

@@ -54,13 +54,14 @@ def plain_pytorch(mbs: int = 2, gas: int = 4) -> tuple[dict, dict]:
 
     from models.spec import attention_inputs
     from toolkit import data
+    from models.weights import loading
     from toolkit.train import hf
 
     tok = hf.byte_tokenizer()
     config = hf.load_config("tiny-gpt2", tok, "causal-lm")
     train_set = data.prepare(data.DataOptions(str(CORPUS), SEQ, max_positions=hf.max_positions(config)), tok).train
     it = data.ShardedBatches(train_set, mbs, gas, 1, 0, 1234).micro_batches(0)
-    model = hf.build_model("tiny-gpt2", config, "causal-lm", 1234).train()
+    model = loading.build_model("tiny-gpt2", config, "causal-lm", 1234).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     losses, norms = {}, {}
     for step in range(1, STEPS + 1):
@@ -247,12 +248,13 @@ def checkpoint_case(interval: int, reentrant: bool, frozen: bool) -> dict:
 
     from toolkit.distributed.pipeline import pipeline_module
     from toolkit.distributed.topology import Topology
+    from models.weights import loading
     from toolkit.train import hf
 
     cfg = run_config(CKPT_MBS, CKPT_GAS, 2, clip=CLIP, activation_checkpoint_interval=interval,
                      use_reentrant=reentrant)
     config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
-    model = hf.build_model("tiny-gpt2", config, "causal-lm", 1234)
+    model = loading.build_model("tiny-gpt2", config, "causal-lm", 1234)
     embedding = [model.transformer.wte.weight, model.transformer.wpe.weight]
     if frozen:
         for p in embedding:

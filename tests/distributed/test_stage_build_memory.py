@@ -11,7 +11,7 @@ trains. Every move must carry the final bytes (cast, sharded), no more.
 Measured on tiny-llama, per rank: tp 2 over one stage (the whole model, 217,792 parameters): before, the
 first move carried 871,168 bytes (fp32, unsharded), 3.47 x the 251,264 bf16 bytes of the rank's shard;
 LoRA r 4 at pp 2 on a built-in model: 472,832 bytes (the frozen base in fp32), twice the final 236,416.
-A saved directory already loads in bf16 (toolkit.train.hf.param_dtype), so there the unsharded stage was
+A saved directory already loads in bf16 (models.weights.loading.param_dtype), so there the unsharded stage was
 the excess (435,584 bytes before, 251,264 now); it and the 4-process pp 2 x tp 2 layout are in the heavy tier.
 """
 

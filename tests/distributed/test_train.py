@@ -134,6 +134,7 @@ DDP_REFERENCE = textwrap.dedent('''
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
     from models.spec import attention_inputs
     from toolkit import data
+    from models.weights import loading
     from toolkit.train import hf
 
     dist.init_process_group("gloo")
@@ -141,7 +142,7 @@ DDP_REFERENCE = textwrap.dedent('''
     config = hf.load_config("tiny-gpt2", tok, "causal-lm")
     train = data.prepare(data.DataOptions(sys.argv[1], 32), tok).train  # cached by the layouts' runs
     (all_ids, all_docs), all_labels = train.batch(range(len(train)))
-    model = DDP(hf.build_model("tiny-gpt2", config, "causal-lm", 1234))
+    model = DDP(loading.build_model("tiny-gpt2", config, "causal-lm", 1234))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     rows = TensorDataset(all_ids, all_docs, all_labels)
     order = list(DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=1234))

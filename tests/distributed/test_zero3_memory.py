@@ -51,12 +51,13 @@ def process_peaks(summary: dict) -> list:
 def test_zero3_ranks_hold_well_below_zero0_at_dp2(tmp_path):
     from transformers import GPT2Config
 
+    from models.weights import loading
     from toolkit.train import hf
 
     tok = hf.byte_tokenizer()
     config = GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=len(tok), n_positions=256,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = hf.random_model(config)
+    model = loading.random_model(config)
     assert 80e6 < sum(p.numel() for p in model.parameters()) < 90e6
     model.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")

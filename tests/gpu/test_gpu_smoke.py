@@ -12,7 +12,7 @@ def test_bf16_zero1_config_trains_a_small_llama_on_gpu(ds_world1):
 
     from toolkit.config.generate import build_config
     from toolkit.config.options import GenerateOptions
-    from toolkit.train.hf import random_model
+    from models.weights.loading import random_model
 
     cfg = build_config(GenerateOptions(world_size=1, mbs=4, gas=1, zero=1, precision="bf16", lr=1e-3))
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -126,13 +126,14 @@ def test_a_second_prepare_reads_the_cache(tmp_path, tok):
 def test_packed_row_loss_equals_each_document_alone(tmp_path, tok):
     """The contract with models/: attention_inputs(doc_ids) at pp = 1 keeps each document to itself."""
     from models.spec import attention_inputs
+    from models.weights import loading
     from toolkit.train import hf
 
     got = prepare(tmp_path, tok, "p.txt", "hello world\n\nthe cat sat\n\nok", seq_len=32)
     (ids, docs), labels = got.train.batch([0])
     assert docs.max() == 3
     config = hf.load_config("tiny-gpt2", tok, "causal-lm")
-    model = hf.build_model("tiny-gpt2", config, "causal-lm", 0).eval()
+    model = loading.build_model("tiny-gpt2", config, "causal-lm", 0).eval()
     mask, positions = attention_inputs(docs)
     with torch.no_grad():
         packed = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[0]

@@ -187,9 +187,10 @@ class Engine:
     """What forward_loss calls of DeepSpeed's engine at pp = 1 (forward does not move inputs): a real tiny GPT-2."""
 
     def __init__(self):
+        from models.weights import loading
         from toolkit.train import hf
 
-        self.module = hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", byte_tokenizer(), "causal-lm"),
+        self.module = loading.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", byte_tokenizer(), "causal-lm"),
                                      "causal-lm", 0)
         self.device, self.got = torch.device("cpu"), None
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.unit.test_export_stream import read_weights
-from toolkit.train import hf, lora
+from models.lora import adapters
+from toolkit.train import hf
 
 
 def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None, seed: int = 0):
@@ -25,15 +26,15 @@ def fabricate_lora_checkpoint(model, tokenizer, run: Path, base_dir: Path | None
     if base_dir is not None:
         model.save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
-    settings = lora.LoraSettings(r=4, alpha=8)
-    entry = lora.manifest_entry(settings, model, "causal-lm")  # before peft wraps the model in place
-    peft = lora.apply(model, settings, "causal-lm", seed)
+    settings = adapters.LoraSettings(r=4, alpha=8)
+    entry = adapters.manifest_entry(settings, model, "causal-lm")  # before peft wraps the model in place
+    peft = adapters.apply(model, settings, "causal-lm", seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
-    state = {k: v.clone() for k, v in peft.state_dict().items() if base_dir is None or lora.is_adapter(k)}
+    state = {k: v.clone() for k, v in peft.state_dict().items() if base_dir is None or adapters.is_adapter(k)}
     ckpt = run / "checkpoints"
     (ckpt / "global_step1").mkdir(parents=True)
     torch.save({"module": state}, ckpt / "global_step1" / "mp_rank_00_model_states.pt")
@@ -57,7 +58,7 @@ def test_the_streamed_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, monke
 
     model, tok = hf.builtin_model(name), hf.byte_tokenizer()
     peft = fabricate_lora_checkpoint(model, tok, tmp_path / "run", tmp_path / "base" if from_dir else None)
-    adapters = {k: v.clone() for k, v in peft.state_dict().items() if ".lora_" in k}
+    trained = {k: v.clone() for k, v in peft.state_dict().items() if ".lora_" in k}
     want = peft.merge_and_unload().state_dict()
     got = read_weights(export(tmp_path / "run", tmp_path / "hf", adapter_dir=tmp_path / "ad", max_shard_size="60KB"))
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1  # sharded
@@ -65,8 +66,8 @@ def test_the_streamed_merge_is_peft_merge_and_unload_bit_for_bit(tmp_path, monke
     changed = [k for k, v in got.items() if not torch.equal(v, want[k])]
     assert not changed, changed[:4]
     saved = read_weights_file(tmp_path / "ad" / "adapter_model.safetensors")
-    assert adapters.keys() == {k.replace(".weight", ".default.weight") for k in saved}
-    assert all(torch.equal(saved[k], adapters[k.replace(".weight", ".default.weight")]) for k in saved)
+    assert trained.keys() == {k.replace(".weight", ".default.weight") for k in saved}
+    assert all(torch.equal(saved[k], trained[k.replace(".weight", ".default.weight")]) for k in saved)
 
 
 def read_weights_file(path: Path) -> dict:
@@ -95,11 +96,11 @@ def test_the_streamed_lora_export_writes_the_whole_exports_directory(tmp_path, d
         for f in names:
             if not f.endswith((".safetensors", ".index.json")):
                 assert (whole / f).read_bytes() == (streamed / f).read_bytes(), f
-        adapters = (whole / "adapter_model.safetensors").exists()
-        read = (lambda d: read_weights_file(d / "adapter_model.safetensors")) if adapters else read_weights
+        adapters_only = (whole / "adapter_model.safetensors").exists()
+        read = (lambda d: read_weights_file(d / "adapter_model.safetensors")) if adapters_only else read_weights
         a, b = read(whole), read(streamed)
         assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-        if adapters:  # PEFT loads them onto the base the run started from (not the checkpoint's dstk/ folder)
+        if adapters_only:  # PEFT loads them onto the base the run started from (not the checkpoint's dstk/ folder)
             import json
 
             from peft import AutoPeftModelForCausalLM

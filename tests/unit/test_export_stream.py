@@ -54,7 +54,7 @@ def fabricate_pipeline_checkpoint(model, tokenizer, ckpt_dir: Path, pp: int, tag
 def gpt2(n_embd: int, n_layer: int, tokenizer, seed: int = 0):
     from transformers import GPT2Config
 
-    from toolkit.train.hf import random_model
+    from models.weights.loading import random_model
 
     config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=max(1, n_embd // 64), vocab_size=len(tokenizer),
                         n_positions=64, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,

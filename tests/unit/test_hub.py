@@ -17,7 +17,7 @@ import pytest
 
 from tests.invoke import invoke_dstk
 from toolkit.errors import UnusableInput
-from toolkit.plan import hub
+from models.weights import hub
 
 REPO_ID = "dstk-test/tiny-llama"
 LAYERS = {"main": 4, "v2": 2}  # tiny-llama's blocks at each branch of the cached repository

@@ -28,12 +28,13 @@ def test_config_from_another_topology_or_world_is_refused(tmp_path):
 
 
 def test_more_stages_than_pipeline_layers_is_refused():
+    from models.weights import loading
     from toolkit.train import hf
     from toolkit.distributed.topology import Topology
     from toolkit.distributed.pipeline import pipeline_module
 
     tok = hf.byte_tokenizer()
-    model = hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"),
+    model = loading.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"),
                                      "causal-lm", 0)
     with pytest.raises(ConfigError, match="pp 8 is more stages than the model's 7 pipeline layers"):
         pipeline_module(model, "causal-lm", Topology(8, 8), {})

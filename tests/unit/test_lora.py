@@ -8,6 +8,8 @@ import torch
 
 from tests.configs import SHORT_EVAL, write_config
 from toolkit.errors import ConfigError
+from models.lora import adapters
+from models.weights import loading
 from toolkit.train import hf, lora
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,13 +41,13 @@ def _merge_gap(merged_dir, base_dir, adapter_dir) -> float:
     ("tiny-gpt2", ["c_attn", "c_proj", "c_fc"]),
 ])
 def test_default_targets_are_every_block_linear(name, expected):
-    assert sorted(lora.linear_names(hf.builtin_model(name))) == sorted(expected)
+    assert sorted(adapters.linear_names(hf.builtin_model(name))) == sorted(expected)
 
 
 def test_a_target_that_matches_nothing_lists_the_linears():
     with pytest.raises(ConfigError, match=r"--lora-targets qkv match no linear layer of LlamaForCausalLM; its block "
                                           r"linears are: q_proj, k_proj"):
-        lora.resolve_targets(hf.builtin_model("tiny-llama"), lora.LoraSettings(targets=("qkv",)))
+        adapters.resolve_targets(hf.builtin_model("tiny-llama"), adapters.LoraSettings(targets=("qkv",)))
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -96,7 +98,7 @@ def test_qlora_is_refused_without_cuda_once_with_the_way_out(tmp_path):
 @pytest.mark.parametrize("pp, zero, words", [(2, 0, "--qlora with pp 2"), (1, 3, "--qlora with zero_optimization.stage 3")])
 def test_qlora_layouts_it_cannot_run_are_refused(pp, zero, words):
     with pytest.raises(ConfigError, match=words):
-        lora.check(lora.LoraSettings(qlora=True), pp, zero)
+        lora.check(adapters.LoraSettings(qlora=True), pp, zero)
 
 
 def test_a_qlora_checkpoint_exports_onto_the_full_precision_base(ds_world1, tmp_path):
@@ -176,11 +178,11 @@ def test_a_pipeline_stage_without_adapters_is_refused(ds_world1):
     from toolkit.distributed.pipeline import pipeline_module
 
     config = hf.load_config("tiny-gpt2", hf.byte_tokenizer(), "causal-lm")
-    model = lora.apply(hf.build_model("tiny-gpt2", config, "causal-lm", 0), lora.LoraSettings(r=2), "causal-lm")
+    model = adapters.apply(loading.build_model("tiny-gpt2", config, "causal-lm", 0), adapters.LoraSettings(r=2), "causal-lm")
     cfg = {"pipeline": {"stages": 3, "parts": [0, 1, 4, 5]}}
     topo = Topology(3, 3)
     with pytest.raises(ConfigError, match=r"pipeline stage 0 holds layers 0-0 \(embed\) and no adapters"):
-        pipeline_module(model.base_model.model, "causal-lm", topo, cfg, config=config, lora=lora.LoraSettings(r=2))
+        pipeline_module(model.base_model.model, "causal-lm", topo, cfg, config=config, lora=adapters.LoraSettings(r=2))
 
 
 @pytest.mark.parametrize("flags, words", [(dict(merge=False, adapter_dir="ad"), "--adapter-dir with --no-merge"),

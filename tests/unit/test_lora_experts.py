@@ -13,7 +13,8 @@ import torch
 from tests.configs import write_config
 from tests.unit.test_moe_aux import SIX
 from toolkit.errors import ConfigError
-from toolkit.train import hf, lora
+from models.lora import adapters, experts
+from toolkit.train import hf
 from toolkit.train.parity import small_model
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -25,7 +26,7 @@ def _mixtral():
 
 
 def test_the_default_targets_of_an_moe_model_are_its_linears_and_its_fused_experts():
-    assert lora.resolve_targets(_mixtral(), lora.LoraSettings()) == (ATTENTION, EXPERTS)
+    assert adapters.resolve_targets(_mixtral(), adapters.LoraSettings()) == (ATTENTION, EXPERTS)
 
 
 @pytest.mark.parametrize("targets, dropout, want, frozen", [
@@ -34,9 +35,9 @@ def test_the_default_targets_of_an_moe_model_are_its_linears_and_its_fused_exper
     ((), 0.05, (ATTENTION, []), "takes no dropout; --lora-dropout 0 adapts them"),
 ])
 def test_flags_name_the_experts_or_leave_them_frozen_and_say_so(targets, dropout, want, frozen):
-    settings = lora.LoraSettings(targets=targets, dropout=dropout)
-    assert lora.resolve_targets(_mixtral(), settings) == want
-    entry = lora.manifest_entry(settings, _mixtral(), "causal-lm")
+    settings = adapters.LoraSettings(targets=targets, dropout=dropout)
+    assert adapters.resolve_targets(_mixtral(), settings) == want
+    entry = adapters.manifest_entry(settings, _mixtral(), "causal-lm")
     assert frozen in entry["experts_frozen"] and "the fused experts stay frozen" in entry["experts_frozen"]
     from toolkit.train.report.progress import start_lines
 
@@ -49,29 +50,29 @@ def test_flags_name_the_experts_or_leave_them_frozen_and_say_so(targets, dropout
 def test_flags_the_experts_cannot_take_are_refused():
     with pytest.raises(ConfigError, match=r"--lora-dropout 0.1 with --lora-targets naming fused expert parameters "
                                           r"\(mlp.experts.gate_up_proj\).*use --lora-dropout 0"):
-        lora.resolve_targets(_mixtral(), lora.LoraSettings(targets=("gate_up_proj",), dropout=0.1))
+        adapters.resolve_targets(_mixtral(), adapters.LoraSettings(targets=("gate_up_proj",), dropout=0.1))
     with pytest.raises(ConfigError, match="match no linear layer or fused expert parameter of MixtralForCausalLM; "
                                           ".*its fused expert parameters: mlp.experts.gate_up_proj"):
-        lora.resolve_targets(_mixtral(), lora.LoraSettings(targets=("w1",)))
+        adapters.resolve_targets(_mixtral(), adapters.LoraSettings(targets=("w1",)))
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
 def test_a_stage_injects_what_get_peft_model_injects(model_type):
-    """Per decoder layer (lora.StageAdapters, as a stage reading a directory does) and on the whole model: the same
+    """Per decoder layer (adapters.StageAdapters, as a stage reading a directory does) and on the whole model: the same
     adapters by name and shape. deepseek_v3's dense and shared-expert gate/up/down_proj are names peft (transformers
     5) converts to the experts' (frozen; gate_up_proj at rank 2 r): both paths must convert alike."""
-    settings = lora.LoraSettings(r=4)
+    settings = adapters.LoraSettings(r=4)
     layers = small_model(model_type, **SIX[model_type])
-    config = lora.peft_config(layers, settings, "causal-lm")
+    config = adapters.peft_config(layers, settings, "causal-lm")
     staged = {}
     for i, layer in enumerate(layers.model.layers):
-        adapted = lora.StageAdapters(config, "causal-lm", seed=0)(layer, f"model.layers.{i}")
+        adapted = adapters.StageAdapters(config, "causal-lm", seed=0)(layer, f"model.layers.{i}")
         staged |= {f"model.layers.{i}.{n}": tuple(p.shape) for n, p in adapted.named_parameters() if ".lora_" in n}
-    whole = lora.apply(small_model(model_type, **SIX[model_type]), settings, "causal-lm")
-    want = {n.removeprefix(lora.PEFT_PREFIX): tuple(p.shape) for n, p in whole.named_parameters() if ".lora_" in n}
+    whole = adapters.apply(small_model(model_type, **SIX[model_type]), settings, "causal-lm")
+    want = {n.removeprefix(experts.PEFT_PREFIX): tuple(p.shape) for n, p in whole.named_parameters() if ".lora_" in n}
     assert staged == want and any("experts" in n for n in want)
     if model_type == "deepseek_v3":
-        entry = lora.manifest_entry(settings, small_model(model_type, **SIX[model_type]), "causal-lm")
+        entry = adapters.manifest_entry(settings, small_model(model_type, **SIX[model_type]), "causal-lm")
         assert "the linears gate_proj, up_proj, down_proj stay frozen" in entry["experts_frozen"]
         gate_up = next(s for n, s in want.items() if n.endswith("experts.base_layer.lora_A.default.weight"))
         assert gate_up[0] == 2 * 4 * 4  # rank 2 r for each of the 4 experts

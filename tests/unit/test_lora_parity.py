@@ -8,7 +8,7 @@ draws both matrices at random first, so every adapter changes the output and get
 import pytest
 import torch
 
-from toolkit.train import lora
+from models.lora import adapters
 from toolkit.train.parity import TOLERANCE, check_model, small_model
 
 CASES = [("llama", "causal-lm"), ("gpt2", "causal-lm"), ("bert", "sequence-classification"),
@@ -18,7 +18,7 @@ CASES = [("llama", "causal-lm"), ("gpt2", "causal-lm"), ("bert", "sequence-class
 def _peft(model_type: str, task: str):
     model = small_model(model_type, task, attn_implementation="eager",
                         **({"num_labels": 3} if task == "sequence-classification" else {}))
-    wrapped = lora.apply(model, lora.LoraSettings(r=4), "classification" if task == "sequence-classification"
+    wrapped = adapters.apply(model, adapters.LoraSettings(r=4), "classification" if task == "sequence-classification"
                          else "causal-lm", seed=1)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -34,7 +34,7 @@ def test_lora_layers_compute_the_peft_model(ds_world1, model_type, task, pad):
     wrapped = _peft(model_type, task)
     report = check_model(wrapped.base_model.model, name=model_type, task=task, pad=pad, reference=wrapped)
     trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
-    assert trainable and all(lora.is_adapter(n) for n in trainable)  # the base is frozen
+    assert trainable and all(adapters.is_adapter(n) for n in trainable)  # the base is frozen
     assert report.params_checked == len(trainable)  # every adapter's gradient compared, nothing else has one
     assert report.ok, report
     assert report.loss_diff <= TOLERANCE and report.grad_diff <= TOLERANCE

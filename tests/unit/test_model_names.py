@@ -33,3 +33,19 @@ def test_an_unknown_name_lists_the_registry():
     with pytest.raises(ConfigError, match=r"--model 'gpt3' is neither a local HF directory nor a built-in "
                                           r"architecture \(gpt2, gpt2-medium"):
         hf.check_model_name("gpt3")
+
+
+def test_a_folder_without_config_json_is_refused_in_one_message_everywhere(tmp_path):
+    """`dstk train --model`, `dstk parity MODEL` and models.pipeline_layers ask one function
+    (models.weights.source.check_model_folder), so a folder that is no HF model reads the same in each."""
+    import models
+    from toolkit.errors import UnusableInput
+    from toolkit.train.parity import load_model
+
+    said = []
+    for flag, call in (("--model", hf.check_model_name), ("MODEL", load_model), ("model", models.pipeline_layers)):
+        with pytest.raises(UnusableInput) as refused:
+            call(str(tmp_path))
+        said.append(str(refused.value).removeprefix(f"{flag} "))
+    assert said == [f"{tmp_path}: no config.json in this directory, so it is not a HF model directory (one written "
+                    "by save_pretrained)"] * 3

@@ -134,11 +134,11 @@ def test_pp1_loads_a_bf16_directory_in_the_runs_dtype(bf16_dirs, bf16):
     either way; a buffer transformers would build in bf16 (gemma's embed_scale) stays fp32 and exact."""
     from transformers import AutoConfig
 
-    from toolkit.train import hf
+    from models.weights import loading
 
     path, dtype = bf16_dirs["gemma"], torch.bfloat16 if bf16 else torch.float32
     config = AutoConfig.from_pretrained(path)
-    model = hf.build_model(str(path), config, "causal-lm", 0, {"bf16": {"enabled": bf16}})
+    model = loading.build_model(str(path), config, "causal-lm", 0, {"bf16": {"enabled": bf16}})
     params = dict(model.named_parameters())
     assert {p.dtype for p in params.values()} == {dtype}
     assert all(torch.equal(params[name], value.to(dtype)) for name, value in _saved(path).items())
@@ -155,7 +155,7 @@ def test_bf16_masters_are_the_checkpoints_values(ds_world1, bf16_dirs, pp):
     from transformers import AutoConfig
 
     import models
-    from toolkit.train import hf
+    from models.weights import loading
     from toolkit.distributed.pipeline import hf_name_map
 
     path = str(bf16_dirs["gpt2"])
@@ -163,10 +163,10 @@ def test_bf16_masters_are_the_checkpoints_values(ds_world1, bf16_dirs, pp):
            "zero_optimization": {"stage": 1 if pp == 1 else 0}, "steps_per_print": 10**6,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     if pp == 1:
-        model = hf.build_model(path, AutoConfig.from_pretrained(path), "causal-lm", 0, cfg)
+        model = loading.build_model(path, AutoConfig.from_pretrained(path), "causal-lm", 0, cfg)
         names = {name: name for name, _ in model.named_parameters()}
     else:
-        spec = models.pipeline_layers(path, dtype=hf.param_dtype(cfg))
+        spec = models.pipeline_layers(path, dtype=loading.param_dtype(cfg))
         model = models.build_pipeline_module(spec, num_stages=1)
         names = {f"{i}.{key}": name for i, layer in enumerate(hf_name_map(spec)) for key, name in layer.items()}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)

@@ -204,7 +204,7 @@ def test_every_wrapped_moe_type_from_a_saved_directory(tmp_path, model_type):
     sys.path.insert(0, str(SWEEP.parents[1]))
     from arch_sweep_config import causal_lm_class, tiny_config
 
-    from toolkit.train.hf import random_model
+    from models.weights.loading import random_model
 
     cls, config = causal_lm_class(tiny_config(model_type))
     text = config.get_text_config()

@@ -1,7 +1,7 @@
 """`dstk plan --lora R` and `dstk partition --lora R`: a frozen base in the planner (issue 12).
 
 The adapter counts are checked against what peft creates through dstk's trainer path
-(toolkit.train.lora.apply on a tiny HF model); the bytes against the full fine-tune arithmetic; the
+(models.lora.adapters.apply on a tiny HF model); the bytes against the full fine-tune arithmetic; the
 CLI for its output and its refusals (its fast start: tests/commands/test_start_up.py). Real engines:
 tests/distributed/test_memory_accuracy.py.
 """
@@ -39,7 +39,7 @@ def _peft_counts(arch, r: int) -> dict:
     """Trainable parameters peft creates through the trainer's path, by block index ("head" outside blocks)."""
     from peft import LoraConfig, get_peft_model
 
-    from toolkit.train.lora import LoraSettings, apply, resolve_targets
+    from models.lora.adapters import LoraSettings, apply, resolve_targets
 
     model, settings = build_hf_model(arch, device="cpu"), LoraSettings(r=r)
     if arch.is_encoder:  # the planner's BERT is the MLM model (no causal-LM wrapper): the trainer's targets

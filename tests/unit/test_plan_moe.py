@@ -211,7 +211,7 @@ def test_lora_adapts_attention_the_shared_expert_and_the_experts_as_peft_does(na
     """transformers' experts are 3-D parameters, adapted through peft's target_parameters (the router is not
     adapted); qwen3_moe's dense block's gate/up/down_proj are names peft takes for its experts' (frozen, and
     the experts' gate_up_proj at rank 2 r)."""
-    from toolkit.train.lora import LoraSettings, apply
+    from models.lora.adapters import LoraSettings, apply
 
     cfg = _config(name)
     arch, r = arch_from_config(cfg, name), 4

@@ -2,7 +2,8 @@
 
 import pytest
 
-from toolkit.config.presets import PRESET_DIR, load_presets, render
+from toolkit.cli.generate import render
+from toolkit.config.presets import PRESET_DIR, load_presets
 
 PRESETS = load_presets()
 

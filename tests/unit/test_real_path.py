@@ -10,6 +10,7 @@ import torch
 
 from tests.configs import SHORT_EVAL
 from toolkit.errors import ConfigError
+from models.weights import loading
 from toolkit.train import hf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ def bf16_llama(tmp_path_factory):
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    hf.random_model(config, seed=0).to(torch.bfloat16).save_pretrained(path)
+    loading.random_model(config, seed=0).to(torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
@@ -75,7 +76,7 @@ def test_the_attention_kernel_is_chosen_once(bf16_llama, attention):
     tok = hf.byte_tokenizer()
     for source in ("tiny-llama", str(bf16_llama)):
         config = hf.load_config(source, tok, "causal-lm", attention=attention)
-        model = hf.build_model(source, config, "causal-lm", 0)
+        model = loading.build_model(source, config, "causal-lm", 0)
         assert model.config._attn_implementation == attention
     assert hf.load_config("tiny-gpt2", tok, "causal-lm")._attn_implementation == "sdpa"  # the default
 
@@ -94,7 +95,7 @@ def test_pp1_batches_follow_the_engine_device():
 
     class Engine:
         device = torch.device("meta")
-        module = hf.build_model("tiny-llama", hf.load_config("tiny-llama", hf.byte_tokenizer(), "causal-lm"),
+        module = loading.build_model("tiny-llama", hf.load_config("tiny-llama", hf.byte_tokenizer(), "causal-lm"),
                                 "causal-lm", 0)  # what the engine wraps: its config names the attention
 
         def __call__(self, **inputs):
@@ -111,7 +112,7 @@ def test_weight_decay_skips_biases_norms_and_embeddings():
     from toolkit.train.loop import param_groups
 
     tok = hf.byte_tokenizer()
-    model = hf.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", 0)
+    model = loading.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", 0)
     decay, plain = param_groups(model, {"optimizer": {"params": {"weight_decay": 0.1}}})
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
@@ -165,10 +166,10 @@ def test_zero3_builds_the_model_partitioned(ds_world1):
     config = hf.load_config("tiny-llama", tok, "causal-lm")
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
-    model = hf.build_model("tiny-llama", config, "causal-lm", 0, cfg)
+    model = loading.build_model("tiny-llama", config, "causal-lm", 0, cfg)
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == 0 and all(hasattr(p, "ds_id") for p in params)
-    assert sum(p.ds_numel for p in params) == sum(p.numel() for p in hf.build_model("tiny-llama", config, "causal-lm", 0).parameters())
+    assert sum(p.ds_numel for p in params) == sum(p.numel() for p in loading.build_model("tiny-llama", config, "causal-lm", 0).parameters())
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
@@ -227,7 +228,7 @@ def test_zero0_masters_from_fusedadams_flat_groups():
                                        ({"bfloat16": {"enabled": True}}, "bfloat16"), ({}, "float32")])
 def test_qlora_computes_in_the_runs_precision(cfg, name):
     """QLoRA's bnb_4bit_compute_dtype (loop.make_model) is the run's: an fp16 config computed in fp32 before."""
-    assert str(hf.param_dtype(cfg)).removeprefix("torch.") == name and hasattr(torch, name)
+    assert str(loading.param_dtype(cfg)).removeprefix("torch.") == name and hasattr(torch, name)
 
 
 def test_the_planner_counts_bf16_optimizers_fp32_gradient_buffer(ds_world1):

@@ -30,7 +30,7 @@ def test_bad_sequence_lengths_are_refused(capsys, args, code, needle):
 
 def test_an_empty_folder_is_not_a_model(capsys, tmp_path):
     code, _, err = run_cli(capsys, tmp_path)
-    assert code == 2 and f"{tmp_path} has no config.json: not a HF model directory" in err
+    assert code == 2 and f"MODEL {tmp_path}: no config.json in this directory, so it is not a HF model directory" in err
 
 
 def test_a_directory_without_weights_is_unusable(capsys, tmp_path):

@@ -1,7 +1,8 @@
 import pytest
 
 from toolkit.errors import ConfigError
-from toolkit.distributed.topology import Topology, bubble_fraction, config_batch, resolve_batch
+from toolkit.distributed.topology import Topology, config_batch, resolve_batch
+from toolkit.plan.schedule import bubble_fraction
 
 
 def test_coords_follow_deepspeed_pipe_data_order():

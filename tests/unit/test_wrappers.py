@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from toolkit.checkpoint import portable
-
-from toolkit.train import wrappers
+from toolkit.distributed import optimizers
 
 LR, DECAY, STEP = 0.1, 0.1, 5
 
@@ -43,7 +42,7 @@ def test_settle_forgets_the_step_the_wrapper_took_when_built(ds_world1, kind):
     built, params = wrapper(kind)
     assert {int(s["step"]) for s in built.optimizer.state.values()} == {1}  # DeepSpeed's zero-gradient step
     assert not torch.equal(masters(built)[0], params[0].detach().float().flatten())  # and AdamW's decay on it
-    wrappers.settle(SimpleNamespace(optimizer=built))
+    optimizers.settle(SimpleNamespace(optimizer=built))
     assert len(built.optimizer.state) == 0
     assert all(torch.equal(m, p.detach().float().flatten()) for m, p in zip(masters(built), params))
 
@@ -74,12 +73,12 @@ def plain_adamw_step(state: dict) -> list:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_restored_state_reaches_the_masters_and_adams_state(ds_world1, kind):
     built, params = wrapper(kind)
-    wrappers.settle(SimpleNamespace(optimizer=built))
+    optimizers.settle(SimpleNamespace(optimizer=built))
     state = restored_state()
     with torch.no_grad():
         for p, s in zip(params, state.values()):
             p.copy_(s["weight"].bfloat16())  # what portable.restore writes into the module
-    wrappers.restore_masters(built, {id(p): (s["weight"], {k: s[k] for k in portable.MOMENTS})
+    optimizers.restore_masters(built, {id(p): (s["weight"], {k: s[k] for k in portable.MOMENTS})
                                      for p, s in zip(params, state.values())}, torch.tensor(float(STEP)))
     assert all(torch.equal(m, s["weight"].flatten()) for m, s in zip(masters(built), state.values()))
     for p, s in zip(params, state.values()):
@@ -97,7 +96,7 @@ def test_a_wrappers_saved_state_is_read_by_parameter_name(ds_world1, kind, tmp_p
     """The model states file DeepSpeed writes at ZeRO-0 (the wrapper's state_dict, the base optimizer's inside;
     FP16_Optimizer's moments one flat tensor per group) gives each parameter's moments and the step."""
     built, params = wrapper(kind)
-    wrappers.settle(SimpleNamespace(optimizer=built))
+    optimizers.settle(SimpleNamespace(optimizer=built))
     for p in params:
         p.grad = torch.ones_like(p)
     built.step()

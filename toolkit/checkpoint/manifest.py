@@ -61,7 +61,7 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
                                    exclude_frozen_parameters=not frozen)
         save_rng(Path(ckpt_dir) / tag, dist.get_rank())  # DeepSpeed keeps the client state of dp rank 0 only
         if data_position is not None:
-            from toolkit.config.generate import write_text
+            from toolkit.files import write_text
 
             write_text(json.dumps(data_position), str(Path(ckpt_dir) / tag / DATA_POSITION.format(dist.get_rank())),
                        force=True)

@@ -17,7 +17,7 @@ DeepSpeed keeps fp32 partitions, this rank's share of its high-precision copy an
 bf16: through the parameter's fragment mapping, then DeepSpeed's own map_to_flat_opt_states; ZeRO-3:
 the parameter's slice of the sub-group's flat partition); a plain torch optimizer (ZeRO-0 fp32) gets
 its state directly, DeepSpeed's FP16 wrappers (bf16/fp16 at ZeRO-0) in their fp32 masters
-(toolkit.train.wrappers). The data position is the global step (the order of rows is the same on every
+(toolkit.distributed.optimizers). The data position is the global step (the order of rows is the same on every
 layout) and dropout RNG streams restart from the seed.
 """
 
@@ -31,7 +31,7 @@ from toolkit.checkpoint.deepspeed_files import (Kind, checkpoint_kind, join, mod
                                                 zero3_pieces, zero3_rank_share, zero3_table)
 from toolkit.checkpoint.manifest import hf_name_of, moved_keys
 from toolkit.checkpoint.state import load_state_dict, masters_by_hf_name, partition_fragments, resolve_tag
-from toolkit.train.wrappers import is_bf16_optimizer, is_fp16_wrapper, restore_masters
+from toolkit.distributed.optimizers import is_bf16_optimizer, is_fp16_wrapper, restore_masters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -239,7 +239,7 @@ def hf_names_of(module, manifest: dict) -> dict:
 
 class Keeper(enum.Enum):
     """Where an engine keeps a parameter's fp32 weight and Adam moments: what `restore` writes into. DeepSpeed
-    picks it from the ZeRO stage and the precision (toolkit.train.wrappers lists which wrapper when)."""
+    picks it from the ZeRO stage and the precision (toolkit.distributed.optimizers lists which wrapper when)."""
 
     ZERO3 = "ZeRO-3: this rank's share of each parameter (p.ds_tensor) and of its fp32 copy and moments"
     FRAGMENTS = "ZeRO-1/2 or BF16_Optimizer: this rank's fragment of each parameter in flat fp32 partitions"
@@ -329,7 +329,7 @@ def _restore_fragments(optimizer, state: PortableState, trained: dict) -> None:
 
 
 def _restore_fp16_wrapper(optimizer, state: PortableState, trained: dict) -> None:
-    """bf16/fp16 at ZeRO-0: the wrapper's fp32 masters and its base optimizer's state (wrappers.restore_masters)."""
+    """bf16/fp16 at ZeRO-0: the wrapper's fp32 masters and its base optimizer's state (optimizers.restore_masters)."""
     import torch
 
     wrapped = {id(p): _weight_and_moments(state, hf, p.shape) for p, hf in trained.items()}

@@ -16,7 +16,7 @@ from toolkit.errors import ConfigError
 from toolkit.files import check_writable
 from toolkit.checkpoint import portable
 from toolkit.checkpoint.lock import RunLock, is_lock_file
-from toolkit.checkpoint.run_folder import check_not_in_use
+from toolkit.checkpoint.run_folder import RunFolder, check_not_in_use
 from toolkit.checkpoint.manifest import DATA_POSITION, META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 from toolkit.checkpoint.safe_load import check_tag
@@ -124,14 +124,14 @@ def _write(out: Path, ckpt_dir: Path, tag: str, manifest: dict, state, positions
     temporary folder beside OUT and renamed into it, whole. Returns the state's bytes."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.dstk-", dir=out.absolute().parent))
     try:
-        folder = tmp / "checkpoints"
+        folder = RunFolder(tmp).checkpoints
         shutil.copytree(ckpt_dir / META, folder / META)
         write_manifest(folder, manifest)  # an older run's layout.json goes
         size = portable.write(state, folder / tag / portable.PORTABLE)
         for position in positions:
             shutil.copy2(position, folder / tag / position.name)
         write_latest(folder, tag)
-        folder.rename(out / "checkpoints")
+        folder.rename(RunFolder(out).checkpoints)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return size

@@ -16,7 +16,8 @@ from toolkit.checkpoint.deepspeed_files import (MODEL_STATES_GLOB, PARTITION_FIL
                                                 model_states, param_shapes, partition_files, stage_of_model_states,
                                                 torch_load, zero3_full, zero3_model_states, zero3_pieces, zero3_table)
 from toolkit.checkpoint.manifest import META, hf_name_of, layer_of, read_latest, read_manifest, stage_of
-from toolkit.train.lora import is_adapter
+from toolkit.checkpoint.run_folder import RunFolder
+from models.lora.adapters import is_adapter
 
 
 def find_checkpoint_dir(path) -> Path:
@@ -24,8 +25,8 @@ def find_checkpoint_dir(path) -> Path:
     path = Path(path)
     if (path / META).is_dir():
         return path
-    if (path / "checkpoints" / META).is_dir():
-        return path / "checkpoints"
+    if (RunFolder(path).checkpoints / META).is_dir():
+        return RunFolder(path).checkpoints
     raise UnusableInput(f"{path} has no {META}/ folder: it was not written by dstk train; give the run's --out "
                         "folder or its checkpoints/ folder")
 

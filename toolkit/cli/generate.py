@@ -1,7 +1,11 @@
 """`dstk generate-config`: options -> a DeepSpeed config that fits the topology, or a clear refusal.
 
-Help text for options that map to one DeepSpeed key comes from the schema's descriptions.
+Help text for options that map to one DeepSpeed key comes from the schema's descriptions. The shipped presets
+(toolkit.config.presets) are this command's output: `python -m toolkit.cli.generate` writes them again
+(`make presets`).
 """
+
+import shlex
 
 import click
 
@@ -125,3 +129,26 @@ def _precision(precision, bf16, fp16) -> str:
 
 def _canonical(value: str, names) -> str:
     return next(n for n in names if n.lower() == value.lower())
+
+
+def render(args: list[str]) -> str:
+    """The JSON text `dstk generate-config ARGS` prints."""
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(generate_config, args, catch_exceptions=False)
+    if result.exit_code:
+        raise SystemExit(f"generate-config {shlex.join(args)} failed: {result.output}")
+    return result.output
+
+
+def write_presets() -> None:
+    """Every preset in ds_configs/ written again from its recorded command (ds_configs/presets.txt)."""
+    from toolkit.config.presets import PRESET_DIR, load_presets
+
+    for name, args in load_presets().items():
+        (PRESET_DIR / name).write_text(render(args))
+        click.echo(f"wrote ds_configs/{name}: dstk generate-config {shlex.join(args)}", err=True)
+
+
+if __name__ == "__main__":
+    write_presets()

@@ -108,7 +108,7 @@ def validate(files, world_size, pp, sp, strict, model, as_json):
 @click.option("--force", is_flag=True, help="Overwrite an existing --output file.")
 def schema(output, force):
     """Print the JSON Schema (draft 2020-12) that dstk validates DeepSpeed configs against."""
-    from toolkit.config.generate import write_text
+    from toolkit.files import write_text
     from toolkit.config.schema import load_schema
 
     text = json.dumps(load_schema(), indent=2, ensure_ascii=False) + "\n"

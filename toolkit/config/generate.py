@@ -5,12 +5,10 @@ step (validate, partition, train) reads the same numbers from the file.
 """
 
 import json
-import os
-import tempfile
 
 from toolkit.config.options import GenerateOptions
 from toolkit.errors import ConfigError
-from toolkit.files import as_umask
+from toolkit.files import write_text
 
 AUTO = "auto"  # filled by the HF Trainer / Accelerate, never by DeepSpeed itself
 
@@ -151,31 +149,5 @@ def dumps(cfg: dict) -> str:
 
 
 def write_config(cfg: dict, path: str, force: bool = False, flag: str = "-o") -> None:
-    """Write `cfg` as JSON atomically; see write_text."""
+    """Write `cfg` as JSON atomically; see toolkit.files.write_text."""
     write_text(dumps(cfg), path, force=force, flag=flag)
-
-
-def write_text(text: str, path: str, force: bool = False, flag: str = "-o") -> None:
-    """Write atomically (temp file + rename): a crash never leaves half a file, and an existing file
-    is replaced only with force. `flag` is the option that named `path`, for the messages."""
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path} is a directory; give a file name such as "
-                          f"{os.path.join(path, 'ds_config.json')}")
-    if os.path.exists(path) and not force:
-        raise ConfigError(f"{flag} {path} exists; pass --force to overwrite it, or give another file name")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise ConfigError(f"cannot write {flag} {path}: directory {directory} does not exist; create it first "
-                          f"(mkdir -p {directory})")
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".dstk-", suffix=os.path.splitext(path)[1] or ".tmp", dir=directory)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        as_umask(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except OSError as exc:  # permissions, a full disk: one line, and no temp file left
-        raise ConfigError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)

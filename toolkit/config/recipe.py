@@ -252,7 +252,7 @@ def inline_in_use(ctx: click.Context) -> Recipe | None:
 
 def write_inline_config(ctx: click.Context) -> Path | None:
     """The inline config's file, written (atomically, the same bytes on every rank) when the run reads it."""
-    from toolkit.config.generate import write_text
+    from toolkit.files import write_text
 
     recipe = inline_in_use(ctx)
     if recipe is None:

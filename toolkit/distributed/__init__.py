@@ -8,6 +8,7 @@
     dualpipev.py        --schedule dualpipev: what DeepSpeed's DualPipeV needs, refused before launch
     sequence_parallel.py  sp > 1: Ulysses at pp = 1 and inside pipeline stages, its core attention
     document_flex.py    that core on CUDA: flex_attention with one document BlockMask per micro-batch
+    optimizers.py       DeepSpeed's bf16/fp16 optimizer wrappers: which one an engine holds, the state dstk gives it
     agreement.py        where ranks may part ways: an error only some ranks reach becomes every rank's, one line
 Nothing here imports torch at import time, except document_flex (imported where attention runs).
 """

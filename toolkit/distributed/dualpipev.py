@@ -12,13 +12,9 @@ Nothing here imports torch.
 """
 
 from toolkit.errors import ConfigError
+from toolkit.plan.dualpipev import min_micro_batches
 
 SCHEDULES = ("1f1b", "dualpipev")
-
-
-def min_micro_batches(pp: int) -> int:
-    """DualPipeVSchedule's floor: 2 micro-batches per pipeline rank."""
-    return 2 * pp
 
 
 def check(schedule: str, cfg: dict, pp: int, world_size: int | None) -> None:

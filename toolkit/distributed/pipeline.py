@@ -3,10 +3,10 @@ that export needs to turn layer_XX-model_states.pt files back into a HF state di
 
 A local HF directory is never built whole: models.pipeline_layers(dir) gives LayerSpecs that each
 read only their own tensors (safetensors) on the stage that owns them, in the dtype DeepSpeed trains
-the parameters in (hf.param_dtype: a bf16 run never holds them in fp32). Built-in names arrive as
+the parameters in (models.weights.loading.param_dtype: a bf16 run never holds them in fp32). Built-in names arrive as
 a live (tiny, seeded) model, the same on every rank, whose modules the layers share.
 
-LoRA (`lora=` settings): a live model arrives already wrapped (toolkit.train.lora.apply, its HF model
+LoRA (`lora=` settings): a live model arrives already wrapped (models.lora.adapters.apply, its HF model
 inside); a directory's stages inject the adapters into each module they read (lora.StageAdapters).
 The layer -> name map then holds the PeftModel's names ("base_model.model.model.layers.0.self_attn.
 q_proj.lora_A.default.weight"), so export rebuilds the PeftModel and writes PEFT's adapter files.
@@ -18,8 +18,9 @@ import logging
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.hf import param_dtype
-from toolkit.train.lora import PEFT_PREFIX, StageAdapters, is_adapter, manifest_entry, peft_config, wrap
+from models.weights.loading import param_dtype
+from models.lora.adapters import StageAdapters, is_adapter, manifest_entry, peft_config, wrap
+from models.lora.experts import PEFT_PREFIX
 
 log = logging.getLogger(__name__)
 

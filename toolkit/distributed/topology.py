@@ -174,11 +174,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Idle share of a 1F1B step: (p-1)/(m+p-1)."""
-    return (pp - 1) / (micro_batches + pp - 1)
-
-
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")

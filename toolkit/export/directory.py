@@ -24,7 +24,8 @@ from toolkit.checkpoint.deepspeed_files import first_line
 from toolkit.checkpoint.manifest import META, read_manifest
 from toolkit.checkpoint.run_folder import check_not_in_use
 from toolkit.checkpoint.state import find_checkpoint_dir, load_state_dict
-from toolkit.train.lora import PEFT_PREFIX, base_name, is_adapter
+from models.lora.adapters import is_adapter
+from models.lora.experts import PEFT_PREFIX, base_name
 
 __all__ = ["export", "find_checkpoint_dir", "first_line", "load_state_dict"]  # the last three: toolkit.checkpoint's
 
@@ -247,7 +248,7 @@ def _base_name(key: str) -> str:
 
 def _with_adapters(model, manifest: dict):
     """The base model wrapped with the run's LoRA adapters (same names as in training's checkpoint)."""
-    from toolkit.train.lora import apply, recorded_settings
+    from models.lora.adapters import apply, recorded_settings
 
     return apply(model, recorded_settings(manifest), manifest["task"])
 

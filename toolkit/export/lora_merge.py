@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.train.lora import PEFT_PREFIX, base_name, is_adapter
+from models.lora.adapters import is_adapter
+from models.lora.experts import PEFT_PREFIX, base_name
 
 ADAPTER = "default"  # the adapter name dstk's PeftModels use
 
@@ -215,7 +216,7 @@ def _skeletons(config, manifest: dict):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import models
-    from toolkit.train.lora import apply, recorded_settings
+    from models.lora.adapters import apply, recorded_settings
 
     unset_hf_deepspeed_config()  # plain skeletons, even in a process that trained under ZeRO-3
     cls = models.auto_class(manifest["task"])

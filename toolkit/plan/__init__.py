@@ -2,8 +2,6 @@
 
     arch.py       architectures as plain numbers (built-ins, or a HF config.json) and their
                   per-layer parameter counts
-    hub.py        hub ids (org/name, --revision) -> their snapshot folder in huggingface_hub's cache,
-                  for every command that takes a model (downloads online; refused at once offline)
     moe.py        mixture-of-experts configs: experts, top-k routing, shared experts, refusals
     mla.py        multi-head latent attention (DeepSeek-V2/V3): its low-rank projections as numbers
     lora.py       LoRA adapter counts per layer: which linears `--lora` adapts, what trains

@@ -256,7 +256,7 @@ def builtin_names() -> str:
 
 def load_arch(name_or_path: str, revision: str = "main") -> Arch:
     """A built-in name (see BUILTINS, ALIASES), a local HF directory (or its config.json), or a hub id
-    (org/name) at `revision`, whose config.json is read from huggingface_hub's cache (toolkit.plan.hub)."""
+    (org/name) at `revision`, whose config.json is read from huggingface_hub's cache (models.weights.hub)."""
     key = str(name_or_path).lower()
     if key in BUILTINS or key in ALIASES:
         return BUILTINS[ALIASES.get(key, key)]
@@ -264,7 +264,7 @@ def load_arch(name_or_path: str, revision: str = "main") -> Arch:
     if path.exists():
         config_file = path / "config.json" if path.is_dir() else path
         return arch_from_config(_read_json(config_file), name=path.name or str(path))
-    from toolkit.plan import hub
+    from models.weights import hub
 
     if hub.is_hub_id(name_or_path):
         folder = hub.snapshot(str(name_or_path), revision, flag="model", files=hub.CONFIG_FILES)

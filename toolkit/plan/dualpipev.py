@@ -18,10 +18,14 @@ the timing. Idle share = 1 - busy / (ranks x makespan).
 import os
 from dataclasses import dataclass
 
-from toolkit.distributed.dualpipev import min_micro_batches
 from toolkit.errors import ConfigError
 
 FORWARD, BACKWARD = 1, 2  # units of one DualPipeV stage's forward; backward = 2 x forward
+
+
+def min_micro_batches(pp: int) -> int:
+    """DualPipeVSchedule's floor: 2 micro-batches per pipeline rank."""
+    return 2 * pp
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ default and how many parameters that adds, per pipeline layer.
     param_counts(load_arch("llama-2-7b"), lora=16) # (6778392576, 39976960): base + adapters, adapters
 
 Each adapted linear W (in x out) gets lora_A (r x in) and lora_B (out x r): r*(in + out) parameters.
-The defaults are toolkit.train.lora's: every linear inside the blocks and an MoE block's fused experts
+The defaults are models.lora.adapters': every linear inside the blocks and an MoE block's fused experts
 (peft's ParamWrapper: E pairs, r*E*(in + out) per expert tensor); tests/unit/test_plan_lora.py and
 tests/unit/test_plan_moe.py check the counts against what peft creates through that path.
 """
@@ -20,7 +20,7 @@ FUSED_GATE_UP_TYPES = {"phi3"}
 # MoE types whose linears named as experts were before fusion (a dense block's gate_proj, up_proj, down_proj)
 # peft 0.21 reads as those experts under transformers 5 (peft.utils.transformers_weight_conversion's patterns,
 # of the types modelled here): it adapts the fused experts instead, gate_up_proj at rank 2 r, and leaves the
-# linears frozen (toolkit.train.lora.as_peft_converts). qwen2_moe has no pattern there.
+# linears frozen (models.lora.experts.as_peft_converts). qwen2_moe has no pattern there.
 PEFT_EXPERT_NAMES_TYPES = {"mixtral", "olmoe", "qwen3_moe"}
 
 
@@ -32,7 +32,7 @@ def check_lora_rank(r) -> None:
 
 def block_linears(arch: Arch, moe: bool = False) -> list[tuple[int, int]]:
     """(in, out) features of each linear layer inside one block: the modules LoRA adapts by default
-    (toolkit.train.lora: every block linear). Fused projections are one linear each. An MoE block's
+    (models.lora.adapters: every block linear). Fused projections are one linear each. An MoE block's
     router and experts are parameters, not nn.Linear modules (transformers' fused 3-D experts), so only
     its attention and shared expert (with Qwen2-MoE's h -> 1 gate) are linears (lora_params adds the experts).
     MLA (DeepSeek): its five low-rank projections (toolkit.plan.mla)."""

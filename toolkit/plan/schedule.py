@@ -18,7 +18,11 @@ import os
 from dataclasses import dataclass
 
 from toolkit.errors import ConfigError
-from toolkit.distributed.topology import bubble_fraction
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle share of a 1F1B step: (p-1)/(m+p-1)."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
 
 IDLE = None  # a slot where the stage computes nothing
 MAX_SLOTS = 2**20  # stages x steps: more than a picture can show (and minutes of DeepSpeed's generators)

@@ -2,9 +2,9 @@
 
     runner.py     TrainArgs, run(): process group, config check, data, engine, step loop, export
     loop.py       the Job (engine + this rank's data) and the step / eval / checkpoint loop
-    hf.py         HF models, configs and tokenizers: a local directory or a built-in tiny one
-    lora.py       LoRA / QLoRA through peft, at pp = 1 and per pipeline stage
-    wrappers.py   DeepSpeed's bf16/fp16 optimizer wrappers, and what dstk does around them
+    hf.py         the run's HF config and tokenizer, the model's refusals, built-in models (weights: models.weights)
+    lora.py       the --lora / --qlora flags, QLoRA's 4-bit base (the adapters: models.lora)
+    wrappers.py   deepspeed.initialize and DeepSpeed's own checkpoint load, around its optimizer wrappers
     parity.py     a wrapped model against its HF model (`dstk parity`)
     report/       rank 0's progress, metrics.jsonl and --report-to trackers; each step's gathered measures
                   (grad norm, peak memory, stage times); the summary, the loss table and loss.png

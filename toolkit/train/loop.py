@@ -26,6 +26,7 @@ from toolkit.data.source import cache_root
 from toolkit.data.transfer import to_device
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
+from models.weights import loading
 from toolkit.train import hf, tf32, wrappers
 from toolkit.train.report import ProgressLog, memory, per_rank
 from toolkit.train.report.summary import throughput
@@ -135,9 +136,9 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
 
 
 def dtype_of(cfg: dict) -> str:
-    """The run's precision as the opening block names it: bf16, fp16 or fp32 (hf.param_dtype: as DeepSpeed
+    """The run's precision as the opening block names it: bf16, fp16 or fp32 (loading.param_dtype: as DeepSpeed
     reads the config, its old "bfloat16" key included)."""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(hf.param_dtype(cfg), "fp32")
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(loading.param_dtype(cfg), "fp32")
 
 
 def rank_device():
@@ -385,6 +386,7 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
 def make_model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, its part of the manifest). pp > 1 with a local directory: no rank builds the
     whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline)."""
+    from models.lora import adapters
     from toolkit.train import lora
 
     settings = lora.settings_of(args)
@@ -392,25 +394,25 @@ def make_model(args, config, topo, cfg: dict):
     if topo.pp == 1:
         if settings is not None and settings.qlora:
             torch.manual_seed(args.seed)
-            compute = str(hf.param_dtype(cfg)).removeprefix("torch.")  # the run's precision: fp16 computes in fp16
+            compute = str(loading.param_dtype(cfg)).removeprefix("torch.")  # the run's precision: fp16 computes in fp16
             model = lora.quantized_model(args.model, config, args.task, compute, checkpointing)
         else:
-            model = hf.build_model(args.model, config, args.task, args.seed, cfg)
+            model = loading.build_model(args.model, config, args.task, args.seed, cfg)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if settings is None:
             return model, {"pp": 1}
-        entry = lora.manifest_entry(settings, model, args.task)
-        return lora.apply(model, settings, args.task, args.seed), {"pp": 1, "lora": entry}
+        entry = adapters.manifest_entry(settings, model, args.task)
+        return adapters.apply(model, settings, args.task, args.seed), {"pp": 1, "lora": entry}
     from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():
         torch.manual_seed(args.seed)  # heads the directory lacks: the same init on every dp replica
         source = args.model
     else:  # built-in: tiny, random from the seed, identical on every rank and layout
-        source = hf.build_model(args.model, config, args.task, args.seed)  # tiny: no ZeRO-3 at pp > 1
+        source = loading.build_model(args.model, config, args.task, args.seed)  # tiny: no ZeRO-3 at pp > 1
         if settings is not None:
-            source = lora.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
+            source = adapters.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
                            lora=settings, seed=args.seed, schedule=args.schedule)
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from toolkit.errors import ConfigError, UnusableInput
 from toolkit.checkpoint.state import first_line
-from toolkit.train.hf import no_dropout, random_model
+from models.weights.loading import random_model
+from toolkit.train.hf import no_dropout
 
 TOLERANCE = 1e-5  # max abs difference allowed in fp32
 PAD = 3  # tokens of right padding in row 0 of the batch (pad=True)
@@ -75,13 +76,9 @@ def load_model(path: str, task=None, attn_implementation=None, seq_len=None):
     from transformers import AutoConfig
 
     from models import auto_class, default_task
-    from models.weights.source import check_directory
+    from models.weights.source import check_directory, check_model_folder
 
-    if not os.path.isdir(path):
-        raise UnusableInput(f"{path}: no such directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UnusableInput(f"{path} has no config.json: not a HF model directory (one written by "
-                            "save_pretrained), nor a model type such as llama or gpt2")
+    check_model_folder(path, flag="MODEL")
     try:
         config = no_dropout(AutoConfig.from_pretrained(path))
     except (OSError, ValueError) as exc:
@@ -201,9 +198,9 @@ def check_model(model, name="model", task=None, seq_len=8, pad=True, seed=0, dat
 
 def run_parity(model: str, task=None, seq_len=8, pad=True, attn_implementation=None, revision="main") -> ParityReport:
     """`dstk parity MODEL`: MODEL is a local HF directory, a hub id at `revision` (its folder in
-    huggingface_hub's cache, toolkit.plan.hub), a built-in name (the registry's dimensions, random weights)
+    huggingface_hub's cache, models.weights.hub), a built-in name (the registry's dimensions, random weights)
     or a transformers model_type (SMALL dimensions)."""
-    from toolkit.plan import hub
+    from models.weights import hub
 
     check_min_seq_len(seq_len, pad)
     looks_like_path = os.sep in model or model.startswith(".") or os.path.exists(model)

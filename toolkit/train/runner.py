@@ -122,14 +122,14 @@ def check_shared_out(out) -> None:
 
 def local_inputs(args: TrainArgs, fetch: bool = False) -> TrainArgs | None:
     """`args` with each hub id of --model and --tokenizer replaced by its snapshot folder at --revision in
-    huggingface_hub's cache (toolkit.plan.hub), the ids kept in hub_ids; unchanged without one. fetch (on the
+    huggingface_hub's cache (models.weights.hub), the ids kept in hub_ids; unchanged without one. fetch (on the
     ranks, once the process group is up): online, one rank per node downloads what the cache lacks while the
     others wait, however long; offline, from the cache alone. Without fetch (check, before any rank starts):
     from the cache alone, never the network; None when online and an id is not cached yet (the ranks download
     it); offline, such an id is refused at once."""
     from dataclasses import replace
 
-    from toolkit.plan import hub
+    from models.weights import hub
 
     ids = {flag: name for flag, name in (("--model", args.model), ("--tokenizer", args.tokenizer))
            if name and hub.is_hub_id(name)}
@@ -403,7 +403,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
         args, job = set_up(args, world, clock, out_lock)
         with agree("writing --out's recipe.yaml", name_ranks=False):
             if recipe is not None and dist.get_rank() == 0:
-                from toolkit.config.generate import write_text
+                from toolkit.files import write_text
 
                 write_text(recipe, str(folder.recipe), force=True, flag="--out's")
     except Exception as exc:
@@ -484,7 +484,7 @@ def write_summary(path: Path, summary: dict) -> None:
     """OUT/summary.json, whole (per-rank lists included), replaced atomically."""
     import json
 
-    from toolkit.config.generate import write_text
+    from toolkit.files import write_text
 
     write_text(json.dumps(summary, indent=1) + "\n", str(path), force=True, flag="--out's")
 

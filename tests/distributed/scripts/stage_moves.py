@@ -59,10 +59,12 @@ def build(model: str, case: str) -> dict:
     import deepspeed
 
     from toolkit.distributed.topology import Topology
-    from toolkit.train import hf, lora
+    from models.lora.adapters import LoraSettings, apply
+    from models.weights import loading
+    from toolkit.train import hf
     from toolkit.distributed.pipeline import pipeline_module
 
-    pp, tp, adapters = CASES[case]
+    pp, tp, with_lora = CASES[case]
     world = torch.distributed.get_world_size()
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
            "zero_optimization": {"stage": 0}, "steps_per_print": 10**6, "pipeline": {"stages": pp},
@@ -70,10 +72,10 @@ def build(model: str, case: str) -> dict:
     topo = Topology(world, pp=pp, tp=tp)
     tokenizer = hf.load_tokenizer(model)
     config = hf.load_config(model, tokenizer, "causal-lm")
-    settings = lora.LoraSettings(r=4) if adapters else None
-    source = model if Path(model).is_dir() else hf.build_model(model, config, "causal-lm", 1234)
+    settings = LoraSettings(r=4) if with_lora else None
+    source = model if Path(model).is_dir() else loading.build_model(model, config, "causal-lm", 1234)
     if settings is not None and not Path(model).is_dir():
-        source = lora.apply(source, settings, "causal-lm", 1234).base_model.model
+        source = apply(source, settings, "causal-lm", 1234).base_model.model
     module, layout = pipeline_module(source, "causal-lm", topo, {**cfg, "tensor_parallel": {"autotp_size": tp}}
                                      if tp > 1 else cfg, seq_len=32, config=config, lora=settings)
     as_built = sum(_counts(config, layout["parts"], module.stage_id))

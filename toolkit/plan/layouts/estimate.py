@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from toolkit.plan.memory.rank import activation_bytes, in_flight, in_flight_dualpipev, model_state_bytes
 from toolkit.plan.memory.overhead import Fixed, fixed_bytes
 from toolkit.plan.memory.precision import weight_bytes
-from toolkit.distributed.topology import bubble_fraction
+from toolkit.plan.schedule import bubble_fraction
 
 CPU_ADAM = 1e9  # parameters per second DeepSpeedCPUAdam updates (order of magnitude, many cores)
 HALF_TOKENS = 512  # a micro-batch of n tokens reaches n / (n + HALF_TOKENS) of the mfu (small matmuls

@@ -41,7 +41,7 @@ MAX_MBS = 2**16  # micro-batch sizes tried: sequences per GPU per micro-batch; n
 
 @dataclass(frozen=True)
 class PlanRequest:
-    model: str  # built-in architecture name, a local HF directory, or a hub id (toolkit.plan.hub)
+    model: str  # built-in architecture name, a local HF directory, or a hub id (models.weights.hub)
     gbs: int  # global batch (sequences per optimizer step)
     gpus_per_node: int = 8
     nodes: int = 1

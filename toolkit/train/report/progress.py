@@ -62,7 +62,7 @@ def start_lines(about: dict) -> list:
         targets = lora.get("adapted") or lora.get("targets")  # linears, fused expert parameters
         lines.append(f"LoRA: r {lora['r']}, alpha {lora.get('alpha') or 2 * lora['r']}, on "
                      f"{', '.join(targets or ['the default targets'])}; {trains} parameters train")
-        if lora.get("experts_frozen"):  # an MoE model whose experts the flags leave out (toolkit.train.lora)
+        if lora.get("experts_frozen"):  # an MoE model whose experts the flags leave out (models.lora.adapters)
             lines.append(f"LoRA: {lora['experts_frozen']}")
     else:
         lines.append(f"training: all {trains} trainable parameters")

@@ -139,7 +139,7 @@ class Trackers:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def _write_ids(self) -> None:
-        from toolkit.config.generate import write_text
+        from toolkit.files import write_text
 
         write_text(json.dumps(self.ids, indent=1) + "\n", str(self.folder.trackers), force=True, flag="--out's")
 

@@ -1,4 +1,4 @@
-"""LoRA on an MoE model's fused experts, a model concern (toolkit.train.lora's defaults include them).
+"""LoRA on an MoE model's fused experts, a model concern (models.lora.adapters' defaults include them).
 
 transformers 5 holds experts as 3-D parameters (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)), not
 nn.Linear modules; peft adapts them through LoraConfig.target_parameters (its lora.ParamWrapper: lora_A (r E, in),
