@@ -1,10 +1,10 @@
-"""The sweep's tables: bench/results/arch_sweep.json and .md (written by bench/arch_sweep.py) and the README's
-supported-architecture section, made from the committed arch_sweep.json.
+"""The sweep's tables: bench/results/arch_sweep.json and .md (written by bench/arch_sweep.py) and the supported-
+architecture section of docs/models.md, made from the committed arch_sweep.json.
 
-    .venv/bin/python bench/arch_table.py      # rewrite the section between the markers in README.md
+    .venv/bin/python bench/arch_table.py      # rewrite the section between the markers in docs/models.md
 
-tests/bench/test_arch_sweep.py checks that README.md holds exactly what this makes from the committed
-table, so the README says what the last sweep measured.
+tests/bench/test_arch_sweep.py checks that docs/models.md holds exactly what this makes from the committed
+table, so the page says what the last sweep measured.
 """
 
 import json
@@ -17,7 +17,7 @@ TABLE = ROOT / "bench" / "results" / "arch_sweep.json"
 BEGIN, END = "<!-- arch-sweep:begin -->", "<!-- arch-sweep:end -->"
 OUTCOMES = ("crash", "mismatch", "config", "refused", "exact")  # table order: worst first
 
-# refusal reason -> the kind shown in the README (first match wins)
+# refusal reason -> the kind shown in docs/models.md (first match wins)
 KINDS = [
     (r"is '[^']*(indexed|compressed)[^']*'", "indexed or compressed attention (inputs of their own)"),
     (r"is '[^']*(linear|conv|mamba|recurrent|ssm|delta)[^']*'|causal convolution",
@@ -132,14 +132,14 @@ def write_results(rows: list, out: Path, command: str, merge: bool) -> tuple:
     return path, md
 
 
-def update(readme: Path = ROOT / "README.md", table_path: Path = TABLE) -> bool:
-    """Rewrite the README's section; True when it changed."""
-    text = readme.read_text()
+def update(page: Path = ROOT / "docs" / "models.md", table_path: Path = TABLE) -> bool:
+    """Rewrite the page's section; True when it changed."""
+    text = page.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
     new = text[:start] + section(json.loads(table_path.read_text())) + text[end:]
-    readme.write_text(new)
+    page.write_text(new)
     return new != text
 
 
 if __name__ == "__main__":
-    print("README.md updated" if update() else "README.md already current", file=sys.stderr)
+    print("docs/models.md updated" if update() else "docs/models.md already current", file=sys.stderr)

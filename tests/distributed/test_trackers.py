@@ -216,7 +216,7 @@ def test_deepspeed_settings_that_would_fail_late_are_refused_by_check(tmp_path, 
 def test_a_tracker_folder_that_cannot_be_written_is_refused_by_check_and_dropped_by_a_run(tmp_path, capsys):
     """OUT/tensorboard unwritable (here a file where the folder goes: root writes through permissions) once killed
     the run when the tracker opened; --check now names it, and a run that meets it anyway (made meanwhile)
-    names the tracker once and trains on, as the README says of a failing tracker."""
+    names the tracker once and trains on, as docs/training.md says of a failing tracker."""
     from toolkit.checkpoint.run_folder import RunFolder
     from toolkit.train.report.trackers import Trackers
 
