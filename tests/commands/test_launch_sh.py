@@ -3,6 +3,7 @@
 Bad counts and stages that do not divide the processes: test_refusals_launch.py."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +23,10 @@ def test_dry_run_prints_the_deepspeed_command(tmp_path):
     cfg.write_text("{}")
     run = launch_sh("--num-gpus", "2", "--config", str(cfg), "--dry-run", "--", "--model", "tiny-gpt2", "--steps", "5")
     assert run.returncode == 0, run.stderr
-    assert "-m deepspeed.launcher.runner --master_port " in run.stdout and " --num_gpus 2 " in run.stdout  # a free port
+    assert "-m deepspeed.launcher.runner " in run.stdout and " --num_gpus 2 " in run.stdout
+    port = int(re.search(r" --master_port (\d+) ", run.stdout).group(1))  # drawn outside the ephemeral range
+    low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not low <= port <= high and port >= 1024, port
     assert (f"--log_level critical --module toolkit.train --config {cfg} "
             "--model tiny-gpt2 --steps 5") in run.stdout
 

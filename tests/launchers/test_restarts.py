@@ -99,9 +99,7 @@ def test_sigusr1_with_save_on_signal_saves_the_step_and_stops(config, tmp_path):
 
 
 def test_a_taken_master_port_is_one_line_and_a_drawn_one_is_drawn_again(config, tmp_path):
-    with socket.socket() as held:
-        held.bind(("", 0))
-        held.listen()
+    with socket.create_server(("", 0)) as held:  # another process's server on the port
         port = held.getsockname()[1]
         done = launch_sh("--num-gpus", 2, "--master-port", port, "--config", config, "--", *COMMON, "--out",
                          tmp_path / "given", "--steps", 1, "--no-export", env=ENV)
