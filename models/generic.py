@@ -163,6 +163,19 @@ def build_generic(source, config) -> PipelineSpec:
         param_counts=[_numel(source.skeleton, n) for n in hf_names], hf_names=hf_names)
 
 
+def generic_head(model, config) -> str | None:
+    """Why `model`'s CausalLM forward may do more between its base model and its loss than this module's head and
+    LogitTransform do (the sweep of bench/arch_sweep.py shows every model type it accepts exact), else None."""
+    if getattr(config.get_text_config(), "output_router_logits", False):
+        return (f"model_type {config.model_type!r} has output_router_logits: its forward adds the router aux loss, "
+                "which pp 1 leaves to HF's own loss")
+    try:
+        _module_names(model, config)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def _module_names(model, config):
     """(pre-layer names, block names, post-layer names, head name, rotary name) in the HF model."""
     from models.discover import decoder_structure

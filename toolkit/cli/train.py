@@ -119,6 +119,11 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "--chat-template; --out (writable; used or not; not in use by a run training there); with --resume, that "
               "the latest checkpoint is whole and was written by this run on this token stream (its files by content).")
 @click.option("--world-size", type=click.IntRange(min=1), metavar="N", help="Processes the run will have (with --check).")
+@click.option("--tiled-loss", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Compute the causal LM loss with the head inside it, in tiles of tokens, so a micro-batch's logits "
+              "(tokens x vocabulary, fp32) never exist whole: the same loss and gradients for one more head matmul. "
+              "auto: on where a micro-batch's logits would take 1 GiB or more (Llama 3: 2048 tokens); the run's "
+              "opening lines say which and why.")
 @click.option("--step-timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="End the run when a step, an "
               "evaluation or a checkpoint save lasts longer than this on any rank (a stuck collective, a hung GPU): "
               "each rank names where it was; under launch.sh --max-restarts the run restarts from its last checkpoint. "

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
-                    lora=None, seed: int = 0, schedule: str = "1f1b"):
+                    lora=None, seed: int = 0, schedule: str = "1f1b", tiled_loss: str = "off"):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
     with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); the run's
     manifest entries: pp, parts, hf_names, tied (+ lora, tp), for checkpoint.manifest.save_meta).
@@ -35,7 +35,9 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     config: the run's HF config; checked against the directory's (num_labels) when given.
     lora: LoraSettings (needs config); a model in memory must be the HF model inside lora.apply's
     PeftModel. seed: the adapters' (lora.init_adapters). schedule "dualpipev": a DualPipeVModule cut into 2 pp
-    stages by the same partitioner (toolkit.distributed.dualpipev), rank r holding stages r and 2 pp - 1 - r."""
+    stages by the same partitioner (toolkit.distributed.dualpipev), rank r holding stages r and 2 pp - 1 - r.
+    tiled_loss: --tiled-loss (auto, on, off): the last stage's loss takes the head and computes it in tiles of
+    tokens (models.tiled_loss); the module's dstk_tiled_loss says (on, why)."""
     import torch
 
     import models
@@ -80,6 +82,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     if topo.sp > 1:
         _sequence_parallel(module, spec, topo, cfg)
         record["sp"] = topo.sp
+    _tile_loss(module, spec, topo, cfg, seq_len, tiled_loss, schedule)
     if plan is not None:
         models.mark_grad_norm_owners(module)
         record["tp"] = topo.tp
@@ -123,6 +126,24 @@ def _sequence_parallel(module, spec, topo, cfg: dict) -> None:
     shard_stage(module, spec.kinds, topo.sp, topo.sp_rank(dist.get_rank()))
     register(spec.config, topo.sp, config_batch(cfg, topo.dp).mbs)
     module.loss_fn = PipelineLoss(topo.sp)
+
+
+def _tile_loss(module, spec, topo, cfg: dict, seq_len: int, mode: str, schedule: str) -> None:
+    """--tiled-loss for a pipeline (models.tiled_loss.choose: the same answer on every rank): the head stage's
+    loss tiled; module.dstk_tiled_loss = (on, why)."""
+    from models.tiled_loss import choose, tile_pipeline_head
+    from toolkit.distributed.topology import config_batch
+
+    blocker = None
+    if spec.task != "causal-lm":
+        blocker = f"--task {spec.task}: only the causal LM loss is tiled"
+    elif schedule == "dualpipev":
+        blocker = "--schedule dualpipev computes its loss on rank 0's head stage, which dstk does not tile"
+    vocab = spec.config.get_text_config().vocab_size
+    tokens = config_batch(cfg, topo.dp).mbs * seq_len // topo.sp
+    module.dstk_tiled_loss = choose(mode, tokens, vocab, blocker)
+    if module.dstk_tiled_loss[0]:
+        tile_pipeline_head(module, vocab)
 
 
 def _tp_plan(config, task: str, cfg: dict, tp: int):
