@@ -233,11 +233,11 @@ def test_qlora_computes_in_the_runs_precision(cfg, name):
 
 def test_the_planner_counts_bf16_optimizers_fp32_gradient_buffer(ds_world1):
     """generate-config's bf16 default (ZeRO-1, grad_accum_dtype fp32) on a real engine: the model-state bytes
-    it holds after a backward (toolkit.train.footprint) against toolkit.plan.memory.rank's prediction."""
+    it holds after a backward (toolkit.train.report.footprint) against toolkit.plan.memory.rank's prediction."""
     import deepspeed
 
     from toolkit.plan.memory.rank import model_state_bytes
-    from toolkit.train.footprint import held_bytes
+    from toolkit.train.report.footprint import held_bytes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(8)])

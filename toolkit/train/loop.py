@@ -27,7 +27,8 @@ from toolkit.data.transfer import to_device
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
 from models.weights import loading
-from toolkit.train import hf, tf32, wrappers
+from toolkit.train import hf, tf32
+from toolkit.train.engine import initialize, load
 from toolkit.train.report import ProgressLog, memory, per_rank
 from toolkit.train.report.summary import throughput
 from toolkit.train.report.step_stats import StepStats
@@ -120,7 +121,7 @@ def trust_notes(args) -> list:
 def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, steps: int, resume) -> dict:
     """What the run is, for rank 0's opening block and the summary: model, dtype, layout, batch,
     parameters (counted over the world: a collective, every rank calls it), LoRA, resume."""
-    from toolkit.train.footprint import parameter_counts
+    from toolkit.train.report.footprint import parameter_counts
 
     params, trainable = parameter_counts(engine, topo, record)
     dtype = dtype_of(cfg)
@@ -220,7 +221,7 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
         from models.attention import share_additive_masks
 
         share_additive_masks(config)
-    return wrappers.initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
+    return initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
 
 
 def run_record(args, record: dict, topo, cfg: dict) -> tuple:
@@ -263,7 +264,7 @@ def _resume(engine, ckpt_dir: Path, tag: str, record: dict, save_frozen: bool, s
         return
     # without the base (LoRA from a directory, QLoRA) the module loads non-strictly: the frozen base was
     # just read from --model, and only the adapters come from the checkpoint
-    loaded = wrappers.load(engine, ckpt_dir, tag, strict=save_frozen)
+    loaded = load(engine, ckpt_dir, tag, strict=save_frozen)
     with agree("loading the checkpoint"):
         if loaded is None:  # DeepSpeed only warns and goes on with the fresh weights
             raise UnusableInput(f"--resume: {ckpt_dir / tag} could not be loaded (files missing on rank "
