@@ -65,18 +65,18 @@ def training_arguments(cfg: dict, out: str, steps: int, seed: int, cpu: bool = F
 
 
 def training_rows(opts, cfg: dict) -> list:
-    """The rows dstk's run of these flags trains on, in its order (dp 1): its data options (loop.data_options),
+    """The rows dstk's run of these flags trains on, in its order (dp 1): its data options (job.data_options),
     preparation (toolkit.data.prepare) and sampler (ShardedBatches, --seed), opts.steps x gas micro-batches of
     mbs rows, each row {"input_ids", "doc_ids", "labels"}."""
     from toolkit import data
-    from toolkit.train import hf, loop
+    from toolkit.train import hf, job
     from toolkit.train.runner import TrainArgs
 
     args = TrainArgs(model=opts.model, data=opts.data, config=opts.config, seq_len=opts.seq_len, eval_fraction=0.0,
                      seed=opts.seed, attention=opts.attention)
     tokenizer = hf.load_tokenizer(args.model)
     config = hf.load_config(args.model, tokenizer, args.task, attention=args.attention)
-    prepared = data.prepare(loop.data_options(args, hf.max_positions(config)), tokenizer)
+    prepared = data.prepare(job.data_options(args, hf.max_positions(config)), tokenizer)
     mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     batches = data.ShardedBatches(prepared.train, mbs, gas, 1, 0, args.seed).micro_batches(0)
     rows = []

@@ -60,7 +60,7 @@ def ds_world1():
 def _transformers_interfaces_as_shipped():
     """Every test starts and ends with transformers' attention and mask interfaces as transformers ships them: dstk
     installs attention and mask functions process-wide in a rank (Ulysses' core, no mask under sp, additive sdpa
-    masks at pp 1: toolkit.train.loop.start_engine), so an in-process engine built by one test would otherwise
+    masks at pp 1: toolkit.train.engine.start_engine), so an in-process engine built by one test would otherwise
     change the masks every later test of this process sees. Nothing to do before transformers is imported."""
     import sys
 

@@ -96,7 +96,7 @@ def test_each_format_trains_through_the_launcher_and_the_loss_falls(runs, kind):
 
 
 def _options(args: list):
-    """The DataOptions a run's flags make (what toolkit.train.loop.data_options builds from TrainArgs)."""
+    """The DataOptions a run's flags make (what toolkit.train.job.data_options builds from TrainArgs)."""
     from toolkit import data
 
     flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.train.footprint import held_bytes  # what the run summary reports, counted the same way
+from toolkit.train.report.footprint import held_bytes  # what the run summary reports, counted the same way
 
 HIDDEN, LAYERS, BUCKET = 512, 8, 100_000  # 8 x Linear(512, 512): 2.1M parameters, 8.4 MB in fp32
 CASES = [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2), (1, 2)]  # (zero, pp)

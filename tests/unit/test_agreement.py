@@ -77,7 +77,7 @@ def saved_tag(tmp_path, positions: dict):
 def test_a_streaming_resume_on_more_stages_finds_each_replicas_place(tmp_path):
     """pp 1 -> pp 2: rank 1 saved no position of its own (once refused on rank 1 alone, then hung the others): a
     place is its replica's, so both stages of the replica resume from rank 0's."""
-    from toolkit.train.loop import stream_position
+    from toolkit.train.job import stream_position
 
     tag = saved_tag(tmp_path, {0: (1, 0)})
     saved = {"dp": 1, "pp": 1, "tp": 1, "sp": 1}
@@ -87,7 +87,7 @@ def test_a_streaming_resume_on_more_stages_finds_each_replicas_place(tmp_path):
 def test_a_streaming_resume_that_keeps_dp_but_not_the_ranks_resumes_and_another_dp_is_refused(tmp_path):
     """dp 2 x sp 2 -> dp 2 x sp 1: rank 1 saved dp rank 0's position (the message said "belongs to dp rank 0 of 2"
     with dp unchanged); each replica's place is found by replica. dp 2 -> dp 1 is refused, naming both layouts."""
-    from toolkit.train.loop import stream_position
+    from toolkit.train.job import stream_position
 
     tag = saved_tag(tmp_path, {0: (2, 0), 1: (2, 0), 2: (2, 1), 3: (2, 1)})
     saved = {"dp": 2, "pp": 1, "tp": 1, "sp": 2}

@@ -130,7 +130,7 @@ def test_flash_keeps_packed_documents_apart_at_micro_batch_2_in_a_pipeline(ds_wo
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_flash_keeps_packed_documents_apart_at_micro_batch_2_at_pp1(ds_world1, flash, model_type):
-    """What toolkit.train.loop._forward hands the HF model at pp = 1."""
+    """What toolkit.train.loop.forward_loss hands the HF model at pp = 1."""
     hf = flash(small_model(model_type))
     (ids, doc_ids), labels, docs = packed_batch(hf.config)
     with torch.no_grad():
@@ -189,11 +189,12 @@ def test_pp1_layers_share_one_additive_mask_per_kind(interfaces, model_type, row
 
 
 def test_a_pp1_engine_hands_every_layer_one_additive_mask_in_its_dtype(ds_world1, interfaces):
-    """What toolkit.train.loop does at pp = 1: start_engine installs the builder, forward_loss runs the engine (bf16
+    """What toolkit.train does at pp = 1: engine.start_engine installs the builder, forward_loss runs the engine (bf16
     here: the mask in the activations' dtype, not the batch's or fp32)."""
     from tests.configs import ds_config
     from toolkit.distributed.topology import Topology
-    from toolkit.train.loop import forward_loss, start_engine
+    from toolkit.train.engine import start_engine
+    from toolkit.train.loop import forward_loss
     from toolkit.train.parity import packed_batch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -133,7 +133,7 @@ def test_parity_wraps_the_cached_model(offline_cache):
 
 
 def test_train_check_reads_the_cached_folder_and_resume_compares_folders(offline_cache, tmp_path):
-    from toolkit.train.loop import run_identity
+    from toolkit.train.job import run_identity
     from toolkit.train.runner import TrainArgs, local_inputs
 
     from tests.unit.test_train_refusals import CORPUS, train_config, train_entry

@@ -109,7 +109,7 @@ def test_pp1_batches_follow_the_engine_device():
 
 
 def test_weight_decay_skips_biases_norms_and_embeddings():
-    from toolkit.train.loop import param_groups
+    from toolkit.train.engine import param_groups
 
     tok = hf.byte_tokenizer()
     model = loading.build_model("tiny-gpt2", hf.load_config("tiny-gpt2", tok, "causal-lm"), "causal-lm", 0)
@@ -125,7 +125,7 @@ def test_weight_decay_skips_biases_norms_and_embeddings():
 def test_pp1_activation_checkpointing_in_the_config_is_honoured(ds_world1):
     """Same loss and gradients, fewer bytes saved for backward (counted with saved_tensors_hooks)."""
     from toolkit.distributed.topology import Topology
-    from toolkit.train.loop import make_model
+    from toolkit.train.engine import make_model
     from toolkit.train.runner import TrainArgs
 
     tok = hf.byte_tokenizer()
@@ -227,17 +227,17 @@ def test_zero0_masters_from_fusedadams_flat_groups():
 @pytest.mark.parametrize("cfg, name", [({"fp16": {"enabled": True}}, "float16"), ({"bf16": {"enabled": True}}, "bfloat16"),
                                        ({"bfloat16": {"enabled": True}}, "bfloat16"), ({}, "float32")])
 def test_qlora_computes_in_the_runs_precision(cfg, name):
-    """QLoRA's bnb_4bit_compute_dtype (loop.make_model) is the run's: an fp16 config computed in fp32 before."""
+    """QLoRA's bnb_4bit_compute_dtype (engine.make_model) is the run's: an fp16 config computed in fp32 before."""
     assert str(loading.param_dtype(cfg)).removeprefix("torch.") == name and hasattr(torch, name)
 
 
 def test_the_planner_counts_bf16_optimizers_fp32_gradient_buffer(ds_world1):
     """generate-config's bf16 default (ZeRO-1, grad_accum_dtype fp32) on a real engine: the model-state bytes
-    it holds after a backward (toolkit.train.footprint) against toolkit.plan.memory.rank's prediction."""
+    it holds after a backward (toolkit.train.report.footprint) against toolkit.plan.memory.rank's prediction."""
     import deepspeed
 
     from toolkit.plan.memory.rank import model_state_bytes
-    from toolkit.train.footprint import held_bytes
+    from toolkit.train.report.footprint import held_bytes
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(8)])

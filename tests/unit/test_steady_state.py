@@ -65,7 +65,7 @@ def test_a_run_counts_its_peak_from_the_built_engine_and_its_rate_from_step_2(ds
     peak host memory leaves the transient out and its load_peak keeps it; the summary's tokens/s is steps
     2-3's (their tokens over their seconds in metrics.jsonl), not an average with step 1. On CPU --tf32 is
     a no-op that the opening block states, and torch's flag stays off."""
-    from toolkit.train import loop
+    from toolkit.train import job, loop
     from toolkit.train.runner import run
 
     calls = []
@@ -80,7 +80,7 @@ def test_a_run_counts_its_peak_from_the_built_engine_and_its_rate_from_step_2(ds
 
         return called
 
-    monkeypatch.setattr(loop, "start_engine", spy("engine", loop.start_engine, after=_balloon))
+    monkeypatch.setattr(job, "start_engine", spy("engine", job.start_engine, after=_balloon))
     monkeypatch.setattr(memory, "reset_peaks", spy("reset", memory.reset_peaks))
     monkeypatch.setattr(loop, "train_step", spy("step", loop.train_step))
     summary = run(_args(tmp_path, steps=3, tf32=True, eval_fraction=0.0))

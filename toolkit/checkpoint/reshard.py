@@ -120,7 +120,7 @@ def _check_empty(out: Path) -> None:
 
 def _write(out: Path, ckpt_dir: Path, tag: str, manifest: dict, state, positions: list) -> int:
     """OUT/checkpoints: the run's dstk/ with `manifest`, the tag's state by HF name, its stream positions (a
-    --streaming run's, found by replica on resume: toolkit.train.loop.stream_position), `latest`; written in a
+    --streaming run's, found by replica on resume: toolkit.train.job.stream_position), `latest`; written in a
     temporary folder beside OUT and renamed into it, whole. Returns the state's bytes."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.dstk-", dir=out.absolute().parent))
     try:

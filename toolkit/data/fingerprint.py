@@ -1,5 +1,5 @@
 """One content fingerprint for every input of a run's token stream: --data, --eval-data, the tokenizer's files and
---chat-template. A checkpoint's manifest records them (toolkit.train.loop.run_identity) and a resume compares them
+--chat-template. A checkpoint's manifest records them (toolkit.train.job.run_identity) and a resume compares them
 (compare, through toolkit.checkpoint.manifest.check_resumable): an input edited in place is refused, the same
 content at another path is the same input.
 

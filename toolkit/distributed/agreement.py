@@ -23,7 +23,7 @@ rest of its phase and goes to the agreement; if the others then entered a collec
 would wait there for it. So phases hold local work (reading files, checks); functions with collectives of
 their own agree before each (once_per_node, shared_with_rank0, portable.stage). Where that cannot hold,
 an error stays its rank's: a pipeline stage reading its own layers inside DeepSpeed's PipelineModule, between
-its collectives (toolkit.train.loop.model_of_rank prints it on that rank), and anything once training runs.
+its collectives (toolkit.train.engine.model_of_rank prints it on that rank), and anything once training runs.
 """
 
 from contextlib import contextmanager

@@ -1,5 +1,5 @@
 """DeepSpeed's optimizer wrappers for bf16/fp16 weights, and what dstk does around them (deepspeed 0.19): which
-wrapper an engine holds, and the state dstk gives it. The trainer (toolkit.train.wrappers: the engine built, a
+wrapper an engine holds, and the state dstk gives it. The trainer (toolkit.train.engine: the engine built, a
 checkpoint loaded) and the checkpoints (toolkit.checkpoint.portable: a state restored by HF name) both read it.
 
 DeepSpeed picks the wrapper from the weights' dtype, the gradient-accumulation dtype
@@ -17,7 +17,7 @@ Three of these need dstk's help:
     (its first real update is 0.74 lr instead of lr) and AdamW decays the masters once. `settle` forgets that step.
   - BF16_Optimizer at ZeRO-0 saves its state per dp rank (bf16_zero_pp_rank_*), as under ZeRO, but the engine
     hands it the model states' single dict when it loads (engine.py:4696 -> bf16_optimizer.py:670,
-    `state_dict_list[dp_rank]`: KeyError 0). toolkit.train.wrappers.load has DeepSpeed read those files itself.
+    `state_dict_list[dp_rank]`: KeyError 0). toolkit.train.engine.load has DeepSpeed read those files itself.
   - the FP16 wrappers' base optimizer steps their fp32 masters, not the module's parameters: a state restored by HF
     name (toolkit.checkpoint.portable) goes there through `restore_masters`.
 """

@@ -302,7 +302,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
         check_streamable(args.data, args.eval_fraction, args.eval_data, args.steps, args.task)
         if world_size is not None:  # a document for every dp rank (the first dp documents read, no more); what
-            # open_stream reads of the data options (loop.data_options would import torch: --check starts fast)
+            # open_stream reads of the data options (job.data_options would import torch: --check starts fast)
             opts = SimpleNamespace(path=args.data, encoding=args.encoding, task=args.task, format=args.format,
                                    text_field=args.text_field)
             check_rows_for_dp(opts, world_size // (pp * tp_of(cfg) * sp_of(cfg)))
@@ -315,7 +315,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         raise ConfigError("--resume-with-new-data continues a run: pass it with --resume")
     if args.resume and local is not None:  # the run's own token stream and model, before any rank starts
         from toolkit.checkpoint import manifest
-        from toolkit.train.loop import run_identity
+        from toolkit.train.job import run_identity
 
         from toolkit.checkpoint import safe_load
 
@@ -387,6 +387,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     from toolkit.distributed.agreement import agree
     from toolkit.train import lora
     from toolkit.train import loop as train_loop
+    from toolkit.train.engine import rank_device
     from toolkit.export.directory import export
     from toolkit.train.report import StartClock
 
@@ -396,7 +397,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
     clock.mark("checks")
     _log_levels(args.verbose)
     dist = process_group.init()
-    resilience.know_peers(train_loop.rank_device())
+    resilience.know_peers(rank_device())
     clock.mark("process group")
     folder = run_folder.RunFolder(args.out)
     ckpt_dir = folder.checkpoints
@@ -441,7 +442,7 @@ def run_locked(args: TrainArgs, out_lock, teardown: bool = False, recipe: str | 
 
 
 def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
-    """(args with local inputs, loop.Job) once the process group is up: --out's lock taken by rank 0 (out_lock, a
+    """(args with local inputs, job.Job) once the process group is up: --out's lock taken by rank 0 (out_lock, a
     toolkit.checkpoint.lock.RunLock) and what --out holds judged under it, the checks that need the group, --out
     cleared for --overwrite, then the data, model and engine. Where ranks may part ways (each reads its own files),
     they agree (toolkit.distributed.agreement): an error only some reach is every rank's, one line."""
@@ -449,8 +450,8 @@ def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
 
     from toolkit.checkpoint import manifest, run_folder, safe_load
     from toolkit.distributed.agreement import agree
+    from toolkit.train import job as train_job
     from toolkit.train import lora
-    from toolkit.train import loop as train_loop
 
     with agree("checking the config, --out and the model"):
         # first in the phase, so every rank reaches its broadcast; its refusal is every rank's already
@@ -472,13 +473,13 @@ def set_up(args: TrainArgs, world: int | None, clock, out_lock) -> tuple:
     # nobody writes into --out before it is cleared, however long it takes (--resume and --overwrite exclude each other)
     with agree("checking the checkpoint to resume" if resume_tag else "clearing --out", name_ranks=bool(resume_tag)):
         if resume_tag:
-            manifest.check_resumable(ckpt_dir, train_loop.run_identity(args, topo, cfg), resume_tag,
+            manifest.check_resumable(ckpt_dir, train_job.run_identity(args, topo, cfg), resume_tag,
                                      new_data=args.resume_with_new_data)
             safe_load.trust(args.trust_checkpoint)
             safe_load.check_tag(ckpt_dir / resume_tag)  # before DeepSpeed or dstk loads any of it
         if args.overwrite and dist.get_rank() == 0:
             run_folder.clear(args.out)
-    return args, train_loop.prepare(args, cfg, topo, dp_rank, resume_tag, clock)
+    return args, train_job.prepare(args, cfg, topo, dp_rank, resume_tag, clock)
 
 
 def write_summary(path: Path, summary: dict) -> None:

@@ -1,4 +1,5 @@
-"""Rank 0's progress: the opening block (start_lines, with StartClock's "ready after"), then per step a line
+"""Rank 0's progress: the opening block (describe: what the run is, every rank counting its parameters; start_lines,
+with StartClock's "ready after"), then per step a line
 in OUT/metrics.jsonl, a bar on a terminal or a plain line in a log file, and the experiment trackers
 (--report-to)."""
 
@@ -42,6 +43,33 @@ def _process_start():
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, steps: int, resume) -> dict:
+    """What the run is, for rank 0's opening block and the summary: model, dtype, layout, batch,
+    parameters (counted over the world: a collective, every rank calls it), LoRA, resume."""
+    from toolkit.train.engine import dtype_of
+    from toolkit.train.report.footprint import parameter_counts
+
+    params, trainable = parameter_counts(engine, topo, record)
+    dtype = dtype_of(cfg)
+    name = (args.hub_ids or {}).get("--model") or Path(args.model).name or args.model  # a hub id, not its commit
+    return {"model": args.model, "model_name": name, "from_dir": Path(args.model).is_dir(),
+            "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
+            "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp, "sp": topo.sp,
+                       "schedule": args.schedule if topo.pp > 1 else None,  # pp 1 runs no pipeline schedule
+                       "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
+            "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len,
+            "lora": record.get("lora_adapters") or record.get("lora"), "start_step": start, "steps": steps,
+            "resume": resume}
+
+
+def trust_notes(args) -> list:
+    """The opening block's word on --trust-checkpoint: the checkpoint was loaded as pickles, unchecked."""
+    if not args.trust_checkpoint:
+        return []
+    return ["--trust-checkpoint: the checkpoint's .pt files were loaded as pickles (torch.load weights_only=False), "
+            "unchecked: any code in them ran"]
 
 
 def start_lines(about: dict) -> list:

@@ -142,14 +142,14 @@ def draw_loss_png(steps: list, summary: dict | None, path) -> dict:
 def per_rank(engine, load: dict | None = None) -> dict:
     """Per global rank, in one gather: the parameter elements its module holds (a pipeline stage: its
     own layers; ZeRO-3: placeholders hold 0) and how many of them train; the model-state MiB the
-    engine holds at the end (toolkit.train.footprint: weights, gradients, masters, optimizer states); the
+    engine holds at the end (toolkit.train.report.footprint: weights, gradients, masters, optimizer states); the
     most memory (MiB) held in training, from just before its first step (report.memory): host (resident
     set) and GPU (torch.cuda.max_memory_allocated; None off CUDA); and, from `load` (what
     memory.reset_peaks returned then), the same two peaks up to that point: loading the model, data and
     engine (load_peak_*; None when not given)."""
     import torch.distributed as dist
 
-    from toolkit.train.footprint import held_bytes
+    from toolkit.train.report.footprint import held_bytes
     from toolkit.train.report.memory import gpu_peak_mib, host_peak_mib
 
     params = [p for p in engine.module.parameters()]
