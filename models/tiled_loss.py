@@ -35,7 +35,9 @@ def choose(mode: str, tokens: int, vocab: int, blocker: str | None = None) -> tu
     (`--tiled-loss on` is then refused)."""
     from toolkit.errors import ConfigError
 
-    size = f"a micro-batch's logits are {logits_bytes(tokens, vocab) / 2**30:.2f} GiB in fp32"
+    need = logits_bytes(tokens, vocab)
+    size = f"a micro-batch's logits are {need / 2**30:.2f} GiB in fp32" if need >= 2**28 else \
+        f"a micro-batch's logits are {need / 2**20:.1f} MiB in fp32"
     if blocker is not None:
         if mode == "on":
             raise ConfigError(f"--tiled-loss on: {blocker}; use --tiled-loss auto or off")
@@ -43,7 +45,7 @@ def choose(mode: str, tokens: int, vocab: int, blocker: str | None = None) -> tu
     if mode != "auto":
         return mode == "on", f"--tiled-loss {mode}; {size}"
     on = logits_bytes(tokens, vocab) >= AUTO_BYTES
-    return on, f"{size}, {'at least' if on else 'below'} {AUTO_BYTES / 2**30:g} GiB (--tiled-loss on/off to choose)"
+    return on, f"{size}, {'at least' if on else 'below'} {AUTO_BYTES / 2**30:g} GiB; --tiled-loss on/off to choose"
 
 
 def tile_tokens(vocab: int) -> int:
@@ -103,9 +105,11 @@ def tiled_head_loss(head, hidden: torch.Tensor, shift_labels: torch.Tensor, voca
 
 
 def _parameters(head) -> list:
-    """The weights a head callable computes with: a module's, a HeadOnly's, or those of the module a
-    functools.partial binds first (DeepSpeed's tied head: partial(forward_fn, the tied module))."""
-    owner = head.args[0] if getattr(head, "func", None) and getattr(head, "args", None) else head
+    """The weights a head callable computes with: a module's, a HeadOnly's, a bound method's module, or those of
+    the module a functools.partial binds first (DeepSpeed's tied head: partial(forward_fn, the tied module))."""
+    owner = getattr(head, "__self__", head)
+    if getattr(head, "func", None) is not None and getattr(head, "args", None):
+        owner = head.args[0]
     return list(owner.parameters()) if hasattr(owner, "parameters") else []
 
 
@@ -204,6 +208,11 @@ def tile_pipeline_head(module, vocab: int) -> bool:
     if getattr(module, "_local_stop", None) != len(module._layer_specs):
         return False
     head = module.forward_funcs[-1]
-    module.forward_funcs[-1] = _pass_hidden
+    if isinstance(head, torch.nn.Module):  # kept in its place: DeepSpeed saves and loads a layer's weights from there
+        computes = types.MethodType(type(head).forward, head)
+        head.forward = _pass_hidden
+        head = computes
+    else:  # the tied head's partial (its weights are saved with the embedding's layer)
+        module.forward_funcs[-1] = _pass_hidden
     module.loss_fn = TiledPipelineLoss(head, module.loss_fn, vocab)
     return True

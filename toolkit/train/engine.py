@@ -50,10 +50,14 @@ def make_model(args, config, topo, cfg: dict):
             model = loading.build_model(args.model, config, args.task, args.seed, cfg)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        tiled = tile_loss(args, model, config, topo, cfg)
         if settings is None:
+            model.dstk_tiled_loss = tiled
             return model, {"pp": 1}
         entry = adapters.manifest_entry(settings, model, args.task)
-        return adapters.apply(model, settings, args.task, args.seed), {"pp": 1, "lora": entry}
+        model = adapters.apply(model, settings, args.task, args.seed)
+        model.dstk_tiled_loss = tiled
+        return model, {"pp": 1, "lora": entry}
     from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():
@@ -64,7 +68,23 @@ def make_model(args, config, topo, cfg: dict):
         if settings is not None:
             source = adapters.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
-                           lora=settings, seed=args.seed, schedule=args.schedule)
+                           lora=settings, seed=args.seed, schedule=args.schedule, tiled_loss=args.tiled_loss)
+
+
+def tile_loss(args, model, config, topo, cfg: dict) -> tuple:
+    """--tiled-loss at pp 1 (models.tiled_loss.choose): the HF model's forward made to compute its loss tiled where
+    its head is one dstk reproduces (models.generic.generic_head); (on, why) for the opening block."""
+    from models.generic import LogitTransform, generic_head
+    from models.tiled_loss import choose, patch_causal_lm
+    from toolkit.distributed.topology import config_batch
+
+    blocker = f"--task {args.task}: only the causal LM loss is tiled" if args.task != "causal-lm" else None
+    blocker = blocker or generic_head(model, config)
+    tokens = config_batch(cfg, topo.dp).mbs * args.seq_len // topo.sp
+    on, why = choose(args.tiled_loss, tokens, config.get_text_config().vocab_size, blocker)
+    if on:
+        patch_causal_lm(model, LogitTransform(config))
+    return on, why
 
 
 def model_of_rank(args, config, topo, cfg: dict):
