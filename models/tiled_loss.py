@@ -15,18 +15,17 @@ last stage of a pipeline (toolkit.distributed.pipeline: the head layer passes th
 the head). The loss equals HF's to fp32 rounding: a sum over tiles in another order.
 """
 
+import functools
 import types
 
-import torch
-import torch.nn.functional as F
-
 IGNORE = -100  # the labels the loss skips (HF's and torch's convention)
-TILE_BYTES = 256 * 2**20  # fp32 logits of one tile; with their softmax and gradient about 4x this at the peak
+TILE_BYTES = 64 * 2**20  # fp32 logits of one tile; with their softmax and gradient about 3x this at the peak
 MIN_TILE = 256  # tokens: smaller tiles would starve the head's matmul
 
 
-AUTO_BYTES = 2**30  # --tiled-loss auto: on from 1 GiB of a micro-batch's fp32 logits (Llama 3's 128K vocabulary:
-# 2048 tokens), where the logits, their softmax and its gradient (about 3 GiB) outweigh one more head matmul
+AUTO_BYTES = 2**29  # --tiled-loss auto: on from 512 MiB of a micro-batch's fp32 logits (Llama 3's 128K vocabulary:
+# 1024 tokens), where the logits, their softmax and its gradient (about 1.5 GiB) outweigh one more head matmul (about
+# 2% of a Llama-3-8B step)
 
 
 def choose(mode: str, tokens: int, vocab: int, blocker: str | None = None) -> tuple:
@@ -36,7 +35,7 @@ def choose(mode: str, tokens: int, vocab: int, blocker: str | None = None) -> tu
     from toolkit.errors import ConfigError
 
     need = logits_bytes(tokens, vocab)
-    size = f"a micro-batch's logits are {need / 2**30:.2f} GiB in fp32" if need >= 2**28 else \
+    size = f"a micro-batch's logits are {need / 2**30:.2f} GiB in fp32" if need >= 2**30 else \
         f"a micro-batch's logits are {need / 2**20:.1f} MiB in fp32"
     if blocker is not None:
         if mode == "on":
@@ -58,50 +57,58 @@ def logits_bytes(tokens: int, vocab: int) -> int:
     return 4 * tokens * vocab
 
 
-class TiledHeadLoss(torch.autograd.Function):
-    """sum over tokens of cross_entropy(head(x).float(), targets), ignoring IGNORE, in tiles of `tile` tokens.
-    x (N, H), targets (N,); `params`: the head's weights (so the sum requires grad when only they do, and ZeRO-2's
-    gradient buckets take their gradient once, after the last tile: DeepSpeed's ds_grad_is_ready)."""
+@functools.cache
+def _tiled_function():
+    """TiledHeadLoss, made on first use (torch imported then)."""
+    import torch
+    import torch.nn.functional as F
 
-    @staticmethod
-    def forward(ctx, head, x, targets, tile, *params):
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
-        with torch.no_grad():
-            for start in range(0, x.shape[0], tile):
-                logits = head(x[start:start + tile]).float()
-                total += F.cross_entropy(logits, targets[start:start + tile], ignore_index=IGNORE, reduction="sum")
-        ctx.head, ctx.tile = head, tile
-        ctx.params = [p for p in params if p.requires_grad]
-        ctx.save_for_backward(x, targets)
-        return total
+    class TiledHeadLoss(torch.autograd.Function):
+        """sum over tokens of cross_entropy(head(x).float(), targets), ignoring IGNORE, in tiles of `tile` tokens.
+        x (N, H), targets (N,); `params`: the head's weights (so the sum requires grad when only they do, and ZeRO-2's
+        gradient buckets take their gradient once, after the last tile: DeepSpeed's ds_grad_is_ready)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, targets = ctx.saved_tensors
-        wants_x = ctx.needs_input_grad[1]
-        x_grad = torch.zeros_like(x) if wants_x else None
-        starts = range(0, x.shape[0], ctx.tile)
-        for i, start in enumerate(starts):
-            for param in ctx.params:
-                param.ds_grad_is_ready = i == len(starts) - 1
-            piece = x[start:start + ctx.tile].detach().requires_grad_(wants_x)
-            with torch.enable_grad():
-                logits = ctx.head(piece).float()
-                loss = F.cross_entropy(logits, targets[start:start + ctx.tile], ignore_index=IGNORE, reduction="sum")
-            if loss.requires_grad:
-                torch.autograd.backward(loss, grad)
-            if wants_x:
-                x_grad[start:start + ctx.tile] = piece.grad
-        return (None, x_grad, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+        @staticmethod
+        def forward(ctx, head, x, targets, tile, *params):
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            with torch.no_grad():
+                for start in range(0, x.shape[0], tile):
+                    logits = head(x[start:start + tile]).float()
+                    total += F.cross_entropy(logits, targets[start:start + tile], ignore_index=IGNORE, reduction="sum")
+            ctx.head, ctx.tile = head, tile
+            ctx.params = [p for p in params if p.requires_grad]
+            ctx.save_for_backward(x, targets)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, targets = ctx.saved_tensors
+            wants_x = ctx.needs_input_grad[1]
+            x_grad = torch.zeros_like(x) if wants_x else None
+            starts = range(0, x.shape[0], ctx.tile)
+            for i, start in enumerate(starts):
+                for param in ctx.params:
+                    param.ds_grad_is_ready = i == len(starts) - 1
+                piece = x[start:start + ctx.tile].detach().requires_grad_(wants_x)
+                with torch.enable_grad():
+                    logits = ctx.head(piece).float()
+                    loss = F.cross_entropy(logits, targets[start:start + ctx.tile], ignore_index=IGNORE, reduction="sum")
+                if loss.requires_grad:
+                    torch.autograd.backward(loss, grad)
+                if wants_x:
+                    x_grad[start:start + ctx.tile] = piece.grad
+            return (None, x_grad, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+    return TiledHeadLoss
 
 
-def tiled_head_loss(head, hidden: torch.Tensor, shift_labels: torch.Tensor, vocab: int) -> torch.Tensor:
+def tiled_head_loss(head, hidden, shift_labels, vocab: int):
     """The summed cross entropy of head(hidden) against `shift_labels` (the label of the next token at each
     position, IGNORE where none), hidden (B, T, H) or (N, H)."""
     params = [p for p in _parameters(head) if p.is_floating_point()]
     x = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(x.device)
-    return TiledHeadLoss.apply(head, x, targets, tile_tokens(vocab), *params)
+    return _tiled_function().apply(head, x, targets, tile_tokens(vocab), *params)
 
 
 def _parameters(head) -> list:
@@ -113,8 +120,10 @@ def _parameters(head) -> list:
     return list(owner.parameters()) if hasattr(owner, "parameters") else []
 
 
-def shifted(labels: torch.Tensor) -> torch.Tensor:
+def shifted(labels):
     """(B, T) labels -> the label each position predicts (the next token's), as HF's ForCausalLMLoss shifts."""
+    import torch.nn.functional as F
+
     return F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
 
 
@@ -135,6 +144,8 @@ class HeadOnly:
 def _decoder(model):
     """The base model a CausalLM's forward runs before its head (Llama4ForCausalLM names its prefix
     language_model but holds it as .model: get_decoder returns the CausalLM itself there)."""
+    import torch
+
     for found in (model.get_decoder(), getattr(model, model.base_model_prefix, None), getattr(model, "model", None)):
         if isinstance(found, torch.nn.Module) and found is not model:
             return found
@@ -146,6 +157,8 @@ def patch_causal_lm(model, transform) -> None:
     tiled_head_loss over the final hidden states, with HF's reduction (the sum over `num_items_in_batch` when
     given, sp's way; else the mean over the labelled tokens). Without labels, or in eval without grad, the
     model's own forward runs. The module tree, and so every parameter's name, is unchanged."""
+    import torch
+
     own = type(model).forward
     weight = model.get_output_embeddings().weight
     vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 holds a partition: its full shape
@@ -205,6 +218,8 @@ def tile_pipeline_head(module, vocab: int) -> bool:
     states on and the loss takes the head (TiledPipelineLoss). The head's weights stay where they were (its
     layer, or the tied embedding's), so names, checkpoints and tied-weight all-reduces are unchanged. Returns
     whether this rank holds the head."""
+    import torch
+
     if getattr(module, "_local_stop", None) != len(module._layer_specs):
         return False
     head = module.forward_funcs[-1]
