@@ -15,8 +15,8 @@ from toolkit.plan.layouts.planner import PlanRequest, estimate_layout
 T, V = 4096, 128256  # llama-3.2-1b's vocabulary
 
 
-def _estimate(**layout):
-    req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=8, gpu="h100-sxm", seq_len=T)
+def _estimate(tiled_loss="off", **layout):
+    req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=8, gpu="h100-sxm", seq_len=T, tiled_loss=tiled_loss)
     return estimate_layout(req, Layout(**{"zero": 1, "mbs": 2, "gas": 8 // layout["dp"], **layout}))
 
 
@@ -41,6 +41,19 @@ def test_the_loss_peak_is_counted_once_on_the_head_stage():
     alone, piped = _estimate(pp=1, dp=8), _estimate(pp=2, dp=4)
     assert alone.loss_peak == piped.loss_peak == 12 * 2 * T * V and piped.stage == 1
     assert alone.activations > alone.loss_peak
+
+
+def test_a_tiled_loss_peaks_at_three_tiles_of_logits_and_its_pipeline_stage_holds_none():
+    """dstk train's default (--tiled-loss auto: on at mbs 2 x 4096 tokens x 128k, 3.9 GiB of logits): the peak is three
+    fp32 tiles of models.tiled_loss.tile_tokens(V) tokens; in a pipeline the head's stage no longer keeps each
+    micro-batch's logits in flight, and stops being the heaviest."""
+    from models.tiled_loss import tile_tokens
+
+    whole, tiled = _estimate(pp=1, dp=8), _estimate(tiled_loss="auto", pp=1, dp=8)
+    assert tiled.loss_peak == 12 * tile_tokens(V) * V < whole.loss_peak
+    assert whole.activations - tiled.activations == whole.loss_peak - tiled.loss_peak
+    whole, tiled = _estimate(pp=2, dp=4), _estimate(tiled_loss="auto", pp=2, dp=4)
+    assert whole.stage == 1 and tiled.stage == 0 and tiled.memory < whole.memory
 
 
 def test_dstk_plan_shows_the_fixed_bytes_and_the_loss_peak(capsys):

@@ -99,10 +99,10 @@ def test_the_last_stages_tiled_loss_is_the_pipelines_loss():
     assert_same(expected, grads(model) | {"hidden": hidden.grad})
 
 
-def test_auto_turns_on_at_a_gib_of_logits_and_on_is_refused_where_it_cannot_be():
-    on, why = tl.choose("auto", 8192, 32000)  # 8192 x 32000 x 4 bytes: 0.98 GiB
-    assert not on and "0.98 GiB" in why and "below 1 GiB" in why
-    assert tl.choose("auto", 8192, 32768)[0] and not tl.choose("off", 10**6, 32768)[0]
+def test_auto_turns_on_at_half_a_gib_of_logits_and_on_is_refused_where_it_cannot_be():
+    on, why = tl.choose("auto", 4096, 32000)  # 4096 x 32000 x 4 bytes: 500 MiB
+    assert not on and "500.0 MiB" in why and "below 0.5 GiB" in why
+    assert tl.choose("auto", 4096, 32768)[0] and not tl.choose("off", 10**6, 32768)[0]
     assert tl.choose("on", 16, 320)[0]
     assert tl.choose("auto", 10**6, 32768, blocker="no head") == (False, "no head")
     with pytest.raises(ConfigError, match="--tiled-loss on: no head; use --tiled-loss auto or off"):

@@ -35,6 +35,9 @@ def _size(ctx, param, value):
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa", show_default=True,
               help="sdpa and flash_attention_2 keep no (seq x seq) attention matrix, eager does; sdpa and eager keep "
               "a (mbs, seq, seq) mask per micro-batch for padded or packed rows, flash_attention_2 none.")
+@click.option("--tiled-loss", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="As dstk train's: the causal LM loss in tiles, counted with a tile's logits instead of the whole "
+              "micro-batch's (auto: where they would take 512 MiB or more).")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
 @click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
 @click.option("--lora", type=int, metavar="R", help="Plan LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights only: no gradients or optimizer states).")

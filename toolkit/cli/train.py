@@ -122,7 +122,7 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--tiled-loss", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Compute the causal LM loss with the head inside it, in tiles of tokens, so a micro-batch's logits "
               "(tokens x vocabulary, fp32) never exist whole: the same loss and gradients for one more head matmul. "
-              "auto: on where a micro-batch's logits would take 1 GiB or more (Llama 3: 2048 tokens); the run's "
+              "auto: on where a micro-batch's logits would take 512 MiB or more (Llama 3: 1024 tokens); the run's "
               "opening lines say which and why.")
 @click.option("--step-timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="End the run when a step, an "
               "evaluation or a checkpoint save lasts longer than this on any rank (a stuck collective, a hung GPU): "

@@ -174,6 +174,8 @@ class Model:
     # layers: what Ulysses' 4 all-to-alls per layer carry (toolkit.plan.layouts.planner.model_of)
     inactive: list | None = None  # per layer, of `params` those one token's forward leaves unused (an MoE
     # block's E - k experts); None: every parameter runs (active = params)
+    head_loss: tuple | None = None  # (vocab, --tiled-loss mode, logits bytes of one sequence the head layer holds):
+    # a causal LM's loss, which dstk train tiles where models.tiled_loss.choose says (tiled_loss_peak)
 
 
 @dataclass(frozen=True)
@@ -246,11 +248,29 @@ def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) 
     stage's attention mask per micro-batch, and the loss's peak once (one loss runs at a time)."""
     # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
     per_layer = [a * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a in model.act[lo:hi]]
+    tiled = tiled_loss_peak(model, lay) if lo <= len(model.act) - 1 < hi else None
+    if tiled is not None:  # the head layer passes the hidden states on: no logits held
+        per_layer[-1] -= model.head_loss[2] * lay.mbs / lay.sp
     ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
     acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, ckpt, [flight])[0]
     acts += (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
-    peak = max((model.peak or [0] * len(model.act))[lo:hi]) * lay.mbs // lay.sp
+    peak = max((model.peak or [0] * len(model.act))[lo:hi]) * lay.mbs // lay.sp if tiled is None else tiled
     return int(acts + peak), peak
+
+
+def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
+    """The loss's peak when dstk train tiles it on this layout (--tiled-loss, models.tiled_loss.choose on a rank's
+    mbs x seq / sp tokens): three fp32 (tile, V) tensors, as loss_peak_bytes counts three of the whole (N, V);
+    None when the loss is not tiled (DualPipeV's, a classifier's)."""
+    from models.tiled_loss import choose, tile_tokens
+
+    if model.head_loss is None or lay.schedule == "dualpipev":
+        return None
+    vocab, mode, _ = model.head_loss
+    tokens = lay.mbs * model.tokens // lay.sp
+    if not choose(mode, tokens, vocab)[0]:
+        return None
+    return 3 * 4 * min(tokens, tile_tokens(vocab)) * vocab
 
 
 def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):

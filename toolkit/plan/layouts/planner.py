@@ -63,6 +63,7 @@ class PlanRequest:
     top: int = 3
     lora: int | None = None  # LoRA rank r: adapters on every block linear train, the base is frozen
     revision: str = "main"  # of a hub id in `model`
+    tiled_loss: str = "auto"  # dstk train --tiled-loss: the causal LM loss in tiles (models.tiled_loss)
 
 
 @dataclass
@@ -245,14 +246,27 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
         recompute = tp_comm_bytes(arch, seq, 1, req.precision, tp, checkpointing=True, pipeline=pipeline) - comm
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
                      _held_logits(per_rank["act"], costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
-                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"])  # dense only: all active
+                     tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"],  # dense only: all active
+                     head_loss=_head_loss(arch, seq, req, pipeline))
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], _held_logits([c.act_bytes for c in costs], costs, arch, seq, req,
                                                             pipeline), boundary, seq,
                  trainable=[c.trainable for c in costs] if req.lora else None, stage_act=stage_act,
                  peak=[c.peak_bytes for c in costs], inactive=[c.inactive for c in costs] if arch.is_moe else None,
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
-                 attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs))
+                 attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs),
+                 head_loss=_head_loss(arch, seq, req, pipeline))
+
+
+def _head_loss(arch, seq: int, req, pipeline: bool) -> tuple | None:
+    """Model.head_loss: a causal LM's (vocab, --tiled-loss, the logits of one sequence its head layer holds: in a
+    pipeline only, _held_logits); None for an encoder's classifier."""
+    from toolkit.plan.cost.layers import logits_bytes
+    from toolkit.plan.memory.precision import PRECISIONS
+
+    if arch.is_encoder:
+        return None
+    return arch.vocab, req.tiled_loss, logits_bytes(arch, seq, 1, PRECISIONS[req.precision].act) if pipeline else 0
 
 
 def _held_logits(act: list, costs, arch, seq: int, req, pipeline: bool) -> list:
