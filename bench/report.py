@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 ORDER = ["cli_startup", "launch_time", "partition", "wrapper_overhead", "train", "dualpipev", "lora", "plan", "data_pipeline",
-         "data_throughput", "long_context", "gpu"]
+         "data_throughput", "long_context", "tiled_loss", "gpu"]
 INTRO = """# Benchmarks
 
 Every figure comes from a script in `bench/` (the command is given with each table) and is also

@@ -35,6 +35,8 @@ SCRIPTS = {
                       ["--mb", "200", "--repeats", "1"]),  # the size: ~25 min, ~20 GB RAM
     "long_context": ("long_context.py", ["--budget-mib", "128", "--reps", "1"],  # ~8 min on 2 cores
                      ["--budget-mib", "256", "--reps", "3"]),
+    "tiled_loss": ("tiled_loss.py", ["--lengths", "8192", "--reps", "1"],  # ~3 min on 2 cores
+                   ["--lengths", "8192", "16384", "--reps", "3"]),
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only
     "gpu": ("gpu_finetune.py", ["--quick"], []),  # CUDA only
 }

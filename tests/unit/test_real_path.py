@@ -133,7 +133,8 @@ def test_pp1_activation_checkpointing_in_the_config_is_honoured(ds_world1):
     args = TrainArgs(model="tiny-llama", data=str(CORPUS), config="-", seq_len=64)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     results = []
-    for cfg in ({}, {"activation_checkpointing": {"partition_activations": False}}):
+    batch = {"train_micro_batch_size_per_gpu": 2}
+    for cfg in (batch, {**batch, "activation_checkpointing": {"partition_activations": False}}):
         model, _ = make_model(args, config, Topology(1), cfg)
         model.train()
         saved = []

@@ -1,0 +1,144 @@
+"""The tiled loss on CPU: activation memory and tokens/s of `dstk train` with the whole logits (--tiled-loss off,
+what dstk did before it) against its default (--tiled-loss auto, on at these lengths), and the planner's
+activations for both.
+
+    python bench/tiled_loss.py                        # ~10 minutes on 2 cores
+    python bench/tiled_loss.py --lengths 8192 --reps 3
+
+Model: a small Llama (bench/long_context.py's: hidden 256, 2 blocks) with a 32000-token vocabulary, random weights,
+the byte tokenizer, fp32, ZeRO-1, mbs 1, gas 1, one rank, activation checkpointing on, one document per row: every
+run is `launch.sh` like a user's. Activations: the run's peak resident set (peak_mem_mib) less that of a 512-token run
+(the process, model and optimizer states). Runs alternate off, auto, off, auto, ...; medians of --reps.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import launch, write_markdown, write_result  # noqa: E402
+from bench.long_context import ARCH, corpus  # noqa: E402
+
+VOCAB = 32000
+BASE_LEN = 512
+MiB = 2**20
+
+
+def build_model(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.train.hf import byte_tokenizer
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=VOCAB, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
+                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **ARCH)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def run(model: Path, length: int, mode: str, steps: int, tmp: Path) -> dict | None:
+    """One launch.sh run of one rank: peak MiB and median tokens/s of its steps after the first; None if it failed."""
+    name = f"{mode}_{length}_{len(list(tmp.iterdir()))}"
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+           "activation_checkpointing": {"partition_activations": False}}
+    (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    data = corpus(tmp / f"{name}.txt", length, steps + 1)
+    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "1", "--config", str(tmp / f"{name}.json"), "--",
+           "--model", str(model), "--data", str(data), "--seq-len", str(length), "--steps", str(steps),
+           "--eval-fraction", "0", "--no-export", "--no-progress", "--out", str(tmp / name), "--tiled-loss", mode]
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS=str(os.cpu_count()), PYTHONPATH=str(REPO))
+    rc, _ = launch(cmd, tmp / f"{name}.log", env, timeout=1800)
+    metrics = tmp / name / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        print(f"  {mode} at {length} tokens failed (exit {rc}); log: {tmp / f'{name}.log'}", flush=True)
+        return None
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    return {"peak_mib": max(r["peak_mem_mib"] for r in records),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:] or records)}
+
+
+def predicted_activations(model: Path, length: int, mode: str) -> int:
+    """The planner's activation bytes for this run's layout (pp 1, dp 1, ZeRO-1, mbs 1, fp32, checkpointing)."""
+    from toolkit.plan.layouts.planner import PlanRequest, make_plan
+
+    result = make_plan(PlanRequest(model=str(model), gpus_per_node=1, gbs=1, seq_len=length, precision="fp32",
+                                   gpu_mem=2**50, tflops=1.0, checkpointing=True, offload=False, tiled_loss=mode))
+    return next(e.activations for e in result.fitting
+                if (e.layout.pp, e.layout.sp, e.layout.zero, e.layout.tp, e.layout.checkpointing) == (1, 1, 1, 1, True))
+
+
+def measure(model: Path, lengths: list, reps: int, steps: int, tmp: Path) -> list:
+    base = run(model, BASE_LEN, "off", steps, tmp)
+    if base is None:
+        return [{"length": length, "status": "the base run failed"} for length in lengths]
+    rows = []
+    for length in lengths:
+        samples = {"off": [], "auto": []}
+        for _ in range(reps):
+            for mode in samples:
+                samples[mode].append(run(model, length, mode, steps, tmp))
+        row = {"length": length, "status": "ok", "base_peak_mib": base["peak_mib"]}
+        for mode, got in samples.items():
+            ok = [g for g in got if g is not None]
+            row[mode] = {"failed": len(got) - len(ok),
+                         "activation_mib": statistics.median(g["peak_mib"] for g in ok) - base["peak_mib"] if ok else None,
+                         "tokens_per_s": statistics.median(g["tokens_per_s"] for g in ok) if ok else None,
+                         "predicted_mib": predicted_activations(model, length, mode) / MiB}
+        if row["off"]["failed"] or row["auto"]["failed"]:
+            row["status"] = "failed runs"
+        rows.append(row)
+        print(f"  {length} tokens: {row}", flush=True)
+    return rows
+
+
+def markdown(meta: dict, rows: list) -> list:
+    lines = [f"Model: small Llama (hidden {ARCH['hidden_size']}, {ARCH['num_hidden_layers']} blocks) with a {VOCAB}-token "
+             f"vocabulary, fp32, ZeRO-1, mbs 1, one rank, activation checkpointing on, one document per row. "
+             f"Activations: peak RSS above a {BASE_LEN}-token run. Median of {meta['reps']} runs each, alternated. "
+             f"{meta['cpus']} CPUs; load average {meta['load'][0]:.1f} before, {meta['load'][1]:.1f} after.", "",
+             "| tokens | activations, whole logits | activations, tiled (default) | tiled / whole | planner: whole, tiled "
+             "| tokens/s whole | tokens/s tiled | tiled / whole |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['length']} | failed: {r['status']} | | | | | | |")
+            continue
+        off, auto = r["off"], r["auto"]
+        lines.append(f"| {r['length']} | {off['activation_mib']:.0f} MiB | {auto['activation_mib']:.0f} MiB | "
+                     f"{auto['activation_mib'] / off['activation_mib']:.2f} | {off['predicted_mib']:.0f} MiB, "
+                     f"{auto['predicted_mib']:.0f} MiB | {off['tokens_per_s']:.0f} | {auto['tokens_per_s']:.0f} | "
+                     f"{auto['tokens_per_s'] / off['tokens_per_s']:.2f} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="dstk-tiled-") as name:
+        tmp = Path(name)
+        runs = tmp / "runs"
+        runs.mkdir()
+        rows = measure(build_model(tmp / "model"), args.lengths, args.reps, args.steps, runs)
+    load.append(os.getloadavg()[0])
+    meta = {"reps": args.reps, "load": load, "cpus": os.cpu_count()}
+    write_result("tiled_loss", {"meta": meta, "rows": rows})
+    lines = markdown(meta, rows)
+    write_markdown("tiled_loss", "Long sequences: the tiled loss on CPU", lines)
+    print("\n".join(lines))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
