@@ -65,20 +65,22 @@ def corpus(path: Path, length: int, rows: int) -> Path:
     return path
 
 
-def run(model: Path, sp: int, length: int, steps: int, tmp: Path) -> dict | None:
-    """One `launch.sh` run of sp ranks at `length` tokens per row: metrics of its steps, None when it failed."""
+def run(model: Path, sp: int, length: int, steps: int, tmp: Path, flags: tuple = (), config: dict | None = None,
+        threads: int = 1) -> dict | None:
+    """One `launch.sh` run of sp ranks at `length` tokens per row (`flags` more for dstk train, `config` more for its
+    DeepSpeed config, `threads` per rank): metrics of its steps, None when it failed."""
     name = f"sp{sp}_{length}_{len(list(tmp.iterdir()))}"
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "zero_optimization": {"stage": 1}, "steps_per_print": 10**6}
+           "zero_optimization": {"stage": 1}, "steps_per_print": 10**6, **(config or {})}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
     data = corpus(tmp / f"{name}.txt", length, steps + 1)
     cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", str(sp), "--config", str(tmp / f"{name}.json"), "--",
            "--model", str(model), "--data", str(data), "--seq-len", str(length), "--steps", str(steps),
-           "--eval-fraction", "0", "--no-export", "--no-progress", "--out", str(tmp / name)]
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+           "--eval-fraction", "0", "--no-export", "--no-progress", "--out", str(tmp / name), *flags]
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
     rc, _ = launch(cmd, tmp / f"{name}.log", env, timeout=1800)
     metrics = tmp / name / "metrics.jsonl"
     if rc != 0 or not metrics.exists():

@@ -12,7 +12,6 @@ run is `launch.sh` like a user's. Activations: the run's peak resident set (peak
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,8 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import launch, write_markdown, write_result  # noqa: E402
-from bench.long_context import ARCH, corpus  # noqa: E402
+from bench import long_context  # noqa: E402
+from bench.common import write_markdown, write_result  # noqa: E402
+from bench.long_context import ARCH  # noqa: E402
 
 VOCAB = 32000
 BASE_LEN = 512
@@ -44,26 +44,9 @@ def build_model(folder: Path) -> Path:
 
 
 def run(model: Path, length: int, mode: str, steps: int, tmp: Path) -> dict | None:
-    """One launch.sh run of one rank: peak MiB and median tokens/s of its steps after the first; None if it failed."""
-    name = f"{mode}_{length}_{len(list(tmp.iterdir()))}"
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
-           "activation_checkpointing": {"partition_activations": False}}
-    (tmp / f"{name}.json").write_text(json.dumps(cfg))
-    data = corpus(tmp / f"{name}.txt", length, steps + 1)
-    cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", "1", "--config", str(tmp / f"{name}.json"), "--",
-           "--model", str(model), "--data", str(data), "--seq-len", str(length), "--steps", str(steps),
-           "--eval-fraction", "0", "--no-export", "--no-progress", "--out", str(tmp / name), "--tiled-loss", mode]
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS=str(os.cpu_count()), PYTHONPATH=str(REPO))
-    rc, _ = launch(cmd, tmp / f"{name}.log", env, timeout=1800)
-    metrics = tmp / name / "metrics.jsonl"
-    if rc != 0 or not metrics.exists():
-        print(f"  {mode} at {length} tokens failed (exit {rc}); log: {tmp / f'{name}.log'}", flush=True)
-        return None
-    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
-    return {"peak_mib": max(r["peak_mem_mib"] for r in records),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:] or records)}
+    """One launch.sh run of one rank (bench/long_context.py's, with activation checkpointing and every core)."""
+    return long_context.run(model, 1, length, steps, tmp, flags=("--tiled-loss", mode), threads=os.cpu_count(),
+                            config={"activation_checkpointing": {"partition_activations": False}})
 
 
 def predicted_activations(model: Path, length: int, mode: str) -> int:

@@ -65,3 +65,20 @@ def run_tasks(cmd: list, envs: list, timeout=300) -> list:
              for e in envs]
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+class LazyRuns:
+    """Run folders under `tmp` (runs / NAME), each launched by the subclass's `_launch(name)` the first time a
+    test asks for it: a module's tests share the runs they read, and a -k selection launches only those."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.done = tmp, set()
+
+    def __truediv__(self, name: str) -> Path:
+        if name not in self.done:
+            self._launch(name)
+            self.done.add(name)
+        return self.tmp / name
+
+    def _launch(self, name: str) -> None:
+        raise NotImplementedError

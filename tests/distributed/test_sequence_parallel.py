@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.configs import OPTIMIZER, QUIET, write_config
-from tests.distributed.launch import CORPUS, launch
+from tests.distributed.launch import CORPUS, LazyRuns, launch
 from tests.distributed.test_resume_layouts import resumed_from
 from tests.distributed.test_train import losses, summary
 
@@ -36,17 +36,8 @@ RUNS = {  # procs, sp, ZeRO stage, model arguments[, pipeline stages]
 STEPS = 6
 
 
-class Runs:
+class Runs(LazyRuns):
     """Each run's folder, launched the first time a test asks for it; NAME_resumed: NAME resumed from step 3."""
-
-    def __init__(self, tmp: Path):
-        self.tmp, self.done = tmp, set()
-
-    def __truediv__(self, name: str) -> Path:
-        if name not in self.done:
-            self._launch(name)
-            self.done.add(name)
-        return self.tmp / name
 
     def _launch(self, name: str) -> None:
         base = name.removesuffix("_resumed")

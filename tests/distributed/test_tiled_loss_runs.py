@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.configs import OPTIMIZER, QUIET, write_config
-from tests.distributed.launch import CORPUS, launch
+from tests.distributed.launch import CORPUS, LazyRuns, launch
 from tests.distributed.test_resume_layouts import resumed_from
 from tests.distributed.test_train import losses, summary
 
@@ -29,18 +29,9 @@ LAYOUTS = {  # processes, pp, sp, model arguments
 STEPS = 6
 
 
-class Runs:
+class Runs(LazyRuns):
     """NAME_on / NAME_off: layout NAME with --tiled-loss on / off, launched when a test first asks;
     NAME_on_resumed: NAME_on resumed from its step 3."""
-
-    def __init__(self, tmp: Path):
-        self.tmp, self.done = tmp, set()
-
-    def __truediv__(self, name: str) -> Path:
-        if name not in self.done:
-            self._launch(name)
-            self.done.add(name)
-        return self.tmp / name
 
     def _launch(self, name: str) -> None:
         layout, mode = name.removesuffix("_resumed").rsplit("_", 1)

@@ -12,8 +12,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import pytest
-
 from toolkit.distributed import resilience
 from toolkit.distributed.process_group import DEFAULT_PORT, ephemeral_ports, free_port, listenable
 
