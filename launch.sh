@@ -269,7 +269,7 @@ fi
 # stopped mid-save leaves that tag without `latest`: the last whole checkpoint is still `latest`.
 # With --save-on-signal the first such signal (and SIGUSR1) goes to this machine's ranks instead: they finish
 # their step, save and stop; a second one stops them at once.
-out_dir=$recipe_out
+out_dir=${recipe_out:-runs/dstk}  # dstk train's default --out (tests/commands/test_launch_sh.py checks they agree)
 for ((i = 0; i < ${#train_args[@]}; i++)); do
   case "${train_args[i]}" in
     --out) out_dir=${train_args[i + 1]:-} ;;

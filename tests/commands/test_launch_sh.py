@@ -206,3 +206,11 @@ def test_a_machine_without_a_gpu_driver_runs_on_cpu_without_asking_torch(tmp_pat
     assert run.returncode == 0 and run.stdout.startswith("DS_ACCELERATOR=cpu "), run.stdout + run.stderr
     asked = "import torch" in (tmp_path / "python.calls").read_text()
     assert asked == driver
+
+
+def test_launch_sh_knows_dstk_trains_default_out():
+    """A restart (--max-restarts) resumes from --out's last checkpoint: without --out, dstk train's default."""
+    from toolkit.cli.train import train
+
+    default = next(p.default for p in train.params if p.name == "out")
+    assert f"out_dir=${{recipe_out:-{default}}}" in (REPO / "launch.sh").read_text()
