@@ -24,8 +24,9 @@ import math
 import types
 
 AUTO_BYTES = 2**30  # --tiled-mlp auto: on from 1 GiB of one block's MLP intermediates (Llama-3-8B in bf16: about
-# 9400 tokens per micro-batch), where the peak it removes outweighs one more MLP forward per block (about 1/9 of a
-# step's FLOPs at that length)
+# 9400 tokens per micro-batch) for sequences longer than the hidden size (ALST's shard: shorter ones it leaves whole),
+# where the peak it removes outweighs one more MLP forward per block (about 1/9 of a step's FLOPs at that length);
+# short sequences in large micro-batches are a throughput setting, where the time is worth more than the memory
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # a decoder block's attribute holding its MLP
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention", "mixer")  # ... beside its attention
 MOE_PARTS = ("expert", "router")  # a submodule named so: an MoE block, not tiled
@@ -55,10 +56,11 @@ def shards(tokens: int, hidden: int) -> int:
 
 
 def choose(mode: str, tokens: int, hidden: int, intermediate: int, dtype_bytes: int, gated: bool = True,
-           blocker: str | None = None) -> tuple:
+           blocker: str | None = None, sequence: int | None = None) -> tuple:
     """(on, why) for --tiled-mlp `mode` (auto, on, off) on a rank whose micro-batch holds `tokens` tokens (mbs x
-    seq-len / sp) through MLPs of `intermediate` width; `blocker`: why this run's MLPs cannot be tiled, if so
-    (`--tiled-mlp on` is then refused). The same answer on every rank: it reads the config, not the stage."""
+    seq-len / sp), `sequence` of them per row (seq-len / sp; None: all), through MLPs of `intermediate` width;
+    `blocker`: why this run's MLPs cannot be tiled, if so (`--tiled-mlp on` is then refused). The same answer on
+    every rank: it reads the config, not the stage."""
     from toolkit.errors import ConfigError
 
     need = intermediate_bytes(tokens, intermediate, dtype_bytes, gated)
@@ -71,19 +73,24 @@ def choose(mode: str, tokens: int, hidden: int, intermediate: int, dtype_bytes: 
         return False, blocker
     if mode != "auto":
         return mode == "on", f"--tiled-mlp {mode}; {size}"
+    sequence = tokens if sequence is None else sequence
+    if need >= AUTO_BYTES and sequence <= hidden:
+        return False, (f"{size}, but a row's {sequence} tokens fit one shard of {hidden} (ALST tiles longer rows); "
+                       "--tiled-mlp on/off to choose")
     on = need >= AUTO_BYTES
     return on, f"{size}, {'at least' if on else 'below'} {AUTO_BYTES / 2**30:g} GiB; --tiled-mlp on/off to choose"
 
 
-def decide(mode: str, model, config, tokens: int, dtype_bytes: int, blocker: str | None = None) -> tuple:
+def decide(mode: str, model, config, tokens: int, dtype_bytes: int, blocker: str | None = None,
+           sequence: int | None = None) -> tuple:
     """(on, why, shards) for --tiled-mlp `mode` (choose), for the dense MLPs of `model` (the run's whole model, or
-    its skeleton on the meta device: every rank the same answer); `blocker` as choose's."""
+    its skeleton on the meta device: every rank the same answer); `blocker` and `sequence` as choose's."""
     mlps = dense_mlps(model)
     if not mlps and blocker is None:
         blocker = (f"{type(model).__name__} has no dense MLP in its blocks (a module named {'/'.join(MLP_NAMES)} "
                    "beside the attention, no experts or router inside, called with the hidden states alone)")
     hidden, inner = widths(config)
-    on, why = choose(mode, tokens, hidden, inner, dtype_bytes, bool(mlps) and is_gated(mlps[0][1]), blocker)
+    on, why = choose(mode, tokens, hidden, inner, dtype_bytes, bool(mlps) and is_gated(mlps[0][1]), blocker, sequence)
     return on, why, shards(tokens, hidden) if on else 0
 
 

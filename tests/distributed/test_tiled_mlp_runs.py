@@ -6,15 +6,15 @@ ZeRO's buckets take a gradient once, after the last shard), activation checkpoin
 with assistant-only labels and LoRA on the MLP's linears among others, sp 2 (2 shards of a rank's 128 tokens) and
 pp 2 x sp 2 (4 ranks). A tiled pp 2 run resumed from step 3 continues the losses."""
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.configs import OPTIMIZER, QUIET, write_config
-from tests.distributed.launch import CORPUS, launch
+from tests.distributed.launch import CORPUS, LazyRuns, launch
 from tests.distributed.test_resume_layouts import resumed_from
-from tests.distributed.test_train import losses, summary
+from tests.distributed.test_tiled_loss_runs import STEPS, assert_same
+from tests.distributed.test_train import losses
 
 pytestmark = pytest.mark.distributed
 
@@ -31,21 +31,11 @@ LAYOUTS = {  # processes, pp, sp, model arguments, config keys, shards per MLP c
     "ckpt_pp1": (1, 1, 1, TEXT, {"activation_checkpointing": {}}, 4),
     "ckpt_pp2": (2, 2, 1, TEXT, {"pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}, 4),
     "chat_pp1": (1, 1, 1, CHAT, {}, 5), "sp2": (2, 1, 2, TEXT, {}, 2), "pp2sp2": (4, 2, 2, TEXT, {}, 2)}
-STEPS = 6
 
 
-class Runs:
+class Runs(LazyRuns):
     """NAME_on / NAME_off: layout NAME with --tiled-mlp on / off, launched when a test first asks;
     NAME_on_resumed: NAME_on resumed from its step 3."""
-
-    def __init__(self, tmp: Path):
-        self.tmp, self.done = tmp, set()
-
-    def __truediv__(self, name: str) -> Path:
-        if name not in self.done:
-            self._launch(name)
-            self.done.add(name)
-        return self.tmp / name
 
     def _launch(self, name: str) -> None:
         layout, mode = name.removesuffix("_resumed").rsplit("_", 1)
@@ -67,18 +57,6 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("tiled_mlp"))
-
-
-def records(out: Path) -> dict:
-    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r}
-
-
-def assert_same(got: Path, want: Path, rel: float = 1e-5):
-    a, b = records(got), records(want)
-    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm"):
-        assert all(abs(a[s][key] - b[s][key]) <= rel * abs(b[s][key]) for s in b), (key, a, b)
-    assert abs(summary(got)["eval_loss"] - summary(want)["eval_loss"]) <= rel * abs(summary(want)["eval_loss"])
 
 
 LIGHT = ["pp1", "pp2"]

@@ -79,5 +79,9 @@ def test_a_tiled_mlp_holds_no_blocks_intermediates_and_peaks_at_one_shard():
     whole, tiled, auto = run("off", pp=1, dp=8), run("on", pp=1, dp=8), run("auto", pp=1, dp=8)
     assert whole.activations - tiled.activations == 16 * 2 * T * per_token and auto.activations == whole.activations
     assert tiled.loss_peak == whole.loss_peak > 2048 * per_token + 2 * 2 * T * 2048
+    # one more MLP forward per block in the step time: 3 matmuls of 2 x 2048 x 8192 FLOPs a token, 16 blocks
+    extra = 16 * 3 * 2 * 2048 * 8192 * T
+    per_sequence = sum(stage.flops for stage in whole.stages)
+    assert tiled.times["compute"] / whole.times["compute"] == pytest.approx(1 + extra / per_sequence, rel=1e-9)
     piped_whole, piped = run("off", pp=2, dp=4), run("on", pp=2, dp=4)
     assert piped.memory < piped_whole.memory

@@ -123,6 +123,10 @@ def test_auto_turns_on_at_a_gib_of_intermediates_and_on_is_refused_where_it_cann
     on, why = tm.choose("auto", 1024, 64, 176, 4)
     assert not on and "2.8 MiB" in why and "below 1 GiB" in why
     assert tm.choose("on", 16, 64, 176, 4)[0] and not tm.choose("off", 10**6, 4096, 14336, 2)[0]
+    # 4 GiB of intermediates in rows of 4096 tokens, no longer than the hidden size: a throughput setting, left whole
+    on, why = tm.choose("auto", 40000, 4096, 14336, 2, sequence=4096)
+    assert not on and "a row's 4096 tokens fit one shard of 4096" in why
+    assert tm.choose("auto", 40000, 4096, 14336, 2, sequence=4097)[0]
     assert tm.choose("auto", 10**6, 4096, 14336, 2, blocker="no mlp") == (False, "no mlp")
     with pytest.raises(ConfigError, match="--tiled-mlp on: no mlp; use --tiled-mlp auto or off"):
         tm.choose("on", 16, 64, 176, 4, blocker="no mlp")

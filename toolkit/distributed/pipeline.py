@@ -158,7 +158,7 @@ def _tile_mlp(module, spec, topo, cfg: dict, seq_len: int, mode: str) -> None:
     blocker = layout_blocker(topo.tp)
     tokens = config_batch(cfg, topo.dp).mbs * seq_len // topo.sp
     module.dstk_tiled_mlp = decide(mode, _skeleton(spec.config, spec.task), spec.config, tokens,
-                                   param_dtype(cfg).itemsize, blocker)
+                                   param_dtype(cfg).itemsize, blocker, seq_len // topo.sp)
     if module.dstk_tiled_mlp[0]:
         patch_mlps(module, widths(spec.config)[0])
 

@@ -97,7 +97,7 @@ def tile_mlp(args, model, config, topo, cfg: dict) -> tuple:
     blocker = layout_blocker(topo.tp)
     tokens = config_batch(cfg, topo.dp).mbs * args.seq_len // topo.sp
     itemsize = loading.param_dtype(cfg).itemsize
-    on, why, shards = decide(args.tiled_mlp, model, config, tokens, itemsize, blocker)
+    on, why, shards = decide(args.tiled_mlp, model, config, tokens, itemsize, blocker, args.seq_len // topo.sp)
     if on:
         patch_mlps(model, widths(config)[0])
     return on, why, shards

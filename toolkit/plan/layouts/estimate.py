@@ -282,17 +282,35 @@ def tiled_mlp_peak(model: Model, lay: Layout, lo: int, hi: int) -> int:
     """The peak of a stage holding layers lo:hi when dstk train tiles their MLPs (--tiled-mlp, models.tiled.mlp.choose
     on a rank's mbs x seq / sp tokens): one shard's intermediates and the (tokens, h) input gradient TiledMLP fills;
     0 when they are not tiled (tp > 1, no dense MLP on the stage)."""
-    from models.tiled.mlp import choose, shards
+    from models.tiled.mlp import shards
 
-    if model.tiled_mlp is None or not any(model.tiled_mlp[4][lo:hi]):
+    if not mlp_tiled(model, lay) or not any(model.tiled_mlp[4][lo:hi]):
         return 0
-    mode, hidden, intermediate, gated, per_layer = model.tiled_mlp
+    _, hidden, _, _, per_layer = model.tiled_mlp
     tokens = lay.mbs * model.tokens // lay.sp
-    e = model.boundary // (model.tokens * hidden)  # bytes per activation element
-    if not choose(mode, tokens, hidden, intermediate, e, gated)[0]:
-        return 0
     rows = -(-tokens // shards(tokens, hidden))  # the largest shard
-    return max(per_layer[lo:hi]) * rows // model.tokens + e * tokens * hidden
+    return max(per_layer[lo:hi]) * rows // model.tokens + model.boundary // model.tokens * tokens
+
+
+def mlp_tiled(model: Model, lay: Layout) -> bool:
+    """Whether dstk train tiles the dense MLPs on this layout (models.tiled.mlp.choose on a rank's mbs x seq / sp
+    tokens, in the activations' dtype)."""
+    from models.tiled.mlp import choose
+
+    if model.tiled_mlp is None:
+        return False
+    mode, hidden, intermediate, gated, _ = model.tiled_mlp
+    e = model.boundary // (model.tokens * hidden)  # bytes per activation element
+    return choose(mode, lay.mbs * model.tokens // lay.sp, hidden, intermediate, e, gated, None,
+                  model.tokens // lay.sp)[0]
+
+
+def tiled_mlp_flops(model: Model, lay: Layout, lo: int, hi: int) -> float:
+    """FLOPs per sequence TiledMLP adds to layers lo:hi: each tiled MLP's forward once more, in the backward."""
+    if not mlp_tiled(model, lay):
+        return 0.0
+    _, hidden, intermediate, gated, per_layer = model.tiled_mlp
+    return sum(m > 0 for m in per_layer[lo:hi]) * (3 if gated else 2) * 2 * model.tokens * hidden * intermediate
 
 
 def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):
@@ -365,7 +383,8 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     slot = 0.0
     for held in rank_stages(lay):  # a slot: one micro-batch through every stage of the slowest rank
         flops = sum(sum(model.flops[parts[s]:parts[s + 1]]) + (sum(model.fwd_flops[parts[s]:parts[s + 1]])
-                                                               if lay.checkpointing else 0) for s in held)
+                                                               if lay.checkpointing else 0)
+                    + tiled_mlp_flops(model, lay, parts[s], parts[s + 1]) for s in held)
         slot = max(slot, flops * lay.mbs / lay.sp / rate)
     pp_bw = hw.network if _crosses(lay.dp * lay.sp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / lay.sp / (pp_bw * 1e9) if lay.pp > 1 else 0.0
