@@ -45,9 +45,9 @@ def test_the_loss_peak_is_counted_once_on_the_head_stage():
 
 def test_a_tiled_loss_peaks_at_three_tiles_of_logits_and_its_pipeline_stage_holds_none():
     """dstk train's default (--tiled-loss auto: on at mbs 2 x 4096 tokens x 128k, 3.9 GiB of logits): the peak is three
-    fp32 tiles of models.tiled_loss.tile_tokens(V) tokens; in a pipeline the head's stage no longer keeps each
+    fp32 tiles of models.tiled.loss.tile_tokens(V) tokens; in a pipeline the head's stage no longer keeps each
     micro-batch's logits in flight, and stops being the heaviest."""
-    from models.tiled_loss import tile_tokens
+    from models.tiled.loss import tile_tokens
 
     whole, tiled = _estimate(pp=1, dp=8), _estimate(tiled_loss="auto", pp=1, dp=8)
     assert tiled.loss_peak == 12 * tile_tokens(V) * V < whole.loss_peak
@@ -64,3 +64,24 @@ def test_dstk_plan_shows_the_fixed_bytes_and_the_loss_peak(capsys):
     assert exit_info.value.code == 0, out
     assert "reserve for allocator fragmentation" in out and "loss peak" in out
     assert re.search(r"fixed [0-9.]+ GiB \(CUDA context 512 MiB, NCCL [1-9] x 512 MiB\)", out), out
+
+
+def test_a_tiled_mlp_holds_no_blocks_intermediates_and_peaks_at_one_shard():
+    """--tiled-mlp on: each of llama-3.2-1b's 16 blocks drops its MLP's 4 bf16 (tokens x 8192) tensors (64 KiB a
+    token); the stage peaks once at one shard of 2048 tokens (the hidden size) and the (tokens, 2048) input gradient,
+    less than the loss's peak here, so the whole 16 x 2 x 4096 x 64 KiB goes. auto leaves it off at 512 MiB a block."""
+    def run(mode, **layout):
+        req = PlanRequest(model="llama-3.2-1b", gbs=16, gpus_per_node=8, gpu="h100-sxm", seq_len=T, tiled_loss="off",
+                          tiled_mlp=mode)
+        return estimate_layout(req, Layout(**{"zero": 1, "mbs": 2, "gas": 8 // layout["dp"], **layout}))
+
+    per_token = 2 * 4 * 8192
+    whole, tiled, auto = run("off", pp=1, dp=8), run("on", pp=1, dp=8), run("auto", pp=1, dp=8)
+    assert whole.activations - tiled.activations == 16 * 2 * T * per_token and auto.activations == whole.activations
+    assert tiled.loss_peak == whole.loss_peak > 2048 * per_token + 2 * 2 * T * 2048
+    # one more MLP forward per block in the step time: 3 matmuls of 2 x 2048 x 8192 FLOPs a token, 16 blocks
+    extra = 16 * 3 * 2 * 2048 * 8192 * T
+    per_sequence = sum(stage.flops for stage in whole.stages)
+    assert tiled.times["compute"] / whole.times["compute"] == pytest.approx(1 + extra / per_sequence, rel=1e-9)
+    piped_whole, piped = run("off", pp=2, dp=4), run("on", pp=2, dp=4)
+    assert piped.memory < piped_whole.memory

@@ -1,4 +1,4 @@
-"""The causal LM loss with the head inside, in tiles of tokens (models.tiled_loss): the same loss and gradients as
+"""The causal LM loss with the head inside, in tiles of tokens (models.tiled.loss): the same loss and gradients as
 HF's own forward, for heads with a softcap, a logit scale or a divisor, tied or not; with labels masked, with sp's
 shifted labels and token counts; with the loss scaled after it (1 / gradient accumulation, a loss scale), which
 DeepSpeed's TiledFusedLogitsLoss leaves out of the head's gradients; and at a pipeline's last stage. Tiles are made
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.tiled_loss as tl
+import models.tiled.loss as tl
 from models.generic import LMHead, LogitTransform
 from models.spec import causal_lm_loss
 from toolkit.errors import ConfigError

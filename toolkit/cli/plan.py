@@ -38,6 +38,10 @@ def _size(ctx, param, value):
 @click.option("--tiled-loss", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="As dstk train's: the causal LM loss in tiles, counted with a tile's logits instead of the whole "
               "micro-batch's (auto: where they would take 512 MiB or more).")
+@click.option("--tiled-mlp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="As dstk train's: each dense block's MLP through TiledMLP, counted with one shard's (tokens x "
+              "intermediate) activations at the block's peak and none held, and one more MLP forward per block (auto: "
+              "where a block's MLP would hold 1 GiB or more in rows longer than the hidden size).")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
 @click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
 @click.option("--lora", type=int, metavar="R", help="Plan LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights only: no gradients or optimizer states).")

@@ -124,6 +124,12 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "(tokens x vocabulary, fp32) never exist whole: the same loss and gradients for one more head matmul. "
               "auto: on where a micro-batch's logits would take 512 MiB or more (Llama 3: 1024 tokens); the run's "
               "opening lines say which and why.")
+@click.option("--tiled-mlp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Run each decoder block's dense MLP through DeepSpeed's TiledMLP, in shards of hidden-size tokens "
+              "recomputed in the backward, so only one shard's (tokens x intermediate) activations exist at a time: "
+              "the same loss and gradients for one more MLP forward. auto: on where a block's MLP would hold 1 GiB "
+              "or more (Llama-3-8B in bf16: about 9400 tokens per micro-batch) in rows longer than the hidden size; "
+              "the opening lines say which and why.")
 @click.option("--step-timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="End the run when a step, an "
               "evaluation or a checkpoint save lasts longer than this on any rank (a stuck collective, a hung GPU): "
               "each rank names where it was; under launch.sh --max-restarts the run restarts from its last checkpoint. "

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
-                    lora=None, seed: int = 0, schedule: str = "1f1b", tiled_loss: str = "off"):
+                    lora=None, seed: int = 0, schedule: str = "1f1b", tiled_loss: str = "off",
+                    tiled_mlp: str = "off"):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
     with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); the run's
     manifest entries: pp, parts, hf_names, tied (+ lora, tp), for checkpoint.manifest.save_meta).
@@ -37,7 +38,8 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     PeftModel. seed: the adapters' (lora.init_adapters). schedule "dualpipev": a DualPipeVModule cut into 2 pp
     stages by the same partitioner (toolkit.distributed.dualpipev), rank r holding stages r and 2 pp - 1 - r.
     tiled_loss: --tiled-loss (auto, on, off): the last stage's loss takes the head and computes it in tiles of
-    tokens (models.tiled_loss); the module's dstk_tiled_loss says (on, why)."""
+    tokens (models.tiled.loss); the module's dstk_tiled_loss says (on, why). tiled_mlp: --tiled-mlp (auto, on, off):
+    the stage's dense MLPs through TiledMLP (models.tiled.mlp); its dstk_tiled_mlp says (on, why, shards)."""
     import torch
 
     import models
@@ -83,6 +85,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
         _sequence_parallel(module, spec, topo, cfg)
         record["sp"] = topo.sp
     _tile_loss(module, spec, topo, cfg, seq_len, tiled_loss, schedule)
+    _tile_mlp(module, spec, topo, cfg, seq_len, tiled_mlp)
     if plan is not None:
         models.mark_grad_norm_owners(module)
         record["tp"] = topo.tp
@@ -129,9 +132,9 @@ def _sequence_parallel(module, spec, topo, cfg: dict) -> None:
 
 
 def _tile_loss(module, spec, topo, cfg: dict, seq_len: int, mode: str, schedule: str) -> None:
-    """--tiled-loss for a pipeline (models.tiled_loss.choose: the same answer on every rank): the head stage's
+    """--tiled-loss for a pipeline (models.tiled.loss.choose: the same answer on every rank): the head stage's
     loss tiled; module.dstk_tiled_loss = (on, why)."""
-    from models.tiled_loss import choose, tile_pipeline_head
+    from models.tiled.loss import choose, tile_pipeline_head
     from toolkit.distributed.topology import config_batch
 
     blocker = None
@@ -144,6 +147,20 @@ def _tile_loss(module, spec, topo, cfg: dict, seq_len: int, mode: str, schedule:
     module.dstk_tiled_loss = choose(mode, tokens, vocab, blocker)
     if module.dstk_tiled_loss[0]:
         tile_pipeline_head(module, vocab)
+
+
+def _tile_mlp(module, spec, topo, cfg: dict, seq_len: int, mode: str) -> None:
+    """--tiled-mlp for a pipeline: decided on the model's skeleton (meta device), so every rank answers the same
+    whatever blocks its stage holds; the MLPs this stage holds patched; module.dstk_tiled_mlp = (on, why, shards)."""
+    from models.tiled.mlp import decide, layout_blocker, patch_mlps, widths
+    from toolkit.distributed.topology import config_batch
+
+    blocker = layout_blocker(topo.tp)
+    tokens = config_batch(cfg, topo.dp).mbs * seq_len // topo.sp
+    module.dstk_tiled_mlp = decide(mode, _skeleton(spec.config, spec.task), spec.config, tokens,
+                                   param_dtype(cfg).itemsize, blocker, seq_len // topo.sp)
+    if module.dstk_tiled_mlp[0]:
+        patch_mlps(module, widths(spec.config)[0])
 
 
 def _tp_plan(config, task: str, cfg: dict, tp: int):

@@ -51,12 +51,13 @@ def make_model(args, config, topo, cfg: dict):
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         tiled = tile_loss(args, model, config, topo, cfg)
+        mlp = tile_mlp(args, model, config, topo, cfg)  # the MLP modules' forwards: peft's adapters go inside them
         if settings is None:
-            model.dstk_tiled_loss = tiled
+            model.dstk_tiled_loss, model.dstk_tiled_mlp = tiled, mlp
             return model, {"pp": 1}
         entry = adapters.manifest_entry(settings, model, args.task)
         model = adapters.apply(model, settings, args.task, args.seed)
-        model.dstk_tiled_loss = tiled
+        model.dstk_tiled_loss, model.dstk_tiled_mlp = tiled, mlp
         return model, {"pp": 1, "lora": entry}
     from toolkit.distributed.pipeline import pipeline_module
 
@@ -68,14 +69,15 @@ def make_model(args, config, topo, cfg: dict):
         if settings is not None:
             source = adapters.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
-                           lora=settings, seed=args.seed, schedule=args.schedule, tiled_loss=args.tiled_loss)
+                           lora=settings, seed=args.seed, schedule=args.schedule, tiled_loss=args.tiled_loss,
+                           tiled_mlp=args.tiled_mlp)
 
 
 def tile_loss(args, model, config, topo, cfg: dict) -> tuple:
-    """--tiled-loss at pp 1 (models.tiled_loss.choose): the HF model's forward made to compute its loss tiled where
+    """--tiled-loss at pp 1 (models.tiled.loss.choose): the HF model's forward made to compute its loss tiled where
     its head is one dstk reproduces (models.generic.generic_head); (on, why) for the opening block."""
     from models.generic import LogitTransform, generic_head
-    from models.tiled_loss import choose, patch_causal_lm
+    from models.tiled.loss import choose, patch_causal_lm
     from toolkit.distributed.topology import config_batch
 
     blocker = f"--task {args.task}: only the causal LM loss is tiled" if args.task != "causal-lm" else None
@@ -85,6 +87,20 @@ def tile_loss(args, model, config, topo, cfg: dict) -> tuple:
     if on:
         patch_causal_lm(model, LogitTransform(config))
     return on, why
+
+
+def tile_mlp(args, model, config, topo, cfg: dict) -> tuple:
+    """--tiled-mlp at pp 1 (models.tiled.mlp.decide): each block's dense MLP through TiledMLP; (on, why, shards)
+    for the opening block."""
+    from models.tiled.mlp import decide, layout_blocker, patch_mlps, widths
+
+    blocker = layout_blocker(topo.tp)
+    tokens = config_batch(cfg, topo.dp).mbs * args.seq_len // topo.sp
+    itemsize = loading.param_dtype(cfg).itemsize
+    on, why, shards = decide(args.tiled_mlp, model, config, tokens, itemsize, blocker, args.seq_len // topo.sp)
+    if on:
+        patch_mlps(model, widths(config)[0])
+    return on, why, shards
 
 
 def model_of_rank(args, config, topo, cfg: dict):

@@ -80,6 +80,9 @@ dstk has built additive (models.attention.share_additive_masks; a bool one torch
 counted as one. flash_attention_2 takes variable-length offsets instead: 0. (Unpadded one-document rows at
 pp = 1 need none: HF then lets sdpa run causal without a mask. Not modelled: the planner assumes a mask.)
 Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
+TiledMLP (dstk train --tiled-mlp, models.tiled.mlp): a dense block holds none of its MLP's m*I per token, which
+DeepSpeed's TiledMLP recomputes in shards in the backward; the stage then peaks once at one shard's m*I per token
+and the (N, h) input gradient it fills (toolkit.plan.layouts.estimate.tiled_mlp_peak).
 """
 
 from dataclasses import dataclass
@@ -108,6 +111,7 @@ class LayerCost:
     trainable: int  # of `params`, those with gradients and optimizer states: all, or LoRA's adapters
     peak_bytes: int = 0  # transient bytes on top, once per stage (the head: its loss; module docstring)
     inactive: int = 0  # of `params`, those one token's forward leaves unused (MoE: the E - k experts it skips)
+    mlp_bytes: int = 0  # of act_bytes, a dense block's MLP intermediates (mlp_act_bytes; --tiled-mlp drops them)
 
     def memory(self, in_flight: int = 1) -> int:
         """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
@@ -178,16 +182,19 @@ def _act_bytes(arch: Arch, kind: str, b: int, t: int, e: int, attention: str, mo
             per_token = (2 * k * h + 2 * qd + 2 * kd + (not arch.learned_positions) * (qd + kd)
                          + bool(arch.qk_norm) * 2 * (qd + kd))
         copies = (2 + arch.attn_dropout) if attention == "eager" else 0
-        if moe:
-            mlp_bytes = moe_act_bytes(arch, n, e)
-        else:
-            mlp_bytes = e * n * (MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp) * arch.intermediate
+        mlp_bytes = moe_act_bytes(arch, n, e) if moe else mlp_act_bytes(arch, n, e)
         return e * n * per_token + mlp_bytes + copies * e * b * arch.heads * t * t
     if kind == "norm":
         return e * n * h * k // 2
     if kind == "head":
         return e * n * h * (5 if arch.is_encoder else 1) + logits_bytes(arch, t, b, e)
     return 8 * n + arch.is_encoder * 2 * e * n * h  # embed: int64 ids (+ BERT's LayerNorm)
+
+
+def mlp_act_bytes(arch: Arch, n: int, e: int) -> int:
+    """Bytes a dense block's MLP saves for backward for n tokens: m (tokens x I) tensors (module docstring). Under
+    dstk train --tiled-mlp (models.tiled.mlp) a block holds none of them, only one shard's while it runs."""
+    return e * n * (MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp) * arch.intermediate
 
 
 def logits_bytes(arch: Arch, seq_len: int, mbs: int, e: int) -> int:
@@ -242,8 +249,9 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
         states = params * p.param + trainable * (p.grad + p.optim)  # all E experts: every rank holds them
         acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention, moe)
         peak = loss_peak_bytes(arch, seq_len, mbs) if kind == "head" else 0
+        mlp = mlp_act_bytes(arch, mbs * seq_len, p.act) if kind == "block" and not moe else 0
         costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable,
-                               peak, inactive[i]))
+                               peak, inactive[i], mlp))
     return costs
 
 

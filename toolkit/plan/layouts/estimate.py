@@ -175,7 +175,9 @@ class Model:
     inactive: list | None = None  # per layer, of `params` those one token's forward leaves unused (an MoE
     # block's E - k experts); None: every parameter runs (active = params)
     head_loss: tuple | None = None  # (vocab, --tiled-loss mode, logits bytes of one sequence the head layer holds):
-    # a causal LM's loss, which dstk train tiles where models.tiled_loss.choose says (tiled_loss_peak)
+    # a causal LM's loss, which dstk train tiles where models.tiled.loss.choose says (tiled_loss_peak)
+    tiled_mlp: tuple | None = None  # (--tiled-mlp mode, hidden, intermediate, gated, per layer its dense MLP's
+    # intermediates of one sequence, bytes): dstk train runs them through TiledMLP where models.tiled.mlp.choose says
 
 
 @dataclass(frozen=True)
@@ -251,18 +253,21 @@ def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) 
     tiled = tiled_loss_peak(model, lay) if lo <= len(model.act) - 1 < hi else None
     if tiled is not None:  # the head layer passes the hidden states on: no logits held
         per_layer[-1] -= model.head_loss[2] * lay.mbs / lay.sp
+    mlp_peak = tiled_mlp_peak(model, lay, lo, hi)
+    if mlp_peak:  # TiledMLP: no block holds its MLP's intermediates
+        per_layer = [a - m * lay.mbs / lay.sp for a, m in zip(per_layer, model.tiled_mlp[4][lo:hi])]
     ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
     acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, ckpt, [flight])[0]
     acts += (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
     peak = max((model.peak or [0] * len(model.act))[lo:hi]) * lay.mbs // lay.sp if tiled is None else tiled
-    return int(acts + peak), peak
+    return int(acts + max(peak, mlp_peak)), peak  # the MLP's shard and the loss never peak at once
 
 
 def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
-    """The loss's peak when dstk train tiles it on this layout (--tiled-loss, models.tiled_loss.choose on a rank's
+    """The loss's peak when dstk train tiles it on this layout (--tiled-loss, models.tiled.loss.choose on a rank's
     mbs x seq / sp tokens): three fp32 (tile, V) tensors, as loss_peak_bytes counts three of the whole (N, V);
     None when the loss is not tiled (DualPipeV's, a classifier's)."""
-    from models.tiled_loss import choose, tile_tokens
+    from models.tiled.loss import choose, tile_tokens
 
     if model.head_loss is None or lay.schedule == "dualpipev":
         return None
@@ -271,6 +276,41 @@ def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
     if not choose(mode, tokens, vocab)[0]:
         return None
     return 3 * 4 * min(tokens, tile_tokens(vocab)) * vocab
+
+
+def tiled_mlp_peak(model: Model, lay: Layout, lo: int, hi: int) -> int:
+    """The peak of a stage holding layers lo:hi when dstk train tiles their MLPs (--tiled-mlp, models.tiled.mlp.choose
+    on a rank's mbs x seq / sp tokens): one shard's intermediates and the (tokens, h) input gradient TiledMLP fills;
+    0 when they are not tiled (tp > 1, no dense MLP on the stage)."""
+    from models.tiled.mlp import shards
+
+    if not mlp_tiled(model, lay) or not any(model.tiled_mlp[4][lo:hi]):
+        return 0
+    _, hidden, _, _, per_layer = model.tiled_mlp
+    tokens = lay.mbs * model.tokens // lay.sp
+    rows = -(-tokens // shards(tokens, hidden))  # the largest shard
+    return max(per_layer[lo:hi]) * rows // model.tokens + model.boundary // model.tokens * tokens
+
+
+def mlp_tiled(model: Model, lay: Layout) -> bool:
+    """Whether dstk train tiles the dense MLPs on this layout (models.tiled.mlp.choose on a rank's mbs x seq / sp
+    tokens, in the activations' dtype)."""
+    from models.tiled.mlp import choose
+
+    if model.tiled_mlp is None:
+        return False
+    mode, hidden, intermediate, gated, _ = model.tiled_mlp
+    e = model.boundary // (model.tokens * hidden)  # bytes per activation element
+    return choose(mode, lay.mbs * model.tokens // lay.sp, hidden, intermediate, e, gated, None,
+                  model.tokens // lay.sp)[0]
+
+
+def tiled_mlp_flops(model: Model, lay: Layout, lo: int, hi: int) -> float:
+    """FLOPs per sequence TiledMLP adds to layers lo:hi: each tiled MLP's forward once more, in the backward."""
+    if not mlp_tiled(model, lay):
+        return 0.0
+    _, hidden, intermediate, gated, per_layer = model.tiled_mlp
+    return sum(m > 0 for m in per_layer[lo:hi]) * (3 if gated else 2) * 2 * model.tokens * hidden * intermediate
 
 
 def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):
@@ -343,7 +383,8 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
     slot = 0.0
     for held in rank_stages(lay):  # a slot: one micro-batch through every stage of the slowest rank
         flops = sum(sum(model.flops[parts[s]:parts[s + 1]]) + (sum(model.fwd_flops[parts[s]:parts[s + 1]])
-                                                               if lay.checkpointing else 0) for s in held)
+                                                               if lay.checkpointing else 0)
+                    + tiled_mlp_flops(model, lay, parts[s], parts[s + 1]) for s in held)
         slot = max(slot, flops * lay.mbs / lay.sp / rate)
     pp_bw = hw.network if _crosses(lay.dp * lay.sp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / lay.sp / (pp_bw * 1e9) if lay.pp > 1 else 0.0

@@ -63,7 +63,8 @@ class PlanRequest:
     top: int = 3
     lora: int | None = None  # LoRA rank r: adapters on every block linear train, the base is frozen
     revision: str = "main"  # of a hub id in `model`
-    tiled_loss: str = "auto"  # dstk train --tiled-loss: the causal LM loss in tiles (models.tiled_loss)
+    tiled_loss: str = "auto"  # dstk train --tiled-loss: the causal LM loss in tiles (models.tiled.loss)
+    tiled_mlp: str = "auto"  # dstk train --tiled-mlp: the blocks' MLPs through TiledMLP (models.tiled.mlp)
 
 
 @dataclass
@@ -255,7 +256,13 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
                  peak=[c.peak_bytes for c in costs], inactive=[c.inactive for c in costs] if arch.is_moe else None,
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs),
-                 head_loss=_head_loss(arch, seq, req, pipeline))
+                 head_loss=_head_loss(arch, seq, req, pipeline), tiled_mlp=_tiled_mlp(arch, costs, seq, req))
+
+
+def _tiled_mlp(arch, costs, seq: int, req) -> tuple:
+    """Model.tiled_mlp at tp 1 (dstk train does not tile AutoTP's sharded MLPs: models.tiled.mlp.layout_blocker): the
+    dense MLPs' intermediates of one sequence per layer (the costs' are of `mbs` sequences: layer_costs' mbs 1 here)."""
+    return req.tiled_mlp, arch.hidden, arch.intermediate, arch.gated_mlp, [c.mlp_bytes for c in costs]
 
 
 def _head_loss(arch, seq: int, req, pipeline: bool) -> tuple | None:

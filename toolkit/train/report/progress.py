@@ -61,7 +61,8 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
                        "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len,
             "lora": record.get("lora_adapters") or record.get("lora"), "start_step": start, "steps": steps,
-            "resume": resume, "tiled_loss": getattr(engine.module, "dstk_tiled_loss", None)}
+            "resume": resume, "tiled_loss": getattr(engine.module, "dstk_tiled_loss", None),
+            "tiled_mlp": getattr(engine.module, "dstk_tiled_mlp", None)}
 
 
 def trust_notes(args) -> list:
@@ -94,9 +95,12 @@ def start_lines(about: dict) -> list:
             lines.append(f"LoRA: {lora['experts_frozen']}")
     else:
         lines.append(f"training: all {trains} trainable parameters")
-    if about.get("tiled_loss"):  # (on, why): models.tiled_loss.choose
+    if about.get("tiled_loss"):  # (on, why): models.tiled.loss.choose
         on, why = about["tiled_loss"]
         lines.append(f"loss: {'tiled, the logits never whole' if on else 'whole logits'} ({why})")
+    if about.get("tiled_mlp"):  # (on, why, shards): models.tiled.mlp.decide
+        on, why, shards = about["tiled_mlp"]
+        lines.append(f"mlp: {f'tiled in {shards} shards per micro-batch' if on else 'whole'} ({why})")
     resume = about.get("resume")
     steps = f"steps {about['start_step'] + 1}..{about['steps']}"
     if resume:
