@@ -218,10 +218,11 @@ def markdown(meta: dict, lengths: list, speed: dict, alst: list) -> list:
                      + (f"{best['length'] / 2**10:.0f}K ({best['memory_gib']:.0f} GiB) | {best['layout']} | " if best
                         else "none fits at 16K | | ")
                      + (f"{short['memory_gib']:.0f} GiB | {short['loss_peak_gib']:.0f} GiB |" if short else "- | - |"))
-    lines += ["", "The planner counts dstk train's default tiled loss (--tiled-loss auto, models.tiled_loss: three tiles "
-              "of logits at the loss's peak instead of (seq / sp) x vocab logits in fp32 and their softmax; "
-              "bench/tiled_loss.py measures it). ALST also tiles the MLP (TiledMLP) and offloads checkpointed "
-              "activations to the host; the planner counts neither yet."]
+    lines += ["", "The planner counts dstk train's defaults: the tiled loss (--tiled-loss auto, models.tiled.loss: three "
+              "tiles of logits at the loss's peak instead of (seq / sp) x vocab logits in fp32 and their softmax; "
+              "bench/tiled_loss.py measures it) and DeepSpeed's TiledMLP (--tiled-mlp auto, models.tiled.mlp: one "
+              "shard's MLP intermediates). ALST also offloads checkpointed activations to the host, which dstk does "
+              "not do yet."]
     return lines
 
 
