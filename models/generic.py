@@ -169,6 +169,8 @@ def generic_head(model, config) -> str | None:
     if getattr(config.get_text_config(), "output_router_logits", False):
         return (f"model_type {config.model_type!r} has output_router_logits: its forward adds the router aux loss, "
                 "which pp 1 leaves to HF's own loss")
+    if config.model_type == "gpt2":  # its own pipeline builder (models.gpt2); its head: wte's matrix, no transform
+        return None
     try:
         _module_names(model, config)
     except ConfigError as exc:

@@ -8,7 +8,9 @@ tile's logits and passes the incoming gradient through them to the hidden states
 (a recompute, like TiledMLP: one more head matmul per step). DeepSpeed's TiledFusedLogitsLoss runs the backward
 inside the forward with an incoming gradient of 1, which leaves the head's weight gradients unscaled by what
 multiplies the loss afterwards (1 / gradient_accumulation_steps in the engine's backward, a loss scale, dstk's
-token weights), so it is not used.
+token weights), so it is not used. The head's weight gradients are this function's own outputs, so autograd adds
+them to the weights' other uses (a tied embedding) before the one accumulation ZeRO-2's buckets reduce. Not under
+ZeRO-3 (refused): the weights arrive partitioned as inputs.
 
 Where it applies: `patch_causal_lm` (pp = 1: the HF model's own forward, its base model then the head) and the
 last stage of a pipeline (toolkit.distributed.pipeline: the head layer passes the hidden states, the loss takes
@@ -65,8 +67,9 @@ def _tiled_function():
 
     class TiledHeadLoss(torch.autograd.Function):
         """sum over tokens of cross_entropy(head(x).float(), targets), ignoring IGNORE, in tiles of `tile` tokens.
-        x (N, H), targets (N,); `params`: the head's weights (so the sum requires grad when only they do, and ZeRO-2's
-        gradient buckets take their gradient once, after the last tile: DeepSpeed's ds_grad_is_ready)."""
+        x (N, H), targets (N,); `params`: the head's weights, inputs of this function: their gradients, summed over
+        the tiles, are returned as theirs, so autograd adds them to the weights' other uses (a tied embedding) and
+        accumulates each weight's gradient once, as without tiles (ZeRO-2's buckets reduce a gradient once)."""
 
         @staticmethod
         def forward(ctx, head, x, targets, tile, *params):
@@ -76,28 +79,31 @@ def _tiled_function():
                     logits = head(x[start:start + tile]).float()
                     total += F.cross_entropy(logits, targets[start:start + tile], ignore_index=IGNORE, reduction="sum")
             ctx.head, ctx.tile = head, tile
-            ctx.params = [p for p in params if p.requires_grad]
-            ctx.save_for_backward(x, targets)
+            ctx.save_for_backward(x, targets, *params)
             return total
 
         @staticmethod
         def backward(ctx, grad):
-            x, targets = ctx.saved_tensors
+            x, targets, *params = ctx.saved_tensors
             wants_x = ctx.needs_input_grad[1]
+            trained = [i for i, wants in enumerate(ctx.needs_input_grad[4:]) if wants]
             x_grad = torch.zeros_like(x) if wants_x else None
-            starts = range(0, x.shape[0], ctx.tile)
-            for i, start in enumerate(starts):
-                for param in ctx.params:
-                    param.ds_grad_is_ready = i == len(starts) - 1
+            sums = [None] * len(params)
+            for start in range(0, x.shape[0], ctx.tile):
                 piece = x[start:start + ctx.tile].detach().requires_grad_(wants_x)
                 with torch.enable_grad():
                     logits = ctx.head(piece).float()
                     loss = F.cross_entropy(logits, targets[start:start + ctx.tile], ignore_index=IGNORE, reduction="sum")
-                if loss.requires_grad:
-                    torch.autograd.backward(loss, grad)
+                inputs = ([piece] if wants_x else []) + [params[i] for i in trained]
+                if not inputs:
+                    break
+                got = list(torch.autograd.grad(loss, inputs, grad, allow_unused=True))
                 if wants_x:
-                    x_grad[start:start + ctx.tile] = piece.grad
-            return (None, x_grad, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+                    x_grad[start:start + ctx.tile] = got.pop(0)
+                for i, g in zip(trained, got):
+                    if g is not None:
+                        sums[i] = g if sums[i] is None else sums[i] + g
+            return (None, x_grad, None, None, *sums)
 
     return TiledHeadLoss
 

@@ -266,10 +266,10 @@ def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) 
 def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
     """The loss's peak when dstk train tiles it on this layout (--tiled-loss, models.tiled.loss.choose on a rank's
     mbs x seq / sp tokens): three fp32 (tile, V) tensors, as loss_peak_bytes counts three of the whole (N, V);
-    None when the loss is not tiled (DualPipeV's, a classifier's)."""
+    None when the loss is not tiled (DualPipeV's, ZeRO-3's, a classifier's)."""
     from models.tiled.loss import choose, tile_tokens
 
-    if model.head_loss is None or lay.schedule == "dualpipev":
+    if model.head_loss is None or lay.schedule == "dualpipev" or lay.zero == 3:  # as dstk train: not tiled there
         return None
     vocab, mode, _ = model.head_loss
     tokens = lay.mbs * model.tokens // lay.sp
