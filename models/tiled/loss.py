@@ -34,19 +34,11 @@ def choose(mode: str, tokens: int, vocab: int, blocker: str | None = None) -> tu
     """(on, why) for --tiled-loss `mode` (auto, on, off) on a rank whose micro-batch holds `tokens` tokens (mbs x
     seq-len / sp) before a head of `vocab` outputs; `blocker`: why this run's loss cannot be tiled, if so
     (`--tiled-loss on` is then refused)."""
-    from toolkit.errors import ConfigError
+    from models.tiled import choose_mode, size_words
 
     need = logits_bytes(tokens, vocab)
-    size = f"a micro-batch's logits are {need / 2**30:.2f} GiB in fp32" if need >= 2**30 else \
-        f"a micro-batch's logits are {need / 2**20:.1f} MiB in fp32"
-    if blocker is not None:
-        if mode == "on":
-            raise ConfigError(f"--tiled-loss on: {blocker}; use --tiled-loss auto or off")
-        return False, blocker
-    if mode != "auto":
-        return mode == "on", f"--tiled-loss {mode}; {size}"
-    on = logits_bytes(tokens, vocab) >= AUTO_BYTES
-    return on, f"{size}, {'at least' if on else 'below'} {AUTO_BYTES / 2**30:g} GiB; --tiled-loss on/off to choose"
+    size = f"a micro-batch's logits are {size_words(need)} in fp32"
+    return choose_mode("--tiled-loss", mode, need, size, blocker, AUTO_BYTES)
 
 
 def tile_tokens(vocab: int) -> int:

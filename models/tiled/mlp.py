@@ -61,24 +61,15 @@ def choose(mode: str, tokens: int, hidden: int, intermediate: int, dtype_bytes: 
     seq-len / sp), `sequence` of them per row (seq-len / sp; None: all), through MLPs of `intermediate` width;
     `blocker`: why this run's MLPs cannot be tiled, if so (`--tiled-mlp on` is then refused). The same answer on
     every rank: it reads the config, not the stage."""
-    from toolkit.errors import ConfigError
+    from models.tiled import choose_mode, size_words
 
     need = intermediate_bytes(tokens, intermediate, dtype_bytes, gated)
-    size = f"a block's MLP holds {need / 2**30:.2f} GiB" if need >= 2**30 else \
-        f"a block's MLP holds {need / 2**20:.1f} MiB"
-    size += f" of (tokens x {intermediate}) activations"
-    if blocker is not None:
-        if mode == "on":
-            raise ConfigError(f"--tiled-mlp on: {blocker}; use --tiled-mlp auto or off")
-        return False, blocker
-    if mode != "auto":
-        return mode == "on", f"--tiled-mlp {mode}; {size}"
+    size = f"a block's MLP holds {size_words(need)} of (tokens x {intermediate}) activations"
     sequence = tokens if sequence is None else sequence
-    if need >= AUTO_BYTES and sequence <= hidden:
+    if mode == "auto" and blocker is None and need >= AUTO_BYTES and sequence <= hidden:
         return False, (f"{size}, but a row's {sequence} tokens fit one shard of {hidden} (ALST tiles longer rows); "
                        "--tiled-mlp on/off to choose")
-    on = need >= AUTO_BYTES
-    return on, f"{size}, {'at least' if on else 'below'} {AUTO_BYTES / 2**30:g} GiB; --tiled-mlp on/off to choose"
+    return choose_mode("--tiled-mlp", mode, need, size, blocker, AUTO_BYTES)
 
 
 def decide(mode: str, model, config, tokens: int, dtype_bytes: int, blocker: str | None = None,

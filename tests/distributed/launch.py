@@ -82,3 +82,15 @@ class LazyRuns:
 
     def _launch(self, name: str) -> None:
         raise NotImplementedError
+
+    def launch_run(self, name: str, cfg: Path, procs: int, flags: list, model_args: list) -> None:
+        """Train run NAME with `flags`; NAME_resumed: NAME's run resumed from its step 3 (its later checkpoints
+        gone). It must succeed; its output is kept as NAME.log."""
+        from tests.distributed.test_resume_layouts import resumed_from
+
+        if name.endswith("_resumed"):
+            resumed_from(self / name.removesuffix("_resumed"), 3, self.tmp / name)
+            flags = [*flags, "--resume"]
+        rc, log = launch(cfg, self.tmp / name, procs, *flags, model_args=model_args)
+        assert rc == 0, f"{name}:\n{log[-4000:]}"
+        (self.tmp / f"{name}.log").write_text(log)

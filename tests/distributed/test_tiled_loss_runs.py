@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.configs import OPTIMIZER, QUIET, write_config
-from tests.distributed.launch import CORPUS, LazyRuns, launch
-from tests.distributed.test_resume_layouts import resumed_from
+from tests.distributed.launch import CORPUS, LazyRuns
 from tests.distributed.test_train import losses, summary
 
 pytestmark = pytest.mark.distributed
@@ -41,13 +40,7 @@ class Runs(LazyRuns):
                            zero=zero[0] if zero else 1,
                            pp=pp if pp > 1 else None, gradient_clipping=1.0,
                            **({"sequence_parallel_size": sp} if sp > 1 else {}), **QUIET)
-        flags = ["--steps", STEPS, "--save-every", 3, "--no-export", "--tiled-loss", mode]
-        if name.endswith("_resumed"):
-            resumed_from(self / name.removesuffix("_resumed"), 3, self.tmp / name)
-            flags.append("--resume")
-        rc, log = launch(cfg, self.tmp / name, procs, *flags, model_args=args)
-        assert rc == 0, f"{name}:\n{log[-4000:]}"
-        (self.tmp / f"{name}.log").write_text(log)
+        self.launch_run(name, cfg, procs, ["--steps", STEPS, "--save-every", 3, "--no-export", "--tiled-loss", mode], args)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.configs import OPTIMIZER, QUIET, write_config
-from tests.distributed.launch import CORPUS, LazyRuns, launch
-from tests.distributed.test_resume_layouts import resumed_from
+from tests.distributed.launch import CORPUS, LazyRuns
 from tests.distributed.test_tiled_loss_runs import STEPS, assert_same
 from tests.distributed.test_train import losses
 
@@ -45,13 +44,7 @@ class Runs(LazyRuns):
         cfg = write_config(self.tmp / f"{layout}.json", mbs=2, gas=4 // dp, optimizer=OPTIMIZER,
                            pp=pp if pp > 1 and "pipeline" not in keys else None, gradient_clipping=1.0,
                            **({"sequence_parallel_size": sp} if sp > 1 else {}), **keys, **QUIET)
-        flags = ["--steps", STEPS, "--save-every", 3, "--no-export", "--tiled-mlp", mode]
-        if name.endswith("_resumed"):
-            resumed_from(self / name.removesuffix("_resumed"), 3, self.tmp / name)
-            flags.append("--resume")
-        rc, log = launch(cfg, self.tmp / name, procs, *flags, model_args=args)
-        assert rc == 0, f"{name}:\n{log[-4000:]}"
-        (self.tmp / f"{name}.log").write_text(log)
+        self.launch_run(name, cfg, procs, ["--steps", STEPS, "--save-every", 3, "--no-export", "--tiled-mlp", mode], args)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import models.tiled.mlp as tm
+from tests.unit.test_tiled_loss import assert_same, batch
 from toolkit.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -34,20 +35,6 @@ def tiny(kind: str):
 
 def grads(model) -> dict:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(a: dict, b: dict, rel: float = 1e-5):
-    assert a.keys() == b.keys() and a
-    for name in a:
-        assert torch.allclose(a[name], b[name], rtol=rel, atol=rel * a[name].abs().max().item()), name
-
-
-def batch(config, rows: int = 2, tokens: int = 24):
-    torch.manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (rows, tokens))
-    labels = ids.clone()
-    labels[0, :5] = -100
-    return ids, labels
 
 
 def step(model, ids, labels):
