@@ -37,7 +37,11 @@ def stopped(signum, frame) -> None:
     `finally` blocks and `except BaseException` clean-ups run (a half-written data cache file, a temporary
     export folder), where the default action would end the process on the spot and leave them for good. The
     process still ends by the signal (end_by_signal). OUT's lock (toolkit.checkpoint.lock.RunLock) is released at
-    once, even while the main thread waits in C."""
+    once, even while the main thread waits in C. A second signal while the first unwinds (a launcher repeats its stop
+    to the process group) is let be: raised inside the first's clean-ups it would end them with a traceback; the
+    first ends the process (stop_while_in_c: by the default action after GRACE_S at the latest)."""
+    if STOPPED:
+        return
     STOPPED.append(signum)
     raise KeyboardInterrupt(f"signal {signum}")
 
