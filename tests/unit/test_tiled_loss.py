@@ -109,21 +109,29 @@ def test_auto_turns_on_at_half_a_gib_of_logits_and_on_is_refused_where_it_cannot
         tl.choose("on", 16, 320, blocker="no head")
 
 
-@pytest.mark.heavy
-def test_every_model_type_the_pipelines_take_gives_hfs_loss_tiled():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+def exact_types() -> list:
+    """The model types bench/arch_sweep.py finds exact as pipelines (its last results)."""
     import json
 
     rows = json.loads((Path(__file__).resolve().parents[2] / "bench/results/arch_sweep.json").read_text())["rows"]
     kinds = [r["type"] for r in rows if r["outcome"] == "exact"]
     assert len(kinds) > 80
-    for kind in kinds:
-        model, tiled = tiny(kind)
-        ids, labels = batch(model.config)
-        torch.manual_seed(5)  # random routing in training (phimoe, dbrx): the same draws for both
-        theirs = model(input_ids=ids, labels=labels, use_cache=False).loss
-        torch.manual_seed(5)
-        ours = tiled(input_ids=ids, labels=labels, use_cache=False).loss
-        assert ours.item() == pytest.approx(theirs.item(), rel=1e-5), kind
-        theirs.backward(), ours.backward()
-        assert_same(grads(model), grads(tiled), rel=1e-4)
+    return kinds
+
+
+def assert_trains_alike(model, tiled, kind: str) -> None:
+    """The same loss (1e-5) and gradients (1e-4) from `model` and its `tiled` copy on one batch."""
+    ids, labels = batch(model.config)
+    torch.manual_seed(5)  # random routing in training (phimoe, dbrx): the same draws for both
+    theirs = model(input_ids=ids, labels=labels, use_cache=False).loss
+    torch.manual_seed(5)
+    ours = tiled(input_ids=ids, labels=labels, use_cache=False).loss
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5), kind
+    theirs.backward(), ours.backward()
+    assert_same(grads(model), grads(tiled), rel=1e-4)
+
+
+@pytest.mark.heavy
+def test_every_model_type_the_pipelines_take_gives_hfs_loss_tiled():
+    for kind in exact_types():
+        assert_trains_alike(*tiny(kind), kind)

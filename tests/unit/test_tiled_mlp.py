@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import models.tiled.mlp as tm
-from tests.unit.test_tiled_loss import assert_same, batch
+from tests.unit.test_tiled_loss import assert_same, assert_trains_alike, batch, exact_types, grads
 from toolkit.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -31,10 +31,6 @@ def tiny(kind: str):
     patched = tm.patch_mlps(tiled, model.config.hidden_size)
     assert patched == model.config.num_hidden_layers
     return model, tiled
-
-
-def grads(model) -> dict:
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def step(model, ids, labels):
@@ -129,23 +125,11 @@ def test_shards_are_as_many_as_torch_chunk_cuts(monkeypatch):
 
 @pytest.mark.heavy
 def test_every_model_type_the_pipelines_take_gives_hfs_loss_with_tiled_mlps():
-    import json
-
-    rows = json.loads((Path(__file__).resolve().parents[2] / "bench/results/arch_sweep.json").read_text())["rows"]
-    kinds = [r["type"] for r in rows if r["outcome"] == "exact"]
-    assert len(kinds) > 80
     tiled_kinds = 0
-    for kind in kinds:
+    for kind in exact_types():
         model = build_tiny(kind)
         model = (model[0] if isinstance(model, tuple) else model).float().train()
         tiled = copy.deepcopy(model)
         tiled_kinds += tm.patch_mlps(tiled, 64) > 0
-        ids, labels = batch(model.config)
-        torch.manual_seed(5)  # random routing in training (phimoe, dbrx): the same draws for both
-        theirs = model(input_ids=ids, labels=labels, use_cache=False).loss
-        torch.manual_seed(5)
-        ours = tiled(input_ids=ids, labels=labels, use_cache=False).loss
-        assert ours.item() == pytest.approx(theirs.item(), rel=1e-5), kind
-        theirs.backward(), ours.backward()
-        assert_same(grads(model), grads(tiled), rel=1e-4)
+        assert_trains_alike(model, tiled, kind)
     assert tiled_kinds > 60

@@ -61,14 +61,9 @@ def free_port() -> int:
     spans = [(start, end) for start, end in ((20000, low - 1), (high + 1, 65535)) if end - start >= 1000]
     spans = spans or [(1024, 65535)]  # the ephemeral range covers nearly every port: draw from all of them
     draw = random.SystemRandom()  # not the `random` a run seeds: every rank and test would draw the same
-    sizes = [end - start + 1 for start, end in spans]
     for _ in range(100):
-        at = draw.randrange(sum(sizes))
-        for (start, _end), size in zip(spans, sizes):
-            if at < size:
-                port = start + at
-                break
-            at -= size
+        start, end = draw.choices(spans, weights=[end - start + 1 for start, end in spans])[0]
+        port = draw.randint(start, end)  # every port of the spans alike
         if port != DEFAULT_PORT and listenable(port):
             return port
     with socket.socket() as s:  # 100 ports in use: let the kernel choose one
