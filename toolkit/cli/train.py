@@ -130,6 +130,12 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
               "the same loss and gradients for one more MLP forward. auto: on where a block's MLP would hold 1 GiB "
               "or more (Llama-3-8B in bf16: about 9400 tokens per micro-batch) in rows longer than the hidden size; "
               "the opening lines say which and why.")
+@click.option("--offload-activations", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="With activation checkpointing, move each checkpointed block's input (tokens x hidden per block) to "
+              "pinned host memory in the forward and back for its recompute in the backward (DeepSpeed's activation "
+              "offload), so the GPU holds about one block's at a time: the same loss and gradients for host copies "
+              "that overlap compute. auto: on a GPU where they would take 1 GiB or more per micro-batch (Llama-3-8B "
+              "in bf16: 4096 tokens); the opening lines say which and why.")
 @click.option("--step-timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="End the run when a step, an "
               "evaluation or a checkpoint save lasts longer than this on any rank (a stuck collective, a hung GPU): "
               "each rank names where it was; under launch.sh --max-restarts the run restarts from its last checkpoint. "

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
                     lora=None, seed: int = 0, schedule: str = "1f1b", tiled_loss: str = "off",
-                    tiled_mlp: str = "off"):
+                    tiled_mlp: str = "off", offload_activations: str = "off"):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
     with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); the run's
     manifest entries: pp, parts, hf_names, tied (+ lora, tp), for checkpoint.manifest.save_meta).
@@ -39,7 +39,9 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     stages by the same partitioner (toolkit.distributed.dualpipev), rank r holding stages r and 2 pp - 1 - r.
     tiled_loss: --tiled-loss (auto, on, off): the last stage's loss takes the head and computes it in tiles of
     tokens (models.tiled.loss); the module's dstk_tiled_loss says (on, why). tiled_mlp: --tiled-mlp (auto, on, off):
-    the stage's dense MLPs through TiledMLP (models.tiled.mlp); its dstk_tiled_mlp says (on, why, shards)."""
+    the stage's dense MLPs through TiledMLP (models.tiled.mlp); its dstk_tiled_mlp says (on, why, shards).
+    offload_activations: --offload-activations (auto, on, off): the checkpointed layers' inputs to host memory
+    (models.tiled.offload); its dstk_offload_activations says (on, why)."""
     import torch
 
     import models
@@ -86,6 +88,7 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
         record["sp"] = topo.sp
     _tile_loss(module, spec, topo, cfg, seq_len, tiled_loss, schedule)
     _tile_mlp(module, spec, topo, cfg, seq_len, tiled_mlp)
+    _offload(module, spec, topo, cfg, seq_len, offload_activations)
     if plan is not None:
         models.mark_grad_norm_owners(module)
         record["tp"] = topo.tp
@@ -161,6 +164,20 @@ def _tile_mlp(module, spec, topo, cfg: dict, seq_len: int, mode: str) -> None:
                                    param_dtype(cfg).itemsize, blocker, seq_len // topo.sp)
     if module.dstk_tiled_mlp[0]:
         patch_mlps(module, widths(spec.config)[0])
+
+
+def _offload(module, spec, topo, cfg: dict, seq_len: int, mode: str) -> None:
+    """--offload-activations for a pipeline (models.tiled.offload.decide, on the stage's share of the blocks: every
+    rank answers the same): deepspeed.checkpointing's cpu_checkpointing set accordingly; module.dstk_offload_activations
+    = (on, why)."""
+    from models.tiled.offload import decide, for_pipeline
+    from toolkit.distributed.topology import config_batch
+
+    tokens = config_batch(cfg, topo.dp).mbs * seq_len // topo.sp
+    device = next(module.parameters()).device.type
+    module.dstk_offload_activations = decide(mode, spec.config, tokens, topo.pp, param_dtype(cfg).itemsize,
+                                             checkpoint_interval(cfg) > 0, device)
+    for_pipeline(module.dstk_offload_activations[0])
 
 
 def _tp_plan(config, task: str, cfg: dict, tp: int):

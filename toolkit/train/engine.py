@@ -37,6 +37,7 @@ def make_model(args, config, topo, cfg: dict):
     """(model for deepspeed.initialize, its part of the manifest). pp > 1 with a local directory: no rank builds the
     whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline)."""
     from models.lora import adapters
+    from models.tiled.offload import decide
     from toolkit.train import lora
 
     settings = lora.settings_of(args)
@@ -52,13 +53,15 @@ def make_model(args, config, topo, cfg: dict):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         tiled = tile_loss(args, model, config, topo, cfg)
         mlp = tile_mlp(args, model, config, topo, cfg)  # the MLP modules' forwards: peft's adapters go inside them
-        if settings is None:
-            model.dstk_tiled_loss, model.dstk_tiled_mlp = tiled, mlp
-            return model, {"pp": 1}
-        entry = adapters.manifest_entry(settings, model, args.task)
-        model = adapters.apply(model, settings, args.task, args.seed)
-        model.dstk_tiled_loss, model.dstk_tiled_mlp = tiled, mlp
-        return model, {"pp": 1, "lora": entry}
+        tokens = config_batch(cfg, topo.dp).mbs * args.seq_len // topo.sp
+        offload = decide(args.offload_activations, config, tokens, 1, loading.param_dtype(cfg).itemsize, checkpointing,
+                         rank_device().type)  # models.tiled.offload: around_micro_batch acts on it
+        record = {"pp": 1}
+        if settings is not None:
+            record["lora"] = adapters.manifest_entry(settings, model, args.task)
+            model = adapters.apply(model, settings, args.task, args.seed)
+        model.dstk_tiled_loss, model.dstk_tiled_mlp, model.dstk_offload_activations = tiled, mlp, offload
+        return model, record
     from toolkit.distributed.pipeline import pipeline_module
 
     if Path(args.model).is_dir():
@@ -70,7 +73,7 @@ def make_model(args, config, topo, cfg: dict):
             source = adapters.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
                            lora=settings, seed=args.seed, schedule=args.schedule, tiled_loss=args.tiled_loss,
-                           tiled_mlp=args.tiled_mlp)
+                           tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations)
 
 
 def tile_loss(args, model, config, topo, cfg: dict) -> tuple:

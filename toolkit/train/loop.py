@@ -9,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from models.tiled.offload import around_micro_batch
 from toolkit.distributed.process_group import all_reduce_sum
 from toolkit import data
 from toolkit.data.transfer import to_device
@@ -26,8 +27,9 @@ def train_step(job: Job, it) -> float:
         return float(job.engine.train_batch(it))
     losses = []
     for _ in range(job.engine.gradient_accumulation_steps()):
-        loss = forward_loss(job.engine, next(it), job.sp, job.sp_rank)
-        job.engine.backward(loss * job.backward_scale if job.backward_scale != 1 else loss)
+        with around_micro_batch(job.engine.module):  # --offload-activations: the checkpoints' trip to the host
+            loss = forward_loss(job.engine, next(it), job.sp, job.sp_rank)
+            job.engine.backward(loss * job.backward_scale if job.backward_scale != 1 else loss)
         job.engine.step()
         losses.append(loss.detach().float())
     # pp = 1: every sp group is a replica, whose ranks' losses sum to its loss (sp = 1: every rank)

@@ -71,6 +71,7 @@ class TrainArgs:
     streaming: bool = False  # read --data as a stream (toolkit.data.stream), not prepared and cached ahead
     tiled_loss: str = "auto"  # the causal LM loss in tiles of tokens (models.tiled.loss): auto, on, off
     tiled_mlp: str = "auto"  # the blocks' MLPs through DeepSpeed's TiledMLP (models.tiled.mlp): auto, on, off
+    offload_activations: str = "auto"  # checkpointed block inputs to host memory (models.tiled.offload): auto, on, off
     step_timeout: float | None = None  # seconds a step, eval or save may take before the rank ends (resilience)
     save_on_signal: bool = False  # SIGUSR1 / SIGTERM: finish the step, save, stop (resilience.SignalStop)
     crash_at_step: int | None = None  # testing: SIGKILL the last rank after this step

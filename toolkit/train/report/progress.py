@@ -62,7 +62,8 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len,
             "lora": record.get("lora_adapters") or record.get("lora"), "start_step": start, "steps": steps,
             "resume": resume, "tiled_loss": getattr(engine.module, "dstk_tiled_loss", None),
-            "tiled_mlp": getattr(engine.module, "dstk_tiled_mlp", None)}
+            "tiled_mlp": getattr(engine.module, "dstk_tiled_mlp", None),
+            "offload_activations": getattr(engine.module, "dstk_offload_activations", None)}
 
 
 def trust_notes(args) -> list:
@@ -101,6 +102,9 @@ def start_lines(about: dict) -> list:
     if about.get("tiled_mlp"):  # (on, why, shards): models.tiled.mlp.decide
         on, why, shards = about["tiled_mlp"]
         lines.append(f"mlp: {f'tiled in {shards} shards per micro-batch' if on else 'whole'} ({why})")
+    if about.get("offload_activations"):  # (on, why): models.tiled.offload.choose
+        on, why = about["offload_activations"]
+        lines.append(f"checkpoints: {'offloaded to host memory' if on else 'kept on the device'} ({why})")
     resume = about.get("resume")
     steps = f"steps {about['start_step'] + 1}..{about['steps']}"
     if resume:
