@@ -23,6 +23,8 @@ from models.tiled import choose_mode, size_words
 
 AUTO_BYTES = 2**30  # --offload-activations auto: on from 1 GiB of checkpointed block inputs on a GPU (Llama-3-8B in
 # bf16: 4096 tokens per micro-batch); below it the device memory saved is small next to the host copies' traffic
+NO_CHECKPOINTS = ("no activation checkpointing to offload (the DeepSpeed config's activation_checkpointing section; a "
+                  "pipeline's pipeline.activation_checkpoint_interval)")
 
 
 def checkpoint_bytes(tokens: int, hidden: int, blocks: int, dtype_bytes: int) -> int:
@@ -35,8 +37,7 @@ def choose(mode: str, held: int, checkpointing: bool, device: str, blocker: str 
     `held` bytes per micro-batch, on `device` ("cuda", "cpu"): off without activation checkpointing (there is
     nothing checkpointed to move), and on a CPU unless asked for (host memory is the device's)."""
     if not checkpointing and blocker is None:
-        blocker = ("no activation checkpointing to offload (the DeepSpeed config's activation_checkpointing section; "
-                   "a pipeline's pipeline.activation_checkpoint_interval)")
+        blocker = NO_CHECKPOINTS
     size = f"checkpointed block inputs {size_words(held)} per micro-batch"
     if device == "cpu" and blocker is None:
         if mode == "auto":

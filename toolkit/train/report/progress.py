@@ -103,8 +103,11 @@ def start_lines(about: dict) -> list:
         on, why, shards = about["tiled_mlp"]
         lines.append(f"mlp: {f'tiled in {shards} shards per micro-batch' if on else 'whole'} ({why})")
     if about.get("offload_activations"):  # (on, why): models.tiled.offload.choose
+        from models.tiled.offload import NO_CHECKPOINTS
+
         on, why = about["offload_activations"]
-        lines.append(f"checkpoints: {'offloaded to host memory' if on else 'kept on the device'} ({why})")
+        where = "none" if why == NO_CHECKPOINTS else "offloaded to host memory" if on else "kept on the device"
+        lines.append(f"checkpoints: {where} ({why})")
     resume = about.get("resume")
     steps = f"steps {about['start_step'] + 1}..{about['steps']}"
     if resume:
