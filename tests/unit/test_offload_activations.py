@@ -135,3 +135,15 @@ def test_every_stage_decides_on_its_share_of_the_blocks():
     assert offload.decide("auto", config, 4096, 1, 2, True, "cuda")[1].startswith(
         "checkpointed block inputs 1.00 GiB")
     assert not offload.decide("auto", config, 4096, 4, 2, True, "cuda")[0]  # 8 blocks a stage: 0.25 GiB
+
+
+def test_train_check_refuses_on_without_checkpoints_before_any_rank_starts():
+    from toolkit.train.runner import check_offload
+
+    with pytest.raises(ConfigError, match="--offload-activations on: no activation checkpointing"):
+        check_offload("on", {}, 1)
+    with pytest.raises(ConfigError, match="pipeline.activation_checkpoint_interval"):
+        check_offload("on", {"activation_checkpointing": {}, "pipeline": {"stages": 2}}, 2)
+    check_offload("on", {"activation_checkpointing": {}}, 1)
+    check_offload("on", {"pipeline": {"stages": 2, "activation_checkpoint_interval": 1}}, 2)
+    check_offload("auto", {}, 1)

@@ -271,6 +271,17 @@ def check_sequence_parallel(args: TrainArgs, cfg: dict, pp: int = 1) -> None:
         raise ConfigError(f"{args.model}: " + "; ".join(problems))
 
 
+def check_offload(mode: str, cfg: dict, pp) -> None:
+    """--offload-activations on needs checkpoints to move: at pp 1 the config's activation_checkpointing section,
+    in a pipeline pipeline.activation_checkpoint_interval (models.tiled.offload.choose's refusal, before any rank)."""
+    from models.tiled.offload import choose
+
+    interval = (cfg.get("pipeline") or {}).get("activation_checkpoint_interval") or 0
+    checkpointing = interval > 0 if isinstance(pp, int) and pp > 1 else "activation_checkpointing" in cfg
+    if mode == "on":
+        choose(mode, 0, checkpointing, "cuda")
+
+
 def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group: the config (for `world_size` processes when known), the
     model and tokenizer folders (a hub id's from the cache alone: one not cached yet is the ranks' to
@@ -290,6 +301,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     check_attention_precision(args.attention, cfg)
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     dualpipev.check(args.schedule, cfg, pp, world_size)
+    check_offload(args.offload_activations, cfg, pp)
     local = local_inputs(args)
     if local is not None:
         check_model(local, cfg, world_size)
