@@ -9,8 +9,10 @@ tile's logits and passes the incoming gradient through them to the hidden states
 inside the forward with an incoming gradient of 1, which leaves the head's weight gradients unscaled by what
 multiplies the loss afterwards (1 / gradient_accumulation_steps in the engine's backward, a loss scale, dstk's
 token weights), so it is not used. The head's weight gradients are this function's own outputs, so autograd adds
-them to the weights' other uses (a tied embedding) before the one accumulation ZeRO-2's buckets reduce. Not under
-ZeRO-3 (refused): the weights arrive partitioned as inputs.
+them to the weights' other uses (a tied embedding) before the one accumulation ZeRO-2's buckets reduce. Under ZeRO-3
+the weights are partitioned between uses (a function input's shape would be its empty partition): there each tile's
+recompute goes through the head's module, which ZeRO gathers, and backpropagates into the weights' own gradients,
+ZeRO's bucket taking them once, after the last tile (DeepSpeed's TiledMLP's way, ds_grad_is_ready).
 
 Where it applies: `patch_causal_lm` (pp = 1: the HF model's own forward, its base model then the head) and the
 last stage of a pipeline (toolkit.distributed.pipeline: the head layer passes the hidden states, the loss takes
@@ -64,21 +66,23 @@ def _tiled_function():
         accumulates each weight's gradient once, as without tiles (ZeRO-2's buckets reduce a gradient once)."""
 
         @staticmethod
-        def forward(ctx, head, x, targets, tile, *params):
+        def forward(ctx, head, x, targets, tile, partitioned, *params):
             total = torch.zeros((), dtype=torch.float32, device=x.device)
             with torch.no_grad():
                 for start in range(0, x.shape[0], tile):
                     logits = head(x[start:start + tile]).float()
                     total += F.cross_entropy(logits, targets[start:start + tile], ignore_index=IGNORE, reduction="sum")
-            ctx.head, ctx.tile = head, tile
+            ctx.head, ctx.tile, ctx.partitioned = head, tile, partitioned
             ctx.save_for_backward(x, targets, *params)
             return total
 
         @staticmethod
         def backward(ctx, grad):
+            if ctx.partitioned is not None:
+                return (None, partitioned_backward(ctx, grad, *ctx.partitioned), None, None, None)
             x, targets, *params = ctx.saved_tensors
             wants_x = ctx.needs_input_grad[1]
-            trained = [i for i, wants in enumerate(ctx.needs_input_grad[4:]) if wants]
+            trained = [i for i, wants in enumerate(ctx.needs_input_grad[5:]) if wants]
             x_grad = torch.zeros_like(x) if wants_x else None
             sums = [None] * len(params)
             for start in range(0, x.shape[0], ctx.tile):
@@ -95,18 +99,46 @@ def _tiled_function():
                 for i, g in zip(trained, got):
                     if g is not None:
                         sums[i] = g if sums[i] is None else sums[i] + g
-            return (None, x_grad, None, None, *sums)
+            return (None, x_grad, None, None, None, *sums)
+
+    def partitioned_backward(ctx, grad, params, tied):
+        """ZeRO-3's: each tile's recompute through the head's module (ZeRO gathers its weights) and a backward into
+        the weights' own gradients, as DeepSpeed's TiledMLP does, ZeRO's bucket taking them after the last tile only
+        (ds_grad_is_ready); a tied weight's after its other use too, in the outer backward."""
+        x, targets = ctx.saved_tensors
+        wants_x = ctx.needs_input_grad[1]
+        trained = [p for p in params if p.requires_grad]
+        x_grad = torch.zeros_like(x) if wants_x else None
+        starts = range(0, x.shape[0], ctx.tile)
+        for start in starts:
+            for p in trained:
+                p.ds_grad_is_ready = start == starts[-1] and not tied
+            piece = x[start:start + ctx.tile].detach().requires_grad_(wants_x)
+            with torch.enable_grad():
+                logits = ctx.head(piece).float()
+                loss = F.cross_entropy(logits, targets[start:start + ctx.tile], ignore_index=IGNORE, reduction="sum")
+            inputs = ([piece] if wants_x else []) + trained
+            if inputs:
+                torch.autograd.backward(loss, grad, inputs=inputs)
+            if wants_x:
+                x_grad[start:start + ctx.tile] = piece.grad
+        for p in trained:
+            p.ds_grad_is_ready = True
+        return x_grad
 
     return TiledHeadLoss
 
 
-def tiled_head_loss(head, hidden, shift_labels, vocab: int):
+def tiled_head_loss(head, hidden, shift_labels, vocab: int, tied: bool = False):
     """The summed cross entropy of head(hidden) against `shift_labels` (the label of the next token at each
-    position, IGNORE where none), hidden (B, T, H) or (N, H)."""
+    position, IGNORE where none), hidden (B, T, H) or (N, H). `tied`: the head's weight is also the input
+    embedding's (its ZeRO-3 gradient is then complete only after the embedding's backward)."""
     params = [p for p in _parameters(head) if p.is_floating_point()]
     x = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(x.device)
-    return _tiled_function().apply(head, x, targets, tile_tokens(vocab), *params)
+    if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3 partitions: not inputs (module docstring)
+        return _tiled_function().apply(head, x, targets, tile_tokens(vocab), (params, tied))
+    return _tiled_function().apply(head, x, targets, tile_tokens(vocab), None, *params)
 
 
 def _parameters(head) -> list:
@@ -162,6 +194,7 @@ def patch_causal_lm(model, transform) -> None:
     vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 holds a partition: its full shape
     head = HeadOnly(model, transform)
     decoder = _decoder(model)
+    tied = model.get_input_embeddings().weight is weight
 
     def forward(self, input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if labels is None and shift_labels is None:
@@ -169,7 +202,7 @@ def patch_causal_lm(model, transform) -> None:
         kwargs.pop("logits_to_keep", None)
         hidden = decoder(input_ids=input_ids, **kwargs).last_hidden_state
         targets = shift_labels if shift_labels is not None else shifted(labels)
-        total = tiled_head_loss(head, hidden, targets, vocab)
+        total = tiled_head_loss(head, hidden, targets, vocab, tied)
         if num_items_in_batch is not None:
             loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
         else:

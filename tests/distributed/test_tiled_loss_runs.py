@@ -3,7 +3,8 @@ gradient norms and eval loss (1e-5, fp32) on CPU ranks forked from the warm rank
 (untied head) and tiny GPT-2 (tied: the head is the embedding's weight, on the first stage's tied copy). Packed
 text at pp 1 and pp 2 (1F1B), chat rows with assistant-only labels and LoRA at pp 1, sp 2 (sp's shifted labels and
 token counts) and pp 2 x sp 2 (4 ranks), dp 2 under ZeRO-2 (the head's gradient bucketed once, after the last
-tile); ZeRO-3 is refused (not yet); a tiled pp 2 run resumed from step 3 continues the losses. The default tier
+tile) and under ZeRO-3 (the head's weight partitioned; tests/unit/test_tiled_loss.py runs several tiles there); a
+tiled pp 2 run resumed from step 3 continues the losses. The default tier
 holds pp 1 and pp 2; the rest is heavy."""
 
 import json
@@ -61,17 +62,7 @@ def assert_same(got: Path, want: Path, rel: float = 1e-5):
 
 
 LIGHT = ["pp1", "pp2", "gpt2_pp2"]
-HEAVY = [pytest.param(name, marks=pytest.mark.heavy) for name in ("chat_pp1", "sp2", "pp2sp2", "zero2")]
-
-
-@pytest.mark.heavy
-def test_zero3_trains_the_whole_logits_and_refuses_tiling_them(runs):
-    """Not yet: ZeRO-3 does not gather the head's partitioned weight again for the tiles' recompute in the backward.
-    auto leaves the loss whole there (and says why); on is refused."""
-    assert_same(runs / "zero3_auto", runs / "zero3_off")
-    assert "loss: whole logits (ZeRO-3:" in (runs.tmp / "zero3_auto.log").read_text()
-    with pytest.raises(AssertionError, match="--tiled-loss on: ZeRO-3"):
-        runs / "zero3_on"
+HEAVY = [pytest.param(name, marks=pytest.mark.heavy) for name in ("chat_pp1", "sp2", "pp2sp2", "zero2", "zero3")]
 
 
 @pytest.mark.parametrize("layout", LIGHT + HEAVY)
