@@ -4,7 +4,8 @@ warm rank server, the built-in tiny Llama. On a CPU the checkpoints are copied w
 DeepSpeed offload engines a GPU uses (models.tiled.offload): HF's non-reentrant checkpointing at pp 1, the
 pipeline's deepspeed.checkpointing in stages. Packed text at pp 1 and pp 2 (1F1B), and a pp 2 run resumed from step
 3; heavy: chat rows with assistant-only labels and LoRA, sp 2, pp 2 x sp 2 (4 ranks), dp 2 under ZeRO-3, and every
-long-sequence feature at once (tiled loss, tiled MLP, offload) against none of them at pp 2 x sp 2."""
+long-sequence feature at once (tiled loss, tiled MLP, offload) against none of them at pp 2 x sp 2, on packed text
+and on chat rows with assistant-only labels and LoRA."""
 
 from pathlib import Path
 
@@ -26,7 +27,8 @@ ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}  # tiny weights ar
 LAYOUTS = {  # processes, pp, sp, model arguments, ZeRO section
     "pp1": (1, 1, 1, TEXT, {"stage": 1}), "pp2": (2, 2, 1, TEXT, {"stage": 1}),
     "chat_pp1": (1, 1, 1, CHAT, {"stage": 1}), "sp2": (2, 1, 2, TEXT, {"stage": 1}),
-    "pp2sp2": (4, 2, 2, TEXT, {"stage": 1}), "zero3_dp2": (2, 1, 1, TEXT, ZERO3), "all_pp2sp2": (4, 2, 2, TEXT, {"stage": 1})}
+    "pp2sp2": (4, 2, 2, TEXT, {"stage": 1}), "zero3_dp2": (2, 1, 1, TEXT, ZERO3), "all_pp2sp2": (4, 2, 2, TEXT, {"stage": 1}),
+    "all_chat_pp2sp2": (4, 2, 2, CHAT, {"stage": 1})}
 FEATURES = ("--tiled-loss", "--tiled-mlp", "--offload-activations")
 
 
@@ -54,7 +56,8 @@ def runs(tmp_path_factory):
 
 
 LIGHT = ["pp1", "pp2"]
-HEAVY = [pytest.param(name, marks=pytest.mark.heavy) for name in ("chat_pp1", "sp2", "pp2sp2", "zero3_dp2", "all_pp2sp2")]
+HEAVY = [pytest.param(name, marks=pytest.mark.heavy) for name in ("chat_pp1", "sp2", "pp2sp2", "zero3_dp2", "all_pp2sp2",
+                                                                    "all_chat_pp2sp2")]
 
 
 @pytest.mark.parametrize("layout", LIGHT + HEAVY)
