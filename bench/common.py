@@ -52,12 +52,13 @@ def time_command(cmd: list[str], env=None) -> float:
     return time.perf_counter() - start
 
 
-def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = None) -> tuple:
+def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = None, watch=None) -> tuple:
     """Run `cmd` in `cwd` (the repository by default), launcher and ranks in one new process group, output in
     `log`; (exit code or None when killed at `timeout`, wall seconds). At the timeout SIGTERM goes to the
     group (the launcher forwards it to the ranks), SIGKILL 30 s later. A SIGTERM to this process while it waits
     (gpu.sh's backstop `timeout`) or Ctrl-C stops the group too (SIGKILL 5 s later), then exits: a group of its
-    own outlives this process otherwise, holding its GPUs."""
+    own outlives this process otherwise, holding its GPUs. `watch(pid)`, asked every half second, stops the group
+    as the timeout does when it returns True (a run past a memory limit: tree_peak_mib)."""
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=cwd or Path(__file__).resolve().parents[1], env=env, stdout=f,
@@ -65,7 +66,7 @@ def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = N
         on_main = threading.current_thread() is threading.main_thread()  # where Python lets a handler be set
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
         try:
-            rc = proc.wait(timeout=timeout)
+            rc = _wait(proc, start + timeout, watch)
         except subprocess.TimeoutExpired:
             _stop(proc, 30)
             rc = None
@@ -76,6 +77,58 @@ def launch(cmd: list, log: Path, env: dict, timeout: float, cwd: Path | None = N
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
     return rc, time.perf_counter() - start
+
+
+def _wait(proc: subprocess.Popen, deadline: float, watch) -> int:
+    """proc's exit code; TimeoutExpired past `deadline` (perf_counter seconds) or once `watch(proc.pid)` is True."""
+    if watch is None:
+        return proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+    while True:
+        try:
+            return proc.wait(timeout=min(0.5, max(0.0, deadline - time.perf_counter())))
+        except subprocess.TimeoutExpired:
+            if time.perf_counter() >= deadline or watch(proc.pid):
+                raise
+
+
+def tree_peak_mib(pid: int) -> float:
+    """The largest peak resident set (VmHWM, MiB) among process `pid` and its live descendants (Linux /proc; the
+    ranks: DeepSpeed's runner starts a session of its own): on CPU what a rank's peak_mem_mib will say, while it
+    runs."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # state, ppid
+        except (OSError, IndexError, ValueError):  # the process ended in between
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree, grew = tree | more, bool(more)
+    best = 0.0
+    for member in tree:
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        hwm = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        best = max(best, int(hwm) / 1024 if hwm else 0.0)
+    return best
+
+
+def build_llama(folder: Path, arch: dict, vocab: int | None = None) -> Path:
+    """A small Llama of `arch` (LlamaConfig fields), random weights, untied head, and the byte tokenizer, saved as a
+    HF directory; `vocab` outputs (None: the tokenizer's; ids past the tokenizer's are never seen)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.train.hf import byte_tokenizer
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=vocab or len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
+                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **arch)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
 
 
 def _exit_on_sigterm(signum, frame):

@@ -1,19 +1,24 @@
-"""Long sequences under Ulysses sequence parallelism: the longest sequence that trains per rank at sp = 1, 2
-and 4 within one activation-memory budget, tokens/s against sp = 1 at one common length, and what `dstk plan`'s
-estimator predicted for both; then where the planner puts dstk's GPU path against ALST (arXiv 2506.13996:
-Llama-3.1-8B, 500K tokens on one H100, 3.7M on 8).
+"""Long sequences on CPU: the longest sequence that trains within one activation budget per rank at sp = 1, 2 and 4,
+before and after each long-sequence feature of `dstk train` (rows, each adding one: activation checkpointing, the
+tiled loss, the tiled MLP; then dstk's defaults), with tokens/s and the planner's prediction beside each; then where
+the planner puts dstk's GPU path against ALST (arXiv 2506.13996: Llama-3.1-8B, 500K tokens on one H100, 3.7M on 8).
 
-    python bench/long_context.py                       # ~10 minutes on 2 cores
-    python bench/long_context.py --budget-mib 256 --sps 1 2 4 --reps 3
+    python bench/long_context.py                                   # ~22 minutes on 2 cores
+    python bench/long_context.py --sps 1 2 --cap 4096 --reps 1     # a quick look, ~5 minutes
 
-Model: a small Llama built here (hidden 256, 2 blocks, 8 heads, 4 key/value heads, max positions 2^20), random
-weights, the byte tokenizer, fp32, ZeRO-1, mbs 1, gas 1, dp 1 (world = sp), one document per row: every run is
-`launch.sh` like a user's. Memory: the peak resident set the run logs (peak_mem_mib, the largest over ranks)
-less that of a 512-token run of the same layout (the process, model and optimizer states): the activations'
-share, what sp divides. Lengths double from 1024 while that share stays within --budget-mib. The planner's
-prediction is its estimate's activation bytes for the same layout (toolkit.plan.layouts: pp 1, ZeRO-1, fp32).
-Throughput: median per-step tokens/s of --reps runs of each sp at one length, alternated sp 1, 2, 4, 1, 2, 4, ...
-(processes > cores here: sp 4 runs 4 ranks on 2 cores, so its tokens/s says what 4 ranks cost on 2 cores).
+Model: a small Llama built here (hidden 256, 2 blocks, 8 heads, 4 key/value heads, max positions 2^20) with a 32000-
+token vocabulary, so that the loss weighs as in Llama (bench/tiled_loss.py's), random weights, the byte tokenizer, fp32,
+ZeRO-1, mbs 1, gas 1, dp 1 (world = sp), cpus / sp threads per rank, one document per row: every run is `launch.sh` like
+a user's. Activations: the peak resident set the run logs (peak_mem_mib, the largest over ranks; glibc's blocks of 64
+KiB and more mmap'd, MMAP_THRESHOLD) less that of a BASE_LEN-token baseline run at the same sp (the process, model and
+optimizer states). Search: from a length known to fit
+(the previous row's longest at this sp, or this row's at the sp before; --start at first) the length doubles while the
+activations stay within --budget-mib, up to --cap (--bisect: then one step halfway to the first failing length); a
+start that does not fit halves. A run whose ranks pass --kill-at x the budget is stopped there (its activations are
+then a lower bound). The planner's figures: its activations for the same layout, flags and length less its own at
+BASE_LEN (toolkit.plan.layouts: pp 1, ZeRO-1, fp32), and its longest on the same lengths (not capped). Tokens/s: the
+median per-step tokens/s (the first step left out) at the row's common length, the longest every sp of the row
+trained; --reps > 1 adds runs there, sps alternated.
 """
 
 import argparse
@@ -27,26 +32,51 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import launch, write_markdown, write_result  # noqa: E402
+from bench.common import build_llama, launch, tree_peak_mib, write_markdown, write_result  # noqa: E402
+from bench.long_context_tables import markdown  # noqa: E402
 
 ARCH = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
         "intermediate_size": 688, "max_position_embeddings": 2**20}
-BASE_LEN = 512
+VOCAB = 32000
+BASE_LEN = 128  # tokens of the run whose peak is the process, model and optimizer states (and its few activations)
+MIN_LEN = 256  # a start that does not fit halves down to this
+PLANNER_CAP = 2**20
+# glibc serves blocks of 64 KiB and more (every tensor here but the smallest) from mmap and unmaps them when freed,
+# so the resident set follows the live tensors, as a GPU allocator's count does: with its moving threshold it keeps
+# freed blocks instead and one run's peak varies by 60 MiB and more from another's at the same length (1 MiB here)
+MMAP_THRESHOLD = 2**16
 GiB, MiB = 2**30, 2**20
+MODEL_WORDS = (f"Model: small Llama (hidden {ARCH['hidden_size']}, {ARCH['num_hidden_layers']} blocks, "
+               f"{ARCH['num_attention_heads']} heads, {ARCH['num_key_value_heads']} kv heads) with a {VOCAB}-token "
+               "vocabulary, fp32, ZeRO-1, mbs 1, one document per row.")
+CKPT = {"activation_checkpointing": {"partition_activations": False}}  # dstk: HF gradient checkpointing at pp 1
+
+
+class Row:
+    """One line of the table: dstk train's flags for it, whether checkpointing is on, and the row whose longest
+    (at the same sp) is known to fit here too (this row holds at most its activations at every length)."""
+
+    def __init__(self, name: str, checkpointing: bool, tiled_loss: str, tiled_mlp: str, after: str | None):
+        self.name, self.checkpointing, self.tiled_loss, self.tiled_mlp, self.after = (
+            name, checkpointing, tiled_loss, tiled_mlp, after)
+
+    @property
+    def flags(self) -> tuple:
+        return ("--tiled-loss", self.tiled_loss, "--tiled-mlp", self.tiled_mlp)
+
+    @property
+    def words(self) -> str:
+        ckpt = "activation checkpointing" if self.checkpointing else "no checkpointing"
+        return f"{ckpt}, --tiled-loss {self.tiled_loss}, --tiled-mlp {self.tiled_mlp}"
+
+
+ROWS = [Row("baseline", False, "off", "off", None), Row("+ checkpointing", True, "off", "off", "baseline"),
+        Row("+ tiled loss", True, "on", "off", "+ checkpointing"), Row("+ tiled MLP", True, "on", "on", "+ tiled loss"),
+        Row("all (defaults)", True, "auto", "auto", "+ checkpointing")]
 
 
 def build_model(folder: Path) -> Path:
-    """The small Llama of ARCH with the byte tokenizer, saved as a HF directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from toolkit.train.hf import byte_tokenizer
-
-    tok = byte_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **ARCH)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return build_llama(folder, ARCH, VOCAB)
 
 
 def corpus(path: Path, length: int, rows: int) -> Path:
@@ -66,9 +96,10 @@ def corpus(path: Path, length: int, rows: int) -> Path:
 
 
 def run(model: Path, sp: int, length: int, steps: int, tmp: Path, flags: tuple = (), config: dict | None = None,
-        threads: int = 1) -> dict | None:
+        threads: int = 1, limit_mib: float | None = None) -> dict | None:
     """One `launch.sh` run of sp ranks at `length` tokens per row (`flags` more for dstk train, `config` more for its
-    DeepSpeed config, `threads` per rank): metrics of its steps, None when it failed."""
+    DeepSpeed config, `threads` per rank): its peak and median tokens/s, None when it failed. Stopped once a rank's
+    peak resident set passes `limit_mib`: then {"peak_mib": what it had reached, "killed": True}."""
     name = f"sp{sp}_{length}_{len(list(tmp.iterdir()))}"
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -80,64 +111,137 @@ def run(model: Path, sp: int, length: int, steps: int, tmp: Path, flags: tuple =
     cmd = ["bash", str(REPO / "launch.sh"), "--num-gpus", str(sp), "--config", str(tmp / f"{name}.json"), "--",
            "--model", str(model), "--data", str(data), "--seq-len", str(length), "--steps", str(steps),
            "--eval-fraction", "0", "--no-export", "--no-progress", "--out", str(tmp / name), *flags]
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
-    rc, _ = launch(cmd, tmp / f"{name}.log", env, timeout=1800)
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO),
+               MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    seen = [0.0]
+
+    def over(pid: int) -> bool:
+        seen[0] = max(seen[0], tree_peak_mib(pid))
+        return seen[0] > limit_mib
+
+    rc, wall = launch(cmd, tmp / f"{name}.log", env, timeout=1800, watch=None if limit_mib is None else over)
+    if rc is None and limit_mib is not None and seen[0] > limit_mib:
+        return {"peak_mib": seen[0], "killed": True, "wall_s": wall}
     metrics = tmp / name / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
         print(f"  sp {sp} at {length} tokens failed (exit {rc}); log: {tmp / f'{name}.log'}", flush=True)
         return None
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
     return {"peak_mib": max(r["peak_mem_mib"] for r in records),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:] or records)}
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:] or records),
+            "step_tokens_per_s": [r["tokens_per_s"] for r in records], "wall_s": wall}
 
 
-def predicted_activations(model: Path, sp: int, length: int) -> int:
-    """The planner's activation bytes for this layout (pp 1, dp 1, sp, ZeRO-1, mbs 1, fp32, no checkpointing)."""
+def predicted_activations(model: Path, sp: int, length: int, row: Row = ROWS[0]) -> int:
+    """The planner's activation bytes for this layout (pp 1, dp 1, sp, ZeRO-1, mbs 1, fp32) with `row`'s features."""
     from toolkit.plan.layouts.planner import PlanRequest, make_plan
 
     result = make_plan(PlanRequest(model=str(model), gpus_per_node=sp, gbs=1, seq_len=length, precision="fp32",
-                                   gpu_mem=2**50, tflops=1.0, checkpointing=False, offload=False))
-    return next(e.activations for e in result.fitting
-                if (e.layout.pp, e.layout.sp, e.layout.zero, e.layout.tp) == (1, sp, 1, 1))
+                                   gpu_mem=2**50, tflops=1.0, checkpointing=row.checkpointing, offload=False,
+                                   tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp))
+    return next(e.activations for e in result.fitting if (e.layout.pp, e.layout.sp, e.layout.zero, e.layout.tp,
+                                                            e.layout.checkpointing) == (1, sp, 1, 1, row.checkpointing))
 
 
-def longest(model: Path, sp: int, budget: int, cap: int, steps: int, tmp: Path) -> dict:
-    """Double the length from 1024 while the measured activation share stays within `budget` bytes."""
-    base = run(model, sp, BASE_LEN, steps, tmp)
-    if base is None:
-        return {"sp": sp, "status": "failed at the base length"}
-    tried, best, length = [], None, 1024
-    while length <= cap:
-        got = run(model, sp, length, steps, tmp)
-        share = None if got is None else (got["peak_mib"] - base["peak_mib"]) * MiB
-        tried.append({"length": length, "activation_mib": None if share is None else share / MiB,
-                      "predicted_mib": predicted_activations(model, sp, length) / MiB,
-                      "tokens_per_s": None if got is None else got["tokens_per_s"]})
-        print(f"  sp {sp}: {length} tokens -> {tried[-1]}", flush=True)
-        if got is None or share > budget:
-            break
-        best, length = length, length * 2
-    predicted = max((t["length"] for t in tried if t["predicted_mib"] * MiB <= budget), default=None)
-    return {"sp": sp, "longest": best, "predicted_longest": predicted, "base_peak_mib": base["peak_mib"],
-            "tried": tried, "status": "ok"}
+def predicted_share(model: Path, sp: int, length: int, row: Row) -> float:
+    """MiB the planner counts above the base run: its activations at `length` less the baseline's at BASE_LEN."""
+    return (predicted_activations(model, sp, length, row) - predicted_activations(model, sp, BASE_LEN)) / MiB
 
 
-def throughput(model: Path, sps: list, length: int, reps: int, steps: int, tmp: Path) -> dict:
-    """Median per-step tokens/s of each sp at one length, the runs alternated."""
-    samples = {sp: [] for sp in sps}
-    for _ in range(reps):
-        for sp in sps:
-            got = run(model, sp, length, steps, tmp)
-            samples[sp].append(None if got is None else got["tokens_per_s"])
-    out = {}
-    for sp, values in samples.items():
-        ok = [v for v in values if v is not None]
-        out[sp] = {"runs": values, "median_tokens_per_s": statistics.median(ok) if ok else None,
-                   "failed": len(values) - len(ok)}
-    base = out[sps[0]]["median_tokens_per_s"]
-    for r in out.values():
-        r["ratio_to_sp1"] = r["median_tokens_per_s"] / base if base and r["median_tokens_per_s"] else None
-    return out
+def predicted_longest(model: Path, sp: int, row: Row, budget_mib: float, bisect: bool) -> int | None:
+    """The planner's longest on the benchmark's lengths: powers of two from MIN_LEN until the first that does not fit
+    (--bisect: then halfway to it), up to PLANNER_CAP."""
+    best, length = None, MIN_LEN
+    while length <= PLANNER_CAP and predicted_share(model, sp, length, row) <= budget_mib:
+        best, length = length, 2 * length
+    if bisect and best and length <= PLANNER_CAP and predicted_share(model, sp, best * 3 // 2, row) <= budget_mib:
+        best = best * 3 // 2
+    return best
+
+
+class Bench:
+    """The runs of one benchmark: the model, the options and the base run's peak per sp."""
+
+    def __init__(self, model: Path, args, tmp: Path):
+        self.model, self.args, self.tmp, self.base = model, args, tmp, {}
+
+    def launch(self, row: Row, sp: int, length: int, limit_mib: float | None = None) -> dict | None:
+        return run(self.model, sp, length, self.args.steps, self.tmp, flags=row.flags, limit_mib=limit_mib,
+                   config=CKPT if row.checkpointing else None, threads=max(1, (os.cpu_count() or 1) // sp))
+
+    def attempt(self, row: Row, sp: int, length: int) -> dict:
+        """One run at `length`: its activations against the budget and the planner's."""
+        budget, base = self.args.budget_mib, self.base[sp]
+        got = self.launch(row, sp, length, base + self.args.kill_at * budget if self.args.kill_at else None)
+        out = {"length": length, "predicted_mib": predicted_share(self.model, sp, length, row)}
+        if got is None:
+            out["status"] = "failed"
+        else:
+            share = got["peak_mib"] - base
+            out.update(activation_mib=share, ratio=share / out["predicted_mib"] if out["predicted_mib"] > 0 else None,
+                       tokens_per_s=got.get("tokens_per_s"), step_tokens_per_s=got.get("step_tokens_per_s"),
+                       wall_s=got["wall_s"],
+                       status="killed" if got.get("killed") else "fits" if share <= budget else "over")
+        print(f"  {row.name}, sp {sp}, {length} tokens: {out['status']}, "
+              f"{out.get('activation_mib', float('nan')):.0f} MiB (planner {out['predicted_mib']:.0f}), "
+              f"{out.get('wall_s', float('nan')):.0f} s", flush=True)
+        return out
+
+    def longest(self, row: Row, sp: int, start: int) -> dict:
+        """Double from `start` (halve while it does not fit) to the longest length within the budget."""
+        tried, length = [], min(start, self.args.cap)
+
+        def fits(n: int) -> bool:
+            tried.append(self.attempt(row, sp, n))
+            return tried[-1]["status"] == "fits"
+
+        best = length if fits(length) else None
+        while best and 2 * best <= self.args.cap and fits(2 * best):
+            best *= 2
+        while best is None and length // 2 >= MIN_LEN:
+            length //= 2
+            best = length if fits(length) else None
+        failing = min((t["length"] for t in tried if t["status"] != "fits" and t["length"] > (best or 0)), default=None)
+        if self.args.bisect and best and failing and best * 3 // 2 < failing and fits(best * 3 // 2):
+            best = best * 3 // 2
+        return {"row": row.name, "flags": row.words, "sp": sp, "status": "ok", "longest": best,
+                "capped": bool(best) and failing is None,
+                "predicted_longest": predicted_longest(self.model, sp, row, self.args.budget_mib, self.args.bisect),
+                "tried": sorted(tried, key=lambda t: t["length"])}
+
+    def rows(self) -> list:
+        """Every row at every sp: sp by sp, each row's search started where a row known to use no more fitted."""
+        found = {}
+        for sp in self.args.sps:
+            base = self.launch(ROWS[0], sp, BASE_LEN)
+            for row in ROWS:
+                if base is None:
+                    found[row.name, sp] = {"row": row.name, "flags": row.words, "sp": sp,
+                                            "status": "failed at the base length"}
+                    continue
+                self.base[sp] = base["peak_mib"]
+                before = [found.get((row.name, s), {}).get("longest") for s in self.args.sps if s < sp]
+                start = before[-1] if before and before[-1] else found.get((row.after, sp), {}).get("longest")
+                found[row.name, sp] = {**self.longest(row, sp, start or self.args.start),
+                                       "base_peak_mib": base["peak_mib"]}
+        return [[found[row.name, sp] for sp in self.args.sps] for row in ROWS]
+
+    def speed(self, cells: list) -> dict:
+        """Per-step tokens/s at the row's common length (the longest all its sps trained): the search's run there and
+        more, sps alternated, up to --reps runs of each (one at least where the search did not run that length)."""
+        lengths = [c.get("longest") for c in cells]
+        if not all(lengths):
+            return {"length": None}
+        common, row = min(lengths), next(r for r in ROWS if r.name == cells[0]["row"])
+        steps = {c["sp"]: [t["step_tokens_per_s"] for t in c["tried"] if t["length"] == common][:1] for c in cells}
+        for round_ in range(max(self.args.reps, 1)):
+            for sp, runs in steps.items():
+                if len(runs) <= round_:
+                    got = self.launch(row, sp, common)
+                    runs.append(got["step_tokens_per_s"] if got else [])
+        median = {sp: statistics.median(v for run in runs for v in run[1:]) if any(run[1:] for run in runs) else None
+                  for sp, runs in steps.items()}
+        return {"length": common, "median_tokens_per_s": median, "step_tokens_per_s": steps}
 
 
 def alst_comparison(tmp: Path) -> list:
@@ -174,85 +278,36 @@ def alst_comparison(tmp: Path) -> list:
     return rows
 
 
-def markdown(meta: dict, lengths: list, speed: dict, alst: list) -> list:
-    lines = [f"Model: small Llama (hidden {ARCH['hidden_size']}, {ARCH['num_hidden_layers']} blocks, "
-             f"{ARCH['num_attention_heads']} heads, {ARCH['num_key_value_heads']} kv heads), fp32, ZeRO-1, mbs 1, one "
-             f"document per row. Activation budget per rank: {meta['budget_mib']} MiB (peak RSS above a "
-             f"{BASE_LEN}-token run of the same layout). {meta['cpus']} CPUs, one thread per rank; load average "
-             f"{meta['load'][0]:.1f} before, {meta['load'][1]:.1f} after.", "",
-             "| sp | ranks | longest trained within budget | planner's longest | measured activations there | "
-             "planner's activations there |", "|---|---|---|---|---|---|"]
-    for r in lengths:
-        if r["status"] != "ok":
-            lines.append(f"| {r['sp']} | {r['sp']} | failed: {r['status']} | | | |")
-            continue
-        at = next((t for t in r["tried"] if t["length"] == r["longest"]), None)
-        lines.append(f"| {r['sp']} | {r['sp']} | {r['longest']} | {r['predicted_longest']} | "
-                     + (f"{at['activation_mib']:.0f} MiB | {at['predicted_mib']:.0f} MiB |" if at else "- | - |"))
-    base = lengths[0].get("longest")
-    if base:
-        lines += ["", "Longest sequence against sp 1: " + ", ".join(
-            f"sp {r['sp']} {r['longest'] / base:.1f}x" for r in lengths if r.get("longest"))]
-    ratios = [(r["sp"], t["activation_mib"] / t["predicted_mib"]) for r in lengths if r["status"] == "ok"
-              for t in r["tried"] if t["length"] == r["longest"] and t["activation_mib"]]
-    if ratios:
-        lines += ["", "Measured / planner's activations at the longest length: " + ", ".join(
-            f"sp {sp} {ratio:.2f}" for sp, ratio in ratios) + ". At sp 1 the planner counts one fp32 (seq x seq) mask "
-            "for the model (pp 1 shares one additive mask among the layers), which HF does not build for unpadded "
-            "one-document rows (sdpa's causal path): there it over-counts; under sp it counts no mask and its "
-            "per-token shortfall shows: it promises about twice the length that fits."]
-    lines += ["", f"Throughput at {meta['speed_length']} tokens per row, median of {meta['reps']} runs each, alternated:",
-              "", "| sp | tokens/s (median) | against sp 1 | runs | failed |", "|---|---|---|---|---|"]
-    for sp, r in speed.items():
-        ratio = f"{r['ratio_to_sp1']:.2f}" if r["ratio_to_sp1"] else "-"
-        med = f"{r['median_tokens_per_s']:.0f}" if r["median_tokens_per_s"] else "failed"
-        lines.append(f"| {sp} | {med} | {ratio} | {', '.join('-' if v is None else f'{v:.0f}' for v in r['runs'])} | "
-                     f"{r['failed']} |")
-    lines += ["", "ALST (arXiv 2506.13996) against dstk's GPU path as `dstk plan` sizes it (Llama-3.1-8B, H100 80GB, bf16, "
-              "any layout it plans (sp included), activation checkpointing and offload allowed):", "",
-              "| GPUs | ALST measured | dstk, planner's longest | its layout | twice that needs (least-memory layout) | "
-              "of which the loss's peak |", "|---|---|---|---|---|---|"]
-    for r in alst:
-        best, short = r["dstk_planned"], r["next_length"]
-        lines.append(f"| {r['gpus']} | {r['alst_tokens'] / 1e6:.1f}M | "
-                     + (f"{best['length'] / 2**10:.0f}K ({best['memory_gib']:.0f} GiB) | {best['layout']} | " if best
-                        else "none fits at 16K | | ")
-                     + (f"{short['memory_gib']:.0f} GiB | {short['loss_peak_gib']:.0f} GiB |" if short else "- | - |"))
-    lines += ["", "The planner counts dstk train's defaults: the tiled loss (--tiled-loss auto, models.tiled.loss: three "
-              "tiles of logits at the loss's peak instead of (seq / sp) x vocab logits in fp32 and their softmax; "
-              "bench/tiled_loss.py measures it) and DeepSpeed's TiledMLP (--tiled-mlp auto, models.tiled.mlp: one "
-              "shard's MLP intermediates). ALST also offloads checkpointed activations to the host, which dstk does "
-              "not do yet."]
-    return lines
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sps", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--budget-mib", type=int, default=256)
-    parser.add_argument("--cap", type=int, default=65536, help="longest length tried")
-    parser.add_argument("--speed-length", type=int, default=2048)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--budget-mib", type=float, default=256, help="activations per rank, MiB")
+    parser.add_argument("--cap", type=int, default=16384, help="longest length tried")
+    parser.add_argument("--start", type=int, default=512, help="the first length tried (baseline, first sp)")
+    parser.add_argument("--bisect", action="store_true", help="one more run halfway to the first failing length")
+    parser.add_argument("--kill-at", type=float, default=1.25, help="stop a run past this x the budget (0: never)")
+    parser.add_argument("--reps", type=int, default=1, help="runs pooled for tokens/s at the common length")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    args.sps = sorted(args.sps)
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="dstk-long-") as name:
         tmp = Path(name)
-        runs = tmp / "runs"
-        runs.mkdir()
-        model = build_model(tmp / "model")
-        lengths = [longest(model, sp, args.budget_mib * MiB, args.cap, args.steps, runs) for sp in args.sps]
-        speed = throughput(model, args.sps, args.speed_length, args.reps, args.steps, runs)
+        (tmp / "runs").mkdir()
+        bench = Bench(build_model(tmp / "model"), args, tmp / "runs")
+        rows = bench.rows()
+        speed = [bench.speed(cells) for cells in rows]
         alst = alst_comparison(tmp)
     load.append(os.getloadavg()[0])
-    meta = {"budget_mib": args.budget_mib, "speed_length": args.speed_length, "reps": args.reps, "load": load,
+    meta = {"model": MODEL_WORDS, "base_len": BASE_LEN, "budget_mib": args.budget_mib, "cap": args.cap, "sps": args.sps,
+            "reps": args.reps, "steps": args.steps, "bisect": args.bisect, "kill_at": args.kill_at, "load": load,
             "cpus": os.cpu_count()}
-    write_result("long_context", {"meta": meta, "longest": lengths, "throughput": speed, "alst": alst})
-    lines = markdown(meta, lengths, speed, alst)
-    write_markdown("long_context", "Long sequences: Ulysses sp on CPU, and the planner against ALST", lines)
+    write_result("long_context", {"meta": meta, "rows": rows, "throughput": speed, "alst": alst})
+    lines = markdown(meta, rows, speed, alst)
+    write_markdown("long_context", "Long sequences on CPU: each feature's longest sequence, and the planner against "
+                   "ALST", lines)
     print("\n".join(lines))
-    failed = any(r["status"] != "ok" for r in lengths) or any(r["failed"] for r in speed.values())
-    return 1 if failed else 0
+    return 1 if any(c["status"] != "ok" or not c["longest"] for cells in rows for c in cells) else 0
 
 
 if __name__ == "__main__":

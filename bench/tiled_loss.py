@@ -22,25 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import long_context  # noqa: E402
-from bench.common import write_markdown, write_result  # noqa: E402
-from bench.long_context import ARCH  # noqa: E402
+from bench.common import build_llama, write_markdown, write_result  # noqa: E402
+from bench.long_context import ARCH, VOCAB  # noqa: E402
 
-VOCAB = 32000
 BASE_LEN = 512
 MiB = 2**20
 
 
 def build_model(folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from toolkit.train.hf import byte_tokenizer
-
-    tok = byte_tokenizer()
-    config = LlamaConfig(vocab_size=VOCAB, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **ARCH)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return build_llama(folder, ARCH, VOCAB)
 
 
 def run(model: Path, length: int, mode: str, steps: int, tmp: Path) -> dict | None:
