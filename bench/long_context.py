@@ -3,15 +3,16 @@ before and after each long-sequence feature of `dstk train` (rows, each adding o
 tiled loss, the tiled MLP; then dstk's defaults), with tokens/s and the planner's prediction beside each; then where
 the planner puts dstk's GPU path against ALST (arXiv 2506.13996: Llama-3.1-8B, 500K tokens on one H100, 3.7M on 8).
 
-    python bench/long_context.py                                   # ~22 minutes on 2 cores
-    python bench/long_context.py --sps 1 2 --cap 4096 --reps 1     # a quick look, ~5 minutes
+    python bench/long_context.py                                   # ~25 minutes on 2 idle cores (~35 launches)
+    python bench/long_context.py --sps 1 2 --cap 4096 --reps 1     # ~12 minutes idle; 21 under a load average of 8
 
 Model: a small Llama built here (hidden 256, 2 blocks, 8 heads, 4 key/value heads, max positions 2^20) with a 32000-
 token vocabulary, so that the loss weighs as in Llama (bench/tiled_loss.py's), random weights, the byte tokenizer, fp32,
 ZeRO-1, mbs 1, gas 1, dp 1 (world = sp), cpus / sp threads per rank, one document per row: every run is `launch.sh` like
 a user's. Activations: the peak resident set the run logs (peak_mem_mib, the largest over ranks; glibc's blocks of 64
 KiB and more mmap'd, MMAP_THRESHOLD) less that of a BASE_LEN-token baseline run at the same sp (the process, model and
-optimizer states). Search: from a length known to fit
+optimizer states). A row whose flags settle as an earlier row's at a length (the defaults where auto turns nothing on)
+takes that row's run there. Search: from a length known to fit
 (the previous row's longest at this sp, or this row's at the sp before; --start at first) the length doubles while the
 activations stay within --budget-mib, up to --cap (--bisect: then one step halfway to the first failing length); a
 start that does not fit halves. A run whose ranks pass --kill-at x the budget is stopped there (its activations are
@@ -63,6 +64,15 @@ class Row:
     @property
     def flags(self) -> tuple:
         return ("--tiled-loss", self.tiled_loss, "--tiled-mlp", self.tiled_mlp)
+
+    def resolved(self, sp: int, length: int) -> tuple:
+        """(checkpointing, tiled loss on, tiled MLP on) as dstk train settles this row's flags at `length` under sp
+        (models.tiled's choose on a rank's length / sp tokens, fp32): rows that agree run the same computation."""
+        from models.tiled import loss, mlp
+
+        tokens = length // sp
+        mlp_on = mlp.choose(self.tiled_mlp, tokens, ARCH["hidden_size"], ARCH["intermediate_size"], 4)[0]
+        return self.checkpointing, loss.choose(self.tiled_loss, tokens, VOCAB)[0], mlp_on
 
     @property
     def words(self) -> str:
@@ -164,6 +174,7 @@ class Bench:
 
     def __init__(self, model: Path, args, tmp: Path):
         self.model, self.args, self.tmp, self.base = model, args, tmp, {}
+        self.done = {}  # (sp, length, Row.resolved) -> a run's measures: a row whose flags settle alike reuses them
 
     def launch(self, row: Row, sp: int, length: int, limit_mib: float | None = None) -> dict | None:
         return run(self.model, sp, length, self.args.steps, self.tmp, flags=row.flags, limit_mib=limit_mib,
@@ -171,8 +182,11 @@ class Bench:
 
     def attempt(self, row: Row, sp: int, length: int) -> dict:
         """One run at `length`: its activations against the budget and the planner's."""
-        budget, base = self.args.budget_mib, self.base[sp]
-        got = self.launch(row, sp, length, base + self.args.kill_at * budget if self.args.kill_at else None)
+        budget, base, key = self.args.budget_mib, self.base[sp], (sp, length, row.resolved(sp, length))
+        if key not in self.done:  # the defaults at lengths where auto turns nothing on: + checkpointing's run
+            limit = base + self.args.kill_at * budget if self.args.kill_at else None
+            self.done[key] = self.launch(row, sp, length, limit)
+        got = self.done[key]
         out = {"length": length, "predicted_mib": predicted_share(self.model, sp, length, row)}
         if got is None:
             out["status"] = "failed"
@@ -282,7 +296,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--budget-mib", type=float, default=256, help="activations per rank, MiB")
-    parser.add_argument("--cap", type=int, default=16384, help="longest length tried")
+    parser.add_argument("--cap", type=int, default=8192, help="longest length tried")
     parser.add_argument("--start", type=int, default=512, help="the first length tried (baseline, first sp)")
     parser.add_argument("--bisect", action="store_true", help="one more run halfway to the first failing length")
     parser.add_argument("--kill-at", type=float, default=1.25, help="stop a run past this x the budget (0: never)")

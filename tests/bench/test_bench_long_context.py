@@ -128,3 +128,18 @@ def test_tokens_per_s_at_the_rows_common_length(tmp_path):
     speed = runs.speed(cells)
     assert speed["length"] == 2048 and launched == [(2, 2048)]
     assert speed["median_tokens_per_s"] == {1: 15.0, 2: 40.0}
+
+
+def test_the_defaults_reuse_a_run_whose_flags_settle_alike(tmp_path):
+    """At 1024 tokens --tiled-loss/--tiled-mlp auto turn nothing on: the defaults' row takes + checkpointing's run;
+    at 8192 tokens on one rank auto tiles the loss (1 GiB of logits): a run of its own."""
+    args = SimpleNamespace(budget_mib=256, kill_at=0, steps=1)
+    runs = bench.Bench(_config(tmp_path, bench.VOCAB), args, tmp_path)
+    runs.base[1] = 1000.0
+    launched = []
+    runs.launch = lambda row, sp, length, limit: launched.append((row.name, length)) or {"peak_mib": 1100.0, "wall_s": 1}
+    rows = {row.name: row for row in bench.ROWS}
+    for name, length in (("+ checkpointing", 1024), ("all (defaults)", 1024), ("+ checkpointing", 8192),
+                         ("all (defaults)", 8192)):
+        assert runs.attempt(rows[name], 1, length)["activation_mib"] == 100.0
+    assert launched == [("+ checkpointing", 1024), ("+ checkpointing", 8192), ("all (defaults)", 8192)]
