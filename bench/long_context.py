@@ -1,9 +1,10 @@
 """Long sequences on CPU: the longest sequence that trains within one activation budget per rank at sp = 1, 2 and 4,
 before and after each long-sequence feature of `dstk train` (rows, each adding one: activation checkpointing, the
-tiled loss, the tiled MLP; then dstk's defaults), with tokens/s and the planner's prediction beside each; then where
-the planner puts dstk's GPU path against ALST (arXiv 2506.13996: Llama-3.1-8B, 500K tokens on one H100, 3.7M on 8).
+tiled loss, the tiled MLP, the checkpointed activations offloaded; then dstk's defaults), with tokens/s and the
+planner's prediction beside each; then where the planner puts dstk's GPU path against ALST (arXiv 2506.13996:
+Llama-3.1-8B, 500K tokens on one H100, 3.7M on 8).
 
-    python bench/long_context.py                                   # ~25 minutes on 2 idle cores (~35 launches)
+    python bench/long_context.py                                   # ~30 minutes on 2 idle cores (~40 launches)
     python bench/long_context.py --sps 1 2 --cap 4096 --reps 1     # ~12 minutes idle; 21 under a load average of 8
 
 Model: a small Llama built here (hidden 256, 2 blocks, 8 heads, 4 key/value heads, max positions 2^20) with a 32000-
@@ -57,32 +58,37 @@ class Row:
     """One line of the table: dstk train's flags for it, whether checkpointing is on, and the row whose longest
     (at the same sp) is known to fit here too (this row holds at most its activations at every length)."""
 
-    def __init__(self, name: str, checkpointing: bool, tiled_loss: str, tiled_mlp: str, after: str | None):
-        self.name, self.checkpointing, self.tiled_loss, self.tiled_mlp, self.after = (
-            name, checkpointing, tiled_loss, tiled_mlp, after)
+    def __init__(self, name: str, checkpointing: bool, tiled_loss: str, tiled_mlp: str, after: str | None,
+                 offload: str = "off"):
+        self.name, self.checkpointing, self.tiled_loss, self.tiled_mlp, self.after, self.offload = (
+            name, checkpointing, tiled_loss, tiled_mlp, after, offload)
 
     @property
     def flags(self) -> tuple:
-        return ("--tiled-loss", self.tiled_loss, "--tiled-mlp", self.tiled_mlp)
+        return ("--tiled-loss", self.tiled_loss, "--tiled-mlp", self.tiled_mlp, "--offload-activations", self.offload)
 
     def resolved(self, sp: int, length: int) -> tuple:
-        """(checkpointing, tiled loss on, tiled MLP on) as dstk train settles this row's flags at `length` under sp
-        (models.tiled's choose on a rank's length / sp tokens, fp32): rows that agree run the same computation."""
-        from models.tiled import loss, mlp
+        """(checkpointing, tiled loss on, tiled MLP on, offload on) as dstk train settles this row's flags at `length`
+        under sp on a CPU (models.tiled's choose on a rank's length / sp tokens, fp32): rows that agree run the same
+        computation."""
+        from models.tiled import loss, mlp, offload
 
         tokens = length // sp
         mlp_on = mlp.choose(self.tiled_mlp, tokens, ARCH["hidden_size"], ARCH["intermediate_size"], 4)[0]
-        return self.checkpointing, loss.choose(self.tiled_loss, tokens, VOCAB)[0], mlp_on
+        offload_on = offload.choose(self.offload, 0, self.checkpointing, "cpu")[0]
+        return self.checkpointing, loss.choose(self.tiled_loss, tokens, VOCAB)[0], mlp_on, offload_on
 
     @property
     def words(self) -> str:
         ckpt = "activation checkpointing" if self.checkpointing else "no checkpointing"
-        return f"{ckpt}, --tiled-loss {self.tiled_loss}, --tiled-mlp {self.tiled_mlp}"
+        return (f"{ckpt}, --tiled-loss {self.tiled_loss}, --tiled-mlp {self.tiled_mlp}, "
+                f"--offload-activations {self.offload}")
 
 
 ROWS = [Row("baseline", False, "off", "off", None), Row("+ checkpointing", True, "off", "off", "baseline"),
         Row("+ tiled loss", True, "on", "off", "+ checkpointing"), Row("+ tiled MLP", True, "on", "on", "+ tiled loss"),
-        Row("all (defaults)", True, "auto", "auto", "+ checkpointing")]
+        Row("+ offload activations", True, "on", "on", "+ tiled MLP", offload="on"),  # on a CPU: copies, no saving
+        Row("all (defaults)", True, "auto", "auto", "+ checkpointing", offload="auto")]
 
 
 def build_model(folder: Path) -> Path:

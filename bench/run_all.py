@@ -34,7 +34,7 @@ SCRIPTS = {
     "data_pipeline": ("data_pipeline.py", ["--quick", "--repeats", "1"],  # 20 MB: ~4 min on 2 cores
                       ["--mb", "200", "--repeats", "1"]),  # the size: ~25 min, ~20 GB RAM
     "long_context": ("long_context.py", ["--sps", "1", "2", "--cap", "4096"],  # ~12 min on 2 cores
-                     ["--reps", "1"]),  # sp 1, 2 and 4: ~25 min
+                     ["--reps", "1"]),  # sp 1, 2 and 4: ~30 min
     "tiled_loss": ("tiled_loss.py", ["--lengths", "8192", "--reps", "1"],  # ~3 min on 2 cores
                    ["--lengths", "8192", "16384", "--reps", "3"]),
     "plan_gpu": ("plan_gpu.py", [], []),  # CUDA only

@@ -111,7 +111,7 @@ def test_tables_report_a_failed_run_as_failed():
     text = "\n".join(tables.markdown(meta, [[ok, failed]], [{"length": None}], []))
     row = "| baseline: no checkpointing | 2048 (planner 4096) | failed: failed at the base length | 0.90 (sp 1, 2048) |"
     assert row in text  # the stopped run's ratio is a bound, not a measure: not the worst
-    assert "4096: > 130 / 200 MiB, stopped" in text and "not measurable on CPU (host = device)" in text
+    assert "4096: > 130 / 200 MiB, stopped" in text and "on a CPU the host is the device" in text
 
 
 def test_tokens_per_s_at_the_rows_common_length(tmp_path):
