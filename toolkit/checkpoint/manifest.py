@@ -46,7 +46,9 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
 
     tag = f"global_step{step}"
     client = {"step": step, "param_names": param_names}
-    if (manifest or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
+    if (manifest or {}).get("expert_parallel"):  # AutoEP: DeepSpeed writes its own and refuses ours (engine.py:5347)
+        pass
+    elif (manifest or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
         client.update(universal_info())
     elif getattr(engine.module, "dstk_tp_info", None):  # tp inside pipeline stages: this stage's map
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO

@@ -36,6 +36,8 @@ def build_config(o: GenerateOptions) -> dict:
         cfg["tensor_parallel"] = {"autotp_size": topo.tp}
     if topo.sp > 1:
         cfg["sequence_parallel_size"] = topo.sp
+    if o.ep > 1 or o.ep_preset:
+        cfg["expert_parallel"] = expert_parallel_section(o)
     if o.optimizer != "none":
         cfg["optimizer"] = _optimizer(o, auto)
     if o.scheduler != "none":
@@ -48,6 +50,15 @@ def build_config(o: GenerateOptions) -> dict:
     cfg.update(_monitors(o))
     cfg.update(o.extra)
     return cfg
+
+
+def expert_parallel_section(o: GenerateOptions) -> dict:
+    """DeepSpeed's AutoEP section: at deepspeed.initialize each MoE block becomes an AutoEPMoELayer holding
+    experts / ep of its experts (module_inject/auto_ep_config.py parse_autoep_config)."""
+    section = {"enabled": True, "autoep_size": o.ep}
+    if o.ep_preset:
+        section["preset_model"] = o.ep_preset
+    return section
 
 
 def _precision(o: GenerateOptions) -> dict:
