@@ -7,6 +7,7 @@ step (validate, partition, train) reads the same numbers from the file.
 import json
 
 from toolkit.config.options import GenerateOptions
+from toolkit.config.rules.expert_parallel import expert_parallel_section
 from toolkit.errors import ConfigError
 from toolkit.files import write_text
 
@@ -37,7 +38,7 @@ def build_config(o: GenerateOptions) -> dict:
     if topo.sp > 1:
         cfg["sequence_parallel_size"] = topo.sp
     if o.ep > 1 or o.ep_preset:
-        cfg["expert_parallel"] = expert_parallel_section(o)
+        cfg["expert_parallel"] = expert_parallel_section(o.ep, o.ep_preset)
     if o.optimizer != "none":
         cfg["optimizer"] = _optimizer(o, auto)
     if o.scheduler != "none":
@@ -50,15 +51,6 @@ def build_config(o: GenerateOptions) -> dict:
     cfg.update(_monitors(o))
     cfg.update(o.extra)
     return cfg
-
-
-def expert_parallel_section(o: GenerateOptions) -> dict:
-    """DeepSpeed's AutoEP section: at deepspeed.initialize each MoE block becomes an AutoEPMoELayer holding
-    experts / ep of its experts (module_inject/auto_ep_config.py parse_autoep_config)."""
-    section = {"enabled": True, "autoep_size": o.ep}
-    if o.ep_preset:
-        section["preset_model"] = o.ep_preset
-    return section
 
 
 def _precision(o: GenerateOptions) -> dict:

@@ -181,12 +181,11 @@ def _check_expert_parallel(o: GenerateOptions) -> list[str]:
     """AutoEP's refusals, as `dstk validate` words them (toolkit.config.rules.expert_parallel), with flags."""
     from types import SimpleNamespace
 
-    from toolkit.config.generate import expert_parallel_section
-    from toolkit.config.rules.expert_parallel import PRESETS, expert_parallel_problems
+    from toolkit.config.rules.expert_parallel import PRESETS, expert_parallel_problems, expert_parallel_section
 
     if o.ep_preset is not None and o.ep_preset not in PRESETS:
         return [f"--ep-preset {o.ep_preset!r} is not one of DeepSpeed's AutoEP presets: {', '.join(PRESETS)}"]
-    cfg = {"expert_parallel": expert_parallel_section(o), "zero_optimization": {
+    cfg = {"expert_parallel": expert_parallel_section(o.ep, o.ep_preset), "zero_optimization": {
         "stage": o.zero, **{k: {"device": d} for k, d in (("offload_optimizer", o.offload_optimizer),
                                                             ("offload_param", o.offload_param)) if d != "none"}}}
     if o.gradient_clipping is not None:

@@ -35,6 +35,12 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def expert_parallel_section(ep: int, preset: str | None = None) -> dict:
+    """The section `dstk generate-config --ep N [--ep-preset NAME]` writes: at deepspeed.initialize each MoE block
+    becomes an AutoEPMoELayer holding experts / ep of its experts (auto_ep_config.py parse_autoep_config)."""
+    return {"enabled": True, "autoep_size": ep, **({"preset_model": preset} if preset else {})}
+
+
 def expert_parallel_problems(cfg: dict, ctx) -> list[Problem]:
     """Problems of a config's "expert_parallel" section (rules.Context: world_size, pp, tp, sp)."""
     section = _section(cfg, "expert_parallel")
