@@ -72,6 +72,10 @@ def metrics(out: Path) -> tuple[dict, dict, float]:
             next(r["summary"]["eval_loss"] for r in rows if "summary" in r))
 
 
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
 def assert_close(got: dict, want: dict, tol: float = 1e-5):
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (got, want)
     assert all(abs(got[s] - want[s]) <= tol * abs(want[s]) for s in want), (got, want)
@@ -87,6 +91,7 @@ def test_ep_trains_as_one_process_does(runs, ep_run, ref_run, dp_run):
     assert_close(norm, want_norm)  # the experts' share of the norm reduced over the ep group (ZeRO-1)
     if dp_run:
         assert abs(evaluated - metrics(runs / dp_run)[2]) <= 1e-5 * evaluated
+    assert summary(runs / ep_run)["run"]["params"] == summary(runs / ref_run)["run"]["params"]  # every expert counted
     manifest = json.loads((runs.tmp / ep_run / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert manifest["expert_parallel"] == 2
     tag = runs.tmp / ep_run / "checkpoints" / f"global_step{STEPS}"
