@@ -5,7 +5,7 @@ on CPU ranks forked from the warm rank server (gloo), fp32.
 coef 0.5), 2 ranks at ep 2 (each holds 2 of every block's 4 experts; tokens reach their experts by all-to-all) give
 one process's losses and gradient norms step by step (ZeRO-1); the eval loss is that of 2 ranks without ep (the
 eval rows split over dp). DeepSpeed writes one file per expert. Heavy: the same for qwen3_moe, and dp 2 x ep 2
-(4 ranks). Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
+(4 ranks); a run resumed from its step 2 continues its losses. Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
 against one process without AutoEP.
 """
 
@@ -31,9 +31,14 @@ RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes ever
 
 class Runs(LazyRuns):
     def _launch(self, name: str) -> None:
+        from tests.distributed.test_resume_layouts import resumed_from
         from tests.ranks import run_train
 
-        procs, ep, model = RUNS[name]
+        resume = []
+        if name.endswith("_resumed"):  # NAME's run from its step 2 checkpoint (DeepSpeed's own load)
+            resumed_from(self / name.removesuffix("_resumed"), 2, self.tmp / name)
+            resume = ["--resume"]
+        procs, ep, model = RUNS[name.removesuffix("_resumed")]
         cfg = run_config(2, 4 // procs if procs < 4 else 1, 1, clip=1.0)
         cfg["zero_optimization"] = {"stage": 1}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
         if ep:
@@ -41,8 +46,10 @@ class Runs(LazyRuns):
         (self.tmp / f"{name}.json").write_text(json.dumps(cfg))
         rc, log = run_train(["--config", self.tmp / f"{name}.json", "--model", self.model(model), "--data",
                              self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", STEPS, "--eval-fraction", "0.01",
-                             "--no-progress", "--attention", "eager", "--no-export", "--out", self.tmp / name], procs)
+                             "--no-progress", "--attention", "eager", "--no-export", "--save-every", 2, "--out",
+                             self.tmp / name, *resume], procs)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
+        (self.tmp / f"{name}.log").write_text(log)
 
     def model(self, model_type: str) -> Path:
         """The corpus's sentences as documents (docs.txt) and `model_type` saved by save_pretrained, once."""
@@ -92,6 +99,7 @@ def test_ep_trains_as_one_process_does(runs, ep_run, ref_run, dp_run):
     if dp_run:
         assert abs(evaluated - metrics(runs / dp_run)[2]) <= 1e-5 * evaluated
     assert summary(runs / ep_run)["run"]["params"] == summary(runs / ref_run)["run"]["params"]  # every expert counted
+    assert "experts: ep 2 (DeepSpeed AutoEP)" in (runs.tmp / f"{ep_run}.log").read_text()
     manifest = json.loads((runs.tmp / ep_run / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert manifest["expert_parallel"] == 2
     tag = runs.tmp / ep_run / "checkpoints" / f"global_step{STEPS}"
@@ -110,3 +118,8 @@ def test_deepspeeds_autoep_alone_gives_one_process_losses(tmp_path, zero):
     assert one["replaced"] == [] and ep2["replaced"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert ep2["experts"]["model.layers.0.mlp.experts.w1"][0] == 2  # 2 of the block's 4 experts on this rank
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ep2["losses"], one["losses"])), (ep2, one)
+
+
+@pytest.mark.heavy
+def test_an_ep_run_resumes_on_its_layout(runs):
+    assert_close(metrics(runs / "ep2_resumed")[0], metrics(runs / "ep2")[0], tol=1e-6)

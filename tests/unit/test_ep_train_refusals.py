@@ -44,3 +44,16 @@ def test_what_dstk_train_cannot_combine_with_ep_yet_is_refused_with_its_reason(t
 def test_zero0_with_clipping_is_refused_by_the_config_rules(tmp_path):
     with pytest.raises(ConfigError, match="clips by a wrong global norm"):
         check_with(tmp_path, {"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0})
+
+
+@pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({}, {"expert_parallel": 2}),
+                                       ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4})])
+def test_a_resume_onto_another_layout_of_an_ep_run_is_refused(tmp_path, saved, now):
+    from toolkit.checkpoint.manifest import check_resumable
+
+    (tmp_path / "dstk").mkdir()
+    base = {"model": "m", "pp": 1, "dp": 2, "tp": 1, "zero_stage": 1, "portable": True}
+    (tmp_path / "dstk" / "manifest.json").write_text(json.dumps({**base, **saved}))
+    with pytest.raises(ConfigError, match="which dstk does not map to HF names yet"):
+        check_resumable(tmp_path, {**base, **now})
+    assert check_resumable(tmp_path, {**base, **saved}) == []  # the same layout: DeepSpeed's own load

@@ -287,7 +287,7 @@ def check_expert_parallel(args: TrainArgs, cfg: dict, pp) -> None:
     from toolkit.config.rules.expert_parallel import train_refusals
 
     refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora,
-                              args.export, args.resume)
+                              args.export)
     if refusals:
         raise ConfigError("; ".join(refusals))
 

@@ -174,10 +174,12 @@ def model_problems(cfg: dict, arch) -> list[Problem]:
     return problems
 
 
-def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool, resume: bool) -> list[str]:
+def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) -> list[str]:
     """What `dstk train` cannot combine with "expert_parallel" yet (checked by `dstk train --check`, before any
     rank starts), each with its reason. dstk trains AutoEP at pp 1 only: the whole HF model handed to
-    deepspeed.initialize, which replaces its MoE blocks (tests/distributed/test_expert_parallel.py)."""
+    deepspeed.initialize, which replaces its MoE blocks (tests/distributed/test_expert_parallel.py). A resume on
+    the same layout is DeepSpeed's own load; onto another layout toolkit.checkpoint.manifest.check_resumable
+    refuses it."""
     from toolkit.distributed.topology import sp_of, tp_of
 
     if _section(cfg, "expert_parallel").get("enabled") is not True:
@@ -200,15 +202,13 @@ def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool, 
                    "and the router aux loss would be counted per sequence slice; use sp 1")
     if lora:
         out.append(f"--lora with {named}: peft wraps the model, so its MoE blocks are named "
-                   "base_model.model.model.layers.N.mlp, which no AutoEP preset matches (auto_ep.py:429; DeepSpeed "
-                   "then raises 'no MoE layers detected', auto_ep.py:760), and LoRA on the fused experts (peft's "
+                   "base_model.model.model.layers.N.mlp, which no AutoEP preset matches (auto_ep.py:429: DeepSpeed "
+                   "then raises 'no MoE layers detected' where a preset is named, auto_ep.py:624, else only warns and "
+                   "splits nothing), and LoRA on the fused experts (peft's "
                    "target_parameters on gate_up_proj/down_proj) would be dropped when AutoEP replaces them; "
                    "train without --lora")
     if export:
         out.append(f"the end-of-run export with {named}: each rank holds experts / ep of every MoE block as AutoEP's "
                    "experts.w1/w2/w3 (module_inject/auto_ep_layer.py), which dstk's checkpoint readers do not join "
                    "back into HF's tensors yet; pass --no-export (DeepSpeed's own checkpoints are still written)")
-    if resume:
-        out.append(f"--resume with {named}: resuming an AutoEP run (DeepSpeed's expert checkpoint files "
-                   "layer_N_expert_M_*, expp_rank_*) is not tested in dstk yet; start a fresh run")
     return out
