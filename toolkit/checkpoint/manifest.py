@@ -46,7 +46,9 @@ def save(engine, ckpt_dir: Path, step: int, frozen: bool = True, param_names=Non
 
     tag = f"global_step{step}"
     client = {"step": step, "param_names": param_names}
-    if (manifest or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
+    if (manifest or {}).get("expert_parallel"):  # AutoEP: DeepSpeed writes its own and refuses ours (engine.py:5347)
+        pass
+    elif (manifest or {}).get("tp", 1) == 1:  # AutoTP writes its own: how its shards make each full tensor
         client.update(universal_info())
     elif getattr(engine.module, "dstk_tp_info", None):  # tp inside pipeline stages: this stage's map
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
@@ -416,7 +418,13 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     moved = moved_keys(saved, now)
     was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
-    if moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
+    ep_was, ep_now = saved.get("expert_parallel", 1), now.get("expert_parallel", 1)
+    if (moved or ep_was != ep_now) and max(ep_was, ep_now) > 1:
+        was += f", ep {ep_was}"
+        why = (f"this run has ep {ep_now}; an AutoEP checkpoint holds each rank's experts under AutoEP's names "
+               "(experts.w1/w2/w3, one file per expert), which dstk does not map to HF names yet, so only the same "
+               "layout resumes (DeepSpeed's own load)")
+    elif moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
         why = ("a tensor-parallel checkpoint holds each tensor in tp shards, which only `dstk export` merges "
                "today; export it and start a new run from the HF directory")
     elif moved and not saved.get("portable"):

@@ -35,6 +35,7 @@ def check_file(path: str, world_size=None, pp=None, strict=False, arch=None, sp=
         except ConfigError:
             pass  # a bad autotp_size is already reported by the rules
         problems += _heads_problems(cfg, arch, sp)
+        problems += _experts_problems(cfg, arch)
     code = INVALID if has_errors(problems) else VALID
     return {"path": path, "code": code, "problems": [p.to_dict() for p in problems]}
 
@@ -51,6 +52,17 @@ def _heads_problems(cfg: dict, arch, sp) -> list:
     except ConfigError:
         return []  # reported by the rules
     return [Problem(SP, message) for message in ulysses_problems(arch.heads, arch.kv_heads, sp)]
+
+
+def _experts_problems(cfg: dict, arch) -> list:
+    """Whether AutoEP fits `arch`: its preset and the file's autoep_size against the experts."""
+    from toolkit.config.rules.expert_parallel import model_problems
+    from toolkit.errors import ConfigError
+
+    try:
+        return model_problems(cfg, arch)
+    except ConfigError:
+        return []  # a bad autoep_size is already reported by the rules
 
 
 def _arch(model: str):
@@ -83,7 +95,8 @@ def _print_human(report: dict) -> None:
 @click.option("--strict", is_flag=True, help='Refuse "auto" values (only the HF Trainer/Accelerate fills them).')
 @click.option("--model", metavar="NAME|DIR|ORG/NAME", help="Check the model against the file's "
               "tensor_parallel.autotp_size: an AutoTP plan, and tp dividing its heads, key/value heads and "
-              "intermediate size; and against sp (Ulysses: heads and key/value heads split sp ways). A built-in architecture (see `dstk plan --help`), a local HF directory, or a "
+              "intermediate size; against sp (Ulysses: heads and key/value heads split sp ways); and against "
+              "expert_parallel (a preset for its model_type, autoep_size dividing its experts). A built-in architecture (see `dstk plan --help`), a local HF directory, or a "
               "hub id (ORG/NAME at its main branch) whose config.json is read from the Hugging Face cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report on stdout.")
 def validate(files, world_size, pp, sp, strict, model, as_json):

@@ -7,6 +7,7 @@ step (validate, partition, train) reads the same numbers from the file.
 import json
 
 from toolkit.config.options import GenerateOptions
+from toolkit.config.rules.expert_parallel import expert_parallel_section
 from toolkit.errors import ConfigError
 from toolkit.files import write_text
 
@@ -36,6 +37,8 @@ def build_config(o: GenerateOptions) -> dict:
         cfg["tensor_parallel"] = {"autotp_size": topo.tp}
     if topo.sp > 1:
         cfg["sequence_parallel_size"] = topo.sp
+    if o.ep > 1 or o.ep_preset:
+        cfg["expert_parallel"] = expert_parallel_section(o.ep, o.ep_preset)
     if o.optimizer != "none":
         cfg["optimizer"] = _optimizer(o, auto)
     if o.scheduler != "none":

@@ -34,6 +34,8 @@ class GenerateOptions:
     pp: int = 1  # pipeline stages
     tp: int = 1  # tensor-parallel size (DeepSpeed AutoTP; inside pipeline stages too): tensor_parallel.autotp_size
     sp: int = 1  # Ulysses sequence-parallel size (any pp, tp = 1): sequence_parallel_size
+    ep: int = 1  # expert-parallel size (DeepSpeed AutoEP, inside dp): expert_parallel.autoep_size
+    ep_preset: str | None = None  # AutoEP preset naming the MoE modules (expert_parallel.preset_model); None: tries each
     partition_method: str = "compute"  # how layers are split into stages (or "type:REGEX")
     # batch: gbs = mbs * gas * dp; one of gbs / gas may be None and is derived
     mbs: int = 1
@@ -106,6 +108,8 @@ class GenerateOptions:
             problems += _check_batch_size(batch)
         if not problems and self.sp > 1:
             problems += _check_sequence_parallel(self)
+        if not problems and (self.ep > 1 or self.ep_preset):
+            problems += _check_expert_parallel(self)
         if topo is not None:
             problems += _check_strategy(self, topo)
         problems += _check_memory(self)
@@ -139,7 +143,7 @@ def _real(name, value, minimum=0.0, above=False):
 def _check_sizes(o: GenerateOptions) -> list[str]:
     problems = []
     for flag, value in (("--world-size", o.world_size), ("--nodes", o.nodes), ("--gpus-per-node", o.gpus_per_node),
-                        ("--pp", o.pp), ("--tp", o.tp), ("--sp", o.sp)):
+                        ("--pp", o.pp), ("--tp", o.tp), ("--sp", o.sp), ("--ep", o.ep)):
         problems += _positive(flag, value, maximum=MAX_PROCESSES, why="more processes than any cluster has")
     for flag, value in (("--mbs", o.mbs), ("--gbs", o.gbs), ("--gas", o.gas), ("--steps-per-print", o.steps_per_print)):
         problems += _positive(flag, value)
@@ -170,6 +174,36 @@ def _check_sequence_parallel(o: GenerateOptions) -> list[str]:
         for old, new in words:
             message = message.replace(old, new)
         out.append(message)
+    return out
+
+
+def _check_expert_parallel(o: GenerateOptions) -> list[str]:
+    """AutoEP's refusals, as `dstk validate` words them (toolkit.config.rules.expert_parallel), with flags."""
+    from types import SimpleNamespace
+
+    from toolkit.config.rules.expert_parallel import PRESETS, expert_parallel_problems, expert_parallel_section
+
+    if o.ep_preset is not None and o.ep_preset not in PRESETS:
+        return [f"--ep-preset {o.ep_preset!r} is not one of DeepSpeed's AutoEP presets: {', '.join(PRESETS)}"]
+    cfg = {"expert_parallel": expert_parallel_section(o.ep, o.ep_preset), "zero_optimization": {
+        "stage": o.zero, **{k: {"device": d} for k, d in (("offload_optimizer", o.offload_optimizer),
+                                                            ("offload_param", o.offload_param)) if d != "none"}}}
+    if o.gradient_clipping is not None:
+        cfg["gradient_clipping"] = o.gradient_clipping
+    ctx = SimpleNamespace(world_size=o.resolved_world_size(), pp=o.pp, tp=o.tp, sp=o.sp)
+    words = (('"autoep_size" ', "--ep "), ('"autotp_size": 1', "--tp 1"), ('"autotp_size" ', "--tp "),
+             ('"sequence_parallel_size" ', "--sp "), ('"stage" 0', "--zero 0"), ('"stage": 1', "--zero 1"),
+             ('"gradient_clipping": 0', "--grad-clip 0"), ('"gradient_clipping" ', "--grad-clip "), ('remove "offload_optimizer"', "use --offload-optimizer none"),
+             ('remove "offload_param"', "use --offload-param none"),
+             ('"offload_optimizer" ', f"--offload-optimizer {o.offload_optimizer} "),
+             ('"offload_param" ', f"--offload-param {o.offload_param} "))
+    out = []
+    for problem in expert_parallel_problems(cfg, ctx):
+        message = problem.message
+        for old, new in words:
+            message = message.replace(old, new)
+        out.append(message + ("" if o.world_size or o.nodes else f"; or give --world-size N, a multiple of pp * ep = "
+                                                                  f"{o.pp * o.ep}"))
     return out
 
 

@@ -164,6 +164,26 @@ def sp_of(cfg: dict) -> int:
     return size
 
 
+def ep_of(cfg: dict) -> int:
+    """Expert-parallel size of a DeepSpeed config: "expert_parallel": {"enabled": true, "autoep_size": N}
+    (DeepSpeed's AutoEP), else 1; a section that is not enabled is ignored by DeepSpeed
+    (module_inject/auto_ep_config.py validate_autoep_config returns early). ep lies inside dp: each group of
+    ep consecutive data-parallel ranks shares one copy of the experts. Raises ConfigError for a value
+    DeepSpeed could not use."""
+    section = cfg.get("expert_parallel")
+    if section is None:
+        return 1
+    if not isinstance(section, dict):
+        raise ConfigError(f'"expert_parallel" must be an object like {{"enabled": true, "autoep_size": 2}}, '
+                          f"got {section!r}")
+    if section.get("enabled") is not True:
+        return 1
+    size = section.get("autoep_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f'"expert_parallel.autoep_size" must be an integer >= 1, got {size!r}')
+    return size
+
+
 def config_batch(cfg: dict, dp: int) -> Batch:
     """The batch a DeepSpeed config dict gives `dp` replicas (values must be numbers, not "auto")."""
     gbs, mbs, gas = (cfg.get(k) for k in DEEPSPEED_KEYS)

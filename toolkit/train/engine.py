@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from models.weights import loading
 from toolkit.distributed.optimizers import is_bf16_optimizer, settle
-from toolkit.distributed.topology import config_batch
+from toolkit.distributed.topology import config_batch, ep_of
 from toolkit.errors import ConfigError
 
 
@@ -176,6 +176,13 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
         from models.attention import share_additive_masks
 
         share_additive_masks(config)
+    if (cfg.get("expert_parallel") or {}).get("enabled") is True:  # AutoEP replaces the MoE blocks in initialize
+        from models.autoep import allow_string_keys
+
+        allow_string_keys()
+        record["expert_parallel"] = ep_of(cfg)
+        for group, name in zip(groups, ("decay", "no_decay")):  # DeepSpeed splits named groups into expert and dense
+            group["name"] = name  # ones (moe/utils.py:103 reads param_group["name"])
     return initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
 
 

@@ -193,6 +193,10 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
     if topo is not None:
         zero = (cfg or {}).get("zero_optimization") or {}
         identity.update(pp=topo.pp, dp=topo.dp, tp=topo.tp, sp=topo.sp, zero_stage=zero.get("stage", 0))
+        if ((cfg or {}).get("expert_parallel") or {}).get("enabled") is True:  # DeepSpeed's AutoEP
+            from toolkit.distributed.topology import ep_of
+
+            identity["expert_parallel"] = ep_of(cfg)
         if topo.pp > 1 and args.schedule != "1f1b":  # absent: 1f1b (manifest.LAYOUT_DEFAULTS)
             identity["schedule"] = args.schedule
     return identity

@@ -282,6 +282,16 @@ def check_offload(mode: str, cfg: dict, pp) -> None:
         choose(mode, 0, checkpointing, "cuda")
 
 
+def check_expert_parallel(args: TrainArgs, cfg: dict, pp) -> None:
+    """"expert_parallel" (DeepSpeed's AutoEP): what dstk train does not combine with it yet, every reason at once."""
+    from toolkit.config.rules.expert_parallel import train_refusals
+
+    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora,
+                              args.export)
+    if refusals:
+        raise ConfigError("; ".join(refusals))
+
+
 def check(args: TrainArgs, world_size: int | None) -> None:
     """The refusals that need no process group: the config (for `world_size` processes when known), the
     model and tokenizer folders (a hub id's from the cache alone: one not cached yet is the ranks' to
@@ -302,6 +312,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     lora.check(lora.settings_of(args), pp, (cfg.get("zero_optimization") or {}).get("stage", 0), tp_of(cfg))
     dualpipev.check(args.schedule, cfg, pp, world_size)
     check_offload(args.offload_activations, cfg, pp)
+    check_expert_parallel(args, cfg, pp)
     local = local_inputs(args)
     if local is not None:
         check_model(local, cfg, world_size)

@@ -42,6 +42,7 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None,
     """All cross-field problems of `cfg` for `world_size` processes, `pp` stages and sp (--sp: the
     file's "sequence_parallel_size" must agree)."""
     from toolkit.config.rules.accumulation import accumulation_problems
+    from toolkit.config.rules.expert_parallel import expert_parallel_problems
     from toolkit.config.rules.sequence_parallel import sequence_parallel_problems
     from toolkit.config.rules.tensor_parallel import tensor_parallel_problems
 
@@ -64,7 +65,7 @@ def check_rules(cfg: dict, world_size: int | None = None, pp: int | None = None,
     ctx = Context(world_size, pp or file_pp or 1, tp, sp)
     for rule in (_topology, _batch, _zero_with_pipeline, _timers_with_pipeline, _offload, _zero_stages, _precision, _parts, _profile,
                  _null_types, _jit_built_optimizer, tensor_parallel_problems, sequence_parallel_problems,
-                 accumulation_problems):
+                 expert_parallel_problems, accumulation_problems):
         problems += rule(cfg, ctx)
     return problems
 

@@ -85,9 +85,29 @@ def expert_parallel_section() -> dict:
             props[node.args[0].value] = _loose_prop(node.args[0].value, default)
         elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
             props.setdefault(node.left.value, _loose_prop(node.left.value, None))
+    props.update(_expert_parallel_core())
     return {"type": "object", "additionalProperties": False, "default": {},
             "description": "AutoEP expert parallelism (module_inject/auto_ep_config.py, read as a plain dict).",
             "properties": dict(sorted(props.items()))}
+
+
+def _expert_parallel_core() -> dict:
+    """The keys a layout depends on, typed as DeepSpeed uses them (AutoEPConfig's fields, its preset registry)."""
+    from deepspeed.module_inject.auto_ep_presets.registry import available_preset_names
+
+    def size(what):
+        return {"description": what, "type": "integer", "minimum": 1, "default": 1}
+
+    return {
+        "enabled": {"description": "Replace the model's MoE blocks with AutoEP layers at deepspeed.initialize; "
+                    "without it the section is ignored.", "type": "boolean", "default": False},
+        "autoep_size": size("Expert-parallel degree: each group of this many consecutive ranks of a stage "
+                            "shares one copy of the experts (experts / autoep_size each); divides world / pp "
+                            "and every MoE block's expert count."),
+        "expert_tensor_parallel_size": size("Tensor parallelism inside each expert; DeepSpeed 0.19 accepts only 1."),
+        "preset_model": {"description": "The AutoEP preset naming the model's MoE modules; null tries each.",
+                         "enum": [*available_preset_names(), None], "default": None},
+    }
 
 
 def _loose_prop(key: str, default) -> dict:

@@ -54,16 +54,22 @@ def tensors_in(obj, depth: int = 0):
 def parameter_counts(engine, topo, record: dict) -> tuple[int, int]:
     """(parameters, trainable) of the model the run trains, each HF tensor counted once: by its HF name
     (a pipeline stage's names through the manifest `record`: a tied copy, or an unused copy of a tied
-    layer's other tensors, names a tensor another stage holds), on data-parallel rank 0, a tp shard at
+    layer's other tensors, names a tensor another stage holds), on data-parallel rank 0 (an AutoEP expert
+    parameter on each of dp ranks 0..ep-1, which hold different experts), a tp shard at
     tp x its size, a ZeRO-3 partition at its full size (ds_numel). A collective: every rank calls it."""
     import torch.distributed as dist
 
     from toolkit.checkpoint.manifest import hf_name_of
 
     _, dp_rank = topo.coords(dist.get_rank())
+    ep = record.get("expert_parallel", 1)  # AutoEP: dp ranks 0..ep-1 each hold experts / ep of every MoE block
     mine = {}
-    if dp_rank == 0:
+    if dp_rank < ep:
         for name, p in engine.module.named_parameters():
+            if hasattr(p, "allreduce") and not p.allreduce:  # DeepSpeed's mark of an expert parameter (is_moe_param)
+                name = f"{name}@ep{dp_rank}"
+            elif dp_rank:
+                continue
             hf = hf_name_of(name, record) if topo.pp > 1 else name
             n = (getattr(p, "ds_numel", None) or p.numel()) * (topo.tp if getattr(p, "tensor_model_parallel", False)
                                                                 else 1)

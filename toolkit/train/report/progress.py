@@ -58,7 +58,8 @@ def describe(args, cfg: dict, topo, batch, engine, record: dict, start: int, ste
             "seed": args.seed, "dtype": dtype, "params": params, "trainable": trainable,
             "layout": {"dp": topo.dp, "pp": topo.pp, "tp": topo.tp, "sp": topo.sp,
                        "schedule": args.schedule if topo.pp > 1 else None,  # pp 1 runs no pipeline schedule
-                       "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0)},
+                       "zero_stage": (cfg.get("zero_optimization") or {}).get("stage", 0),
+                       **({"ep": record["expert_parallel"]} if record.get("expert_parallel") else {})},
             "mbs": batch.mbs, "gas": batch.gas, "gbs": batch.gbs, "seq_len": args.seq_len,
             "lora": record.get("lora_adapters") or record.get("lora"), "start_step": start, "steps": steps,
             "resume": resume, "tiled_loss": getattr(engine.module, "dstk_tiled_loss", None),
@@ -84,6 +85,9 @@ def start_lines(about: dict) -> list:
     lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} x sp {lay.get('sp', 1)} = {ranks} ranks"
                  f"{schedule}, ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp "
                  f"{lay['dp']} = {about['gbs']} rows of {about['seq_len']} tokens per step")
+    if lay.get("ep"):  # DeepSpeed's AutoEP (toolkit.config.rules.expert_parallel)
+        lines.append(f"experts: ep {lay['ep']} (DeepSpeed AutoEP): each group of {lay['ep']} data-parallel ranks "
+                     f"shares one copy of the experts, each rank holding 1/{lay['ep']} of every MoE block's")
     if about.get("tf32_note"):  # toolkit.train.tf32: an fp32 run on a GPU with TF32 left off, or what --tf32 did
         lines.append(about["tf32_note"])
     lora = about.get("lora")

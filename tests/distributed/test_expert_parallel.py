@@ -1,0 +1,125 @@
+"""Expert parallelism through DeepSpeed 0.19.8's own AutoEP ("expert_parallel": {"enabled": true, "autoep_size": 2}),
+on CPU ranks forked from the warm rank server (gloo), fp32.
+
+`dstk train` at pp 1: a tiny Mixtral saved by transformers (4 experts per block, top-2, the router aux loss on at
+coef 0.5), 2 ranks at ep 2 (each holds 2 of every block's 4 experts; tokens reach their experts by all-to-all) give
+one process's losses and gradient norms step by step (ZeRO-1); the eval loss is that of 2 ranks without ep (the
+eval rows split over dp). DeepSpeed writes one file per expert. Heavy: the same for qwen3_moe, and dp 2 x ep 2
+(4 ranks); a run resumed from its step 2 continues its losses. Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
+against one process without AutoEP.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.configs import run_config
+from tests.distributed.launch import LazyRuns, run_script
+from tests.distributed.test_moe_training import losses
+from tests.unit.test_moe_aux import AUX, SIX
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, SEQ = 3, 64
+RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes every run's global batch 8 rows
+    "ref": (1, 0, "mixtral"), "ep2": (2, 2, "mixtral"), "dp2": (2, 0, "mixtral"),
+    "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral")}
+
+
+class Runs(LazyRuns):
+    def _launch(self, name: str) -> None:
+        from tests.distributed.test_resume_layouts import resumed_from
+        from tests.ranks import run_train
+
+        resume = []
+        if name.endswith("_resumed"):  # NAME's run from its step 2 checkpoint (DeepSpeed's own load)
+            resumed_from(self / name.removesuffix("_resumed"), 2, self.tmp / name)
+            resume = ["--resume"]
+        procs, ep, model = RUNS[name.removesuffix("_resumed")]
+        cfg = run_config(2, 4 // procs if procs < 4 else 1, 1, clip=1.0)
+        cfg["zero_optimization"] = {"stage": 1}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
+        if ep:
+            cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model}
+        (self.tmp / f"{name}.json").write_text(json.dumps(cfg))
+        rc, log = run_train(["--config", self.tmp / f"{name}.json", "--model", self.model(model), "--data",
+                             self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", STEPS, "--eval-fraction", "0.01",
+                             "--no-progress", "--attention", "eager", "--no-export", "--save-every", 2, "--out",
+                             self.tmp / name, *resume], procs)
+        assert rc == 0, f"{name}:\n{log[-4000:]}"
+        (self.tmp / f"{name}.log").write_text(log)
+
+    def model(self, model_type: str) -> Path:
+        """The corpus's sentences as documents (docs.txt) and `model_type` saved by save_pretrained, once."""
+        from toolkit.train.hf import byte_tokenizer
+        from toolkit.train.parity import small_model
+
+        folder = self.tmp / model_type
+        if not folder.exists():
+            text = (REPO / "toolkit" / "corpus" / "corpus.txt").read_text()
+            sentences = [s.strip() for s in re.split(r"(?<=\.)\s+", text) if s.strip()]
+            (self.tmp / "docs.txt").write_text("\n\n".join(sentences[:400]) + "\n")
+            small_model(model_type, attn_implementation="eager", vocab_size=320, **AUX,
+                        **SIX[model_type]).save_pretrained(folder)
+            byte_tokenizer().save_pretrained(folder)
+        return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("ep"))
+
+
+def metrics(out: Path) -> tuple[dict, dict, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r and "loss" in r]
+    return ({r["step"]: r["loss"] for r in steps}, {r["step"]: r["grad_norm"] for r in steps},
+            next(r["summary"]["eval_loss"] for r in rows if "summary" in r))
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def assert_close(got: dict, want: dict, tol: float = 1e-5):
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (got, want)
+    assert all(abs(got[s] - want[s]) <= tol * abs(want[s]) for s in want), (got, want)
+
+
+@pytest.mark.parametrize("ep_run,ref_run,dp_run", [
+    ("ep2", "ref", "dp2"),
+    pytest.param("qwen_ep2", "qwen_ref", None, marks=pytest.mark.heavy),
+    pytest.param("dp2_ep2", "ref", None, marks=pytest.mark.heavy)])
+def test_ep_trains_as_one_process_does(runs, ep_run, ref_run, dp_run):
+    (loss, norm, evaluated), (want_loss, want_norm, _) = metrics(runs / ep_run), metrics(runs / ref_run)
+    assert_close(loss, want_loss)
+    assert_close(norm, want_norm)  # the experts' share of the norm reduced over the ep group (ZeRO-1)
+    if dp_run:
+        assert abs(evaluated - metrics(runs / dp_run)[2]) <= 1e-5 * evaluated
+    assert summary(runs / ep_run)["run"]["params"] == summary(runs / ref_run)["run"]["params"]  # every expert counted
+    assert "experts: ep 2 (DeepSpeed AutoEP)" in (runs.tmp / f"{ep_run}.log").read_text()
+    manifest = json.loads((runs.tmp / ep_run / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert manifest["expert_parallel"] == 2
+    tag = runs.tmp / ep_run / "checkpoints" / f"global_step{STEPS}"
+    experts = sorted(p.name for p in tag.glob("layer_*_expert_*_model_states.pt"))  # DeepSpeed's MoE files
+    assert experts == [f"layer_{b}_expert_{e}_mp_rank_00_model_states.pt" for b in range(2) for e in range(4)]
+
+
+@pytest.mark.parametrize("zero", [0, pytest.param(1, marks=pytest.mark.heavy), pytest.param(2, marks=pytest.mark.heavy),
+                                  pytest.param(3, marks=pytest.mark.heavy)])
+def test_deepspeeds_autoep_alone_gives_one_process_losses(tmp_path, zero):
+    """No dstk in the engine: ep_losses.py hands the HF model to deepspeed.initialize with the section."""
+    script = REPO / "tests" / "distributed" / "scripts" / "ep_losses.py"
+    run_script(script, "mixtral", 0, 0, tmp_path / "one.json", num_procs=1)
+    run_script(script, "mixtral", 2, zero, tmp_path / "ep2.json", num_procs=2)
+    one, ep2 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "ep2"))
+    assert one["replaced"] == [] and ep2["replaced"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert ep2["experts"]["model.layers.0.mlp.experts.w1"][0] == 2  # 2 of the block's 4 experts on this rank
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ep2["losses"], one["losses"])), (ep2, one)
+
+
+@pytest.mark.heavy
+def test_an_ep_run_resumes_on_its_layout(runs):
+    assert_close(metrics(runs / "ep2_resumed")[0], metrics(runs / "ep2")[0], tol=1e-6)

@@ -1,0 +1,59 @@
+"""`dstk train --check` (toolkit.train.runner.check, before any rank starts) refuses what dstk train does not
+combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run with --no-export passes. The runs that train:
+tests/distributed/test_expert_parallel.py."""
+
+import json
+
+import pytest
+
+from toolkit.errors import ConfigError
+
+EP = {"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}}
+
+
+def check_with(tmp_path, changes: dict, world: int = 2, **flags):
+    from tests.unit.test_launch import _args
+    from toolkit.train.runner import check
+
+    args = _args(tmp_path, 1, **{"export": False, **flags})
+    cfg = {**json.loads(open(args.config).read()), **EP, **changes}
+    (tmp_path / "ep.json").write_text(json.dumps(cfg))
+    args.config = str(tmp_path / "ep.json")
+    check(args, world)
+
+
+def test_ep_at_pp1_without_export_passes_the_checks(tmp_path):
+    check_with(tmp_path, {})
+
+
+@pytest.mark.parametrize("changes,world,flags,words", [
+    ({"pipeline": {"stages": 2}}, 4, {}, "pp 2 with \"expert_parallel\" (ep 2): dstk's pipeline stages"),
+    ({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4}, 4, {"schedule": "dualpipev"},
+     "--schedule dualpipev with \"expert_parallel\""),
+    ({"tensor_parallel": {"autotp_size": 2}}, 4, {}, '"autotp_size" 2 with "expert_parallel" (ep 2)'),
+    ({"sequence_parallel_size": 2}, 4, {}, '"sequence_parallel_size" 2 with "expert_parallel" (ep 2)'),
+    ({}, 2, {"lora": True}, "--lora with \"expert_parallel\" (ep 2): peft wraps the model"),
+    ({}, 2, {"export": True}, "pass --no-export"),
+])
+def test_what_dstk_train_cannot_combine_with_ep_yet_is_refused_with_its_reason(tmp_path, changes, world, flags, words):
+    with pytest.raises(ConfigError) as refused:
+        check_with(tmp_path, changes, world, **flags)
+    assert words in str(refused.value), str(refused.value)
+
+
+def test_zero0_with_clipping_is_refused_by_the_config_rules(tmp_path):
+    with pytest.raises(ConfigError, match="clips by a wrong global norm"):
+        check_with(tmp_path, {"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0})
+
+
+@pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({}, {"expert_parallel": 2}),
+                                       ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4})])
+def test_a_resume_onto_another_layout_of_an_ep_run_is_refused(tmp_path, saved, now):
+    from toolkit.checkpoint.manifest import check_resumable
+
+    (tmp_path / "dstk").mkdir()
+    base = {"model": "m", "pp": 1, "dp": 2, "tp": 1, "zero_stage": 1, "portable": True}
+    (tmp_path / "dstk" / "manifest.json").write_text(json.dumps({**base, **saved}))
+    with pytest.raises(ConfigError, match="which dstk does not map to HF names yet"):
+        check_resumable(tmp_path, {**base, **now})
+    assert check_resumable(tmp_path, {**base, **saved}) == []  # the same layout: DeepSpeed's own load
