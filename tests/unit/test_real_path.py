@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tests.configs import SHORT_EVAL
 from toolkit.errors import ConfigError
@@ -152,6 +153,25 @@ def test_pp1_activation_checkpointing_in_the_config_is_honoured(ds_world1):
     assert not off and on
     assert abs(plain_loss - ckpt_loss) < 1e-5 and torch.allclose(plain_grad, ckpt_grad, atol=1e-6)
     assert ckpt_bytes < 0.7 * plain_bytes, f"saved for backward: {ckpt_bytes} B with checkpointing, {plain_bytes} B without"
+
+
+def test_a_model_read_from_a_folder_trains_in_training_mode(ds_world1, tmp_path):
+    """from_pretrained returns a model in eval mode: trained so, it would drop no dropout and HF would checkpoint
+    nothing (its layers checkpoint only in training mode) until the first evaluation switched it."""
+    from toolkit.distributed.topology import Topology
+    from toolkit.train.engine import make_model
+    from toolkit.train.runner import TrainArgs
+
+    tok = hf.byte_tokenizer()
+    config = hf.load_config("tiny-llama", tok, "causal-lm")
+    folder = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    args = TrainArgs(model=str(folder), data=str(CORPUS), config="-", seq_len=64)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "activation_checkpointing": {}}
+    model, _ = make_model(args, hf.load_config(str(folder), tok, "causal-lm"), Topology(1), cfg)
+    assert all(m.training for m in model.modules())
+    assert model.is_gradient_checkpointing
 
 
 def test_an_encoder_is_not_trained_as_a_causal_lm():

@@ -61,6 +61,7 @@ def make_model(args, config, topo, cfg: dict):
             record["lora"] = adapters.manifest_entry(settings, model, args.task)
             model = adapters.apply(model, settings, args.task, args.seed)
         model.dstk_tiled_loss, model.dstk_tiled_mlp, model.dstk_offload_activations = tiled, mlp, offload
+        model.train()  # from_pretrained returns it in eval mode: no dropout, and HF checkpoints only in training mode
         return model, record
     from toolkit.distributed.pipeline import pipeline_module
 
