@@ -423,3 +423,17 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
     assert "**dstk vs HF Trainer** (pp1-zero1 / pp1-zero1-hf" in md and "| rows/s |" in md
     real = ROOT / "bench" / "results" / "gpu.json"
     assert not real.exists() or "CPU" not in real.read_text()  # a dry run never overwrites GPU figures
+
+
+def test_plan_gpus_dry_run_estimates_every_case_the_long_ones_tiled(monkeypatch, capsys):
+    """bench/plan_gpu.py --dry-run on CPU: an estimate per case; the long-sequence cases (checkpointing, the tiled
+    loss and TiledMLP, one whole row) grow by less than the tokens from 16K to 32K (kept inputs and one recomputed
+    block's shards, not every block's intermediates)."""
+    import plan_gpu
+
+    monkeypatch.setattr(sys, "argv", ["plan_gpu.py", "--dry-run"])
+    assert plan_gpu.main() == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(plan_gpu.CASES) + len(plan_gpu.LONG_CASES) and all("predicted" in x for x in lines)
+    short, long = (plan_gpu.predict_long("llama-3.2-1b", 4, seq, "h100-sxm") for seq in (16384, 32768))
+    assert short < long < 2 * short

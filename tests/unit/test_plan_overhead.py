@@ -43,14 +43,15 @@ def test_the_loss_peak_is_counted_once_on_the_head_stage():
     assert alone.activations > alone.loss_peak
 
 
-def test_a_tiled_loss_peaks_at_three_tiles_of_logits_and_its_pipeline_stage_holds_none():
-    """dstk train's default (--tiled-loss auto: on at mbs 2 x 4096 tokens x 128k, 3.9 GiB of logits): the peak is three
-    fp32 tiles of models.tiled.loss.tile_tokens(V) tokens; in a pipeline the head's stage no longer keeps each
-    micro-batch's logits in flight, and stops being the heaviest."""
+def test_a_tiled_loss_peaks_at_four_tiles_of_logits_and_its_pipeline_stage_holds_none():
+    """dstk train's default (--tiled-loss auto: on at mbs 2 x 4096 tokens x 128k, 3.9 GiB of logits): the peak is four
+    fp32 tiles of models.tiled.loss.tile_tokens(V) tokens and the bf16 (tokens, 2048) gradient of the hidden states
+    (tests/unit/test_costs.py measures both); in a pipeline the head's stage no longer keeps each micro-batch's logits
+    in flight, and stops being the heaviest."""
     from models.tiled.loss import tile_tokens
 
     whole, tiled = _estimate(pp=1, dp=8), _estimate(tiled_loss="auto", pp=1, dp=8)
-    assert tiled.loss_peak == 12 * tile_tokens(V) * V < whole.loss_peak
+    assert tiled.loss_peak == 16 * tile_tokens(V) * V + 2 * 2 * T * 2048 < whole.loss_peak
     assert whole.activations - tiled.activations == whole.loss_peak - tiled.loss_peak
     whole, tiled = _estimate(pp=2, dp=4), _estimate(tiled_loss="auto", pp=2, dp=4)
     assert whole.stage == 1 and tiled.stage == 0 and tiled.memory < whole.memory
@@ -85,3 +86,24 @@ def test_a_tiled_mlp_holds_no_blocks_intermediates_and_peaks_at_one_shard():
     assert tiled.times["compute"] / whole.times["compute"] == pytest.approx(1 + extra / per_sequence, rel=1e-9)
     piped_whole, piped = run("off", pp=2, dp=4), run("on", pp=2, dp=4)
     assert piped.memory < piped_whole.memory
+
+
+def test_with_checkpointing_one_layer_is_recomputed_with_its_own_backward_transient():
+    """Activation checkpointing at pp 1: each layer's input kept, the mask, and the larger of the block recomputed
+    with its MLP's gradients and the head's input with the tiled loss's peak (the loss runs while no block is
+    recomputed; the planner had added the loss's peak on top of the recomputed block)."""
+    from toolkit.plan.arch import load_arch
+    from toolkit.plan.cost.layers import layer_costs, logits_bytes, mask_bytes
+    from toolkit.plan.layouts.estimate import tiled_loss_bytes
+
+    arch = load_arch("llama-3.2-1b")
+    req = PlanRequest(model="llama-3.2-1b", gbs=1, gpus_per_node=1, gpu="h100-sxm", seq_len=T, tiled_loss="on",
+                      tiled_mlp="off")
+    got = estimate_layout(req, Layout(pp=1, dp=1, zero=1, mbs=1, gas=1, checkpointing=True))
+    costs = layer_costs(arch, T, 1, "bf16")
+    block, head = costs[1], costs[-1]
+    kept = len(costs) * 2 * T * arch.hidden
+    recomputed = max(block.act_bytes + block.backward_bytes,
+                     head.act_bytes - logits_bytes(arch, T, 1, 2) + tiled_loss_bytes(T, V, arch.hidden, 2))
+    assert block.backward_bytes == 2 * 2 * T * 8192
+    assert got.activations == kept + mask_bytes(T, 1, "bf16") + recomputed

@@ -35,6 +35,9 @@ def _size(ctx, param, value):
 @click.option("--attention", type=click.Choice(["sdpa", "eager", "flash_attention_2"]), default="sdpa", show_default=True,
               help="sdpa and flash_attention_2 keep no (seq x seq) attention matrix, eager does; sdpa and eager keep "
               "a (mbs, seq, seq) mask per micro-batch for padded or packed rows, flash_attention_2 none.")
+@click.option("--rows", type=click.Choice(["padded", "full"]), default="padded", show_default=True,
+              help="The data's rows: padded (some padded or packed: sdpa and eager keep a mask) or full (each row one "
+              "document that fills it: at pp 1 sdpa runs causal with no mask).")
 @click.option("--tiled-loss", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="As dstk train's: the causal LM loss in tiles, counted with a tile's logits instead of the whole "
               "micro-batch's (auto: where they would take 512 MiB or more).")

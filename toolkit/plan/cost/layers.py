@@ -70,15 +70,24 @@ Loss peak (peak_bytes, the head only): 12*N*V on top of what is held, once per s
 each micro-batch's loss forward and backward back to back). The loss casts the logits to fp32 (4*N*V, freed
 after the log-softmax), keeps the fp32 log-softmax (4*N*V) for backward, and its backward holds that, the
 log-softmax's gradient and the logits' fp32 gradient at once (3 x 4*N*V), whatever the activations' dtype:
-10-12 x N*V bytes with bf16 logits, measured in tests/unit/test_costs.py. Other layers' transient
-temporaries (an MLP's backward) are small next to it and not modelled.
+10-12 x N*V bytes with bf16 logits, measured in tests/unit/test_costs.py. Tiled (dstk train --tiled-loss,
+models.tiled.loss): 4 fp32 (tile, V) tensors at once in its backward (the tile's logits, their log-softmax, its
+gradient, the logits' gradient) + e*N*h, the hidden states' gradient it fills
+(toolkit.plan.layouts.estimate.tiled_loss_bytes).
+Backward transient (backward_bytes, dense blocks): 2*e*N*I on top of what the block holds while its MLP's backward
+runs (the gradients of its intermediates; measured: 2.0 x for a gated MLP, 1.75 x for GPT-2's). One layer runs its
+backward at a time, so a stage adds the largest of its layers' transients once: the loss's peak when V is large,
+the block's for a small vocabulary or a tiled loss; with activation checkpointing on top of the recomputed layer.
 Attention mask (mask_bytes), for padded or packed rows: e*B*T^2, the (B, 1, T, T) additive mask in the
 activations' dtype that sdpa's memory-efficient kernel and eager keep for backward. A pipeline stage builds
 one per micro-batch (models/attention.py) that all its blocks share: once per stage and micro-batch in
 flight (toolkit.plan.layouts.estimate). At pp = 1 the HF model builds one per layer kind and micro-batch, which
 dstk has built additive (models.attention.share_additive_masks; a bool one torch would convert at every layer):
-counted as one. flash_attention_2 takes variable-length offsets instead: 0. (Unpadded one-document rows at
-pp = 1 need none: HF then lets sdpa run causal without a mask. Not modelled: the planner assumes a mask.)
+counted as one. flash_attention_2 takes variable-length offsets instead: 0. Rows that are each one document
+filling the row (no padding, no packing: PlanRequest.rows = "full", `dstk plan --rows full`) need none at pp = 1
+under sdpa: HF then runs sdpa causal without a mask. The planner cannot see the data, so it counts the mask unless
+told: one padded or packed micro-batch in a run builds it (a document longer than --seq-len leaves its cut-off
+rest in a row of its own, padded or packed with others).
 Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
 TiledMLP (dstk train --tiled-mlp, models.tiled.mlp): a dense block holds none of its MLP's m*I per token, which
 DeepSpeed's TiledMLP recomputes in shards in the backward; the stage then peaks once at one shard's m*I per token
@@ -112,6 +121,8 @@ class LayerCost:
     peak_bytes: int = 0  # transient bytes on top, once per stage (the head: its loss; module docstring)
     inactive: int = 0  # of `params`, those one token's forward leaves unused (MoE: the E - k experts it skips)
     mlp_bytes: int = 0  # of act_bytes, a dense block's MLP intermediates (mlp_act_bytes; --tiled-mlp drops them)
+    backward_bytes: int = 0  # a dense block's backward transient on top of what it holds (mlp_backward_bytes):
+    # once per stage, the larger of it and the loss's peak (one layer runs its backward at a time)
 
     def memory(self, in_flight: int = 1) -> int:
         """Bytes this layer needs on its stage with `in_flight` micro-batches awaiting backward."""
@@ -197,6 +208,12 @@ def mlp_act_bytes(arch: Arch, n: int, e: int) -> int:
     return e * n * (MLP_SAVED.get(arch.act_fn, 2) + 2 * arch.gated_mlp) * arch.intermediate
 
 
+def mlp_backward_bytes(arch: Arch, n: int, e: int) -> int:
+    """Bytes a dense block's backward allocates on top of what it holds, for n tokens: two (tokens x I) gradients
+    at once in its MLP's backward (module docstring; measured in tests/unit/test_costs.py)."""
+    return 2 * e * n * arch.intermediate
+
+
 def logits_bytes(arch: Arch, seq_len: int, mbs: int, e: int) -> int:
     """Bytes of one micro-batch's (mbs, seq_len, V) logits in the activations' dtype (e bytes each)."""
     return e * mbs * seq_len * arch.vocab
@@ -250,8 +267,9 @@ def layer_costs(arch: Arch, seq_len: int, mbs: int = 1, precision: str = "bf16",
         acts = _act_bytes(arch, kind, mbs, seq_len, p.act, attention, moe)
         peak = loss_peak_bytes(arch, seq_len, mbs) if kind == "head" else 0
         mlp = mlp_act_bytes(arch, mbs * seq_len, p.act) if kind == "block" and not moe else 0
+        backward = mlp_backward_bytes(arch, mbs * seq_len, p.act) if kind == "block" and not moe else 0
         costs.append(LayerCost(name, kind, _typename(arch, kind), params, tied, fwd, total, states, acts, trainable,
-                               peak, inactive[i], mlp))
+                               peak, inactive[i], mlp, backward))
     return costs
 
 

@@ -34,7 +34,8 @@ its forward instead of 2 x (a simple FLOP count; kernels' efficiency is not mode
 Links: a data-parallel group (or a stage boundary) inside one node uses `nvlink`, else `network`.
 
 Memory per GPU = model states (toolkit.plan.memory.rank) + activations of the micro-batches in flight, the stage's
-attention masks and, on the stage holding the head, the loss's transient peak once (toolkit.plan.cost.layers) +
+attention masks and once the largest backward transient of its layers (the loss's peak on the stage holding the
+head, a dense block's MLP gradients: toolkit.plan.cost.layers) +
 ZeRO-3's gathered layers + the fixed bytes outside torch's allocator (CUDA context, NCCL buffers:
 toolkit.plan.memory.overhead). A layout fits when that is at most the GPU's memory less `--reserve` (the caching
 allocator's fragmentation, toolkit.plan.layouts.planner).
@@ -176,6 +177,8 @@ class Model:
     # block's E - k experts); None: every parameter runs (active = params)
     head_loss: tuple | None = None  # (vocab, --tiled-loss mode, logits bytes of one sequence the head layer holds):
     # a causal LM's loss, which dstk train tiles where models.tiled.loss.choose says (tiled_loss_peak)
+    backward: list | None = None  # per layer, a dense block's backward transient of one sequence (its MLP's
+    # gradients: toolkit.plan.cost.layers.mlp_backward_bytes); None: none counted
     tiled_mlp: tuple | None = None  # (--tiled-mlp mode, hidden, intermediate, gated, per layer its dense MLP's
     # intermediates of one sequence, bytes): dstk train runs them through TiledMLP where models.tiled.mlp.choose says
 
@@ -246,28 +249,37 @@ def stage_flights(lay: Layout, stages: int) -> list:
 
 def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) -> tuple[int, int]:
     """(bytes, of which the loss's peak) of the activations a stage holding layers lo:hi keeps with `flight`
-    micro-batches in flight: theirs (or with checkpointing their inputs and one layer recomputed), the
-    stage's attention mask per micro-batch, and the loss's peak once (one loss runs at a time)."""
+    micro-batches in flight: theirs (or with checkpointing their inputs), the stage's attention mask per micro-batch,
+    and once the largest transient of one layer's backward (one runs at a time): the loss's peak on the head, a
+    dense block's MLP gradients (or its TiledMLP shard); with checkpointing on top of the one layer recomputed."""
     # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
-    per_layer = [a * lay.mbs / lay.sp if lay.sp > 1 else a * lay.mbs for a in model.act[lo:hi]]
+    scale = lay.mbs / lay.sp
+    per_layer = [a * scale for a in model.act[lo:hi]]
+    transient = [t * scale for t in (model.backward or [0] * len(model.act))[lo:hi]]
     tiled = tiled_loss_peak(model, lay) if lo <= len(model.act) - 1 < hi else None
     if tiled is not None:  # the head layer passes the hidden states on: no logits held
-        per_layer[-1] -= model.head_loss[2] * lay.mbs / lay.sp
+        per_layer[-1] -= model.head_loss[2] * scale
+    loss = max((model.peak or [0] * len(model.act))[lo:hi]) * lay.mbs // lay.sp if tiled is None else tiled
+    if lo <= len(model.act) - 1 < hi:
+        transient[-1] = max(transient[-1], loss)
     mlp_peak = tiled_mlp_peak(model, lay, lo, hi)
-    if mlp_peak:  # TiledMLP: no block holds its MLP's intermediates
-        per_layer = [a - m * lay.mbs / lay.sp for a, m in zip(per_layer, model.tiled_mlp[4][lo:hi])]
-    ckpt = [model.boundary * lay.mbs / lay.sp] * len(per_layer) if lay.checkpointing else None
-    acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, ckpt, [flight])[0]
+    if mlp_peak:  # TiledMLP: no block holds its MLP's intermediates; its backward peaks at one shard's
+        mlps = model.tiled_mlp[4][lo:hi]
+        per_layer = [a - m * scale for a, m in zip(per_layer, mlps)]
+        transient = [mlp_peak if m else t for t, m in zip(transient, mlps)]
+    if lay.checkpointing:  # each layer's input per micro-batch in flight; the layer recomputed with its transient
+        kept = model.boundary * scale * len(per_layer) * flight
+        acts = kept + max((a + t for a, t in zip(per_layer, transient)), default=0)
+    else:
+        acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, None, [flight])[0] + max(transient, default=0)
     acts += (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
-    peak = max((model.peak or [0] * len(model.act))[lo:hi]) * lay.mbs // lay.sp if tiled is None else tiled
-    return int(acts + max(peak, mlp_peak)), peak  # the MLP's shard and the loss never peak at once
+    return int(acts), loss
 
 
 def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
     """The loss's peak when dstk train tiles it on this layout (--tiled-loss, models.tiled.loss.choose on a rank's
-    mbs x seq / sp tokens): three fp32 (tile, V) tensors, as loss_peak_bytes counts three of the whole (N, V);
-    None when the loss is not tiled (DualPipeV's, ZeRO-3's, a classifier's)."""
-    from models.tiled.loss import choose, tile_tokens
+    mbs x seq / sp tokens): tiled_loss_bytes; None when the loss is not tiled (DualPipeV's, ZeRO-3's, a classifier's)."""
+    from models.tiled.loss import choose
 
     if model.head_loss is None or lay.schedule == "dualpipev" or lay.zero == 3:  # as dstk train: not tiled there
         return None
@@ -275,7 +287,17 @@ def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
     tokens = lay.mbs * model.tokens // lay.sp
     if not choose(mode, tokens, vocab)[0]:
         return None
-    return 3 * 4 * min(tokens, tile_tokens(vocab)) * vocab
+    hidden_bytes = model.boundary // model.tokens  # e * h: one token's hidden state
+    return tiled_loss_bytes(tokens, vocab, hidden_bytes, 1)
+
+
+def tiled_loss_bytes(tokens: int, vocab: int, hidden: int, e: int) -> int:
+    """What models.tiled.loss's backward allocates at its peak for `tokens` tokens (measured in
+    tests/unit/test_costs.py): per tile the fp32 logits, their log-softmax, its gradient and the logits' gradient
+    (4 fp32 (tile, V)), and the (tokens, hidden) gradient of the hidden states it fills (e bytes an element)."""
+    from models.tiled.loss import tile_tokens
+
+    return 4 * 4 * min(tokens, tile_tokens(vocab)) * vocab + e * tokens * hidden
 
 
 def tiled_mlp_peak(model: Model, lay: Layout, lo: int, hi: int) -> int:

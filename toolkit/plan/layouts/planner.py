@@ -36,6 +36,7 @@ from toolkit.plan.gpus import Gpu, custom_gpu, format_bytes, get_gpu, with_overr
 from toolkit.plan.layouts.estimate import Estimate, Hardware, Layout, Model, predict
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
+ROWS = ("padded", "full")
 MAX_MBS = 2**16  # micro-batch sizes tried: sequences per GPU per micro-batch; no model fits more
 
 
@@ -65,6 +66,8 @@ class PlanRequest:
     revision: str = "main"  # of a hub id in `model`
     tiled_loss: str = "auto"  # dstk train --tiled-loss: the causal LM loss in tiles (models.tiled.loss)
     tiled_mlp: str = "auto"  # dstk train --tiled-mlp: the blocks' MLPs through TiledMLP (models.tiled.mlp)
+    rows: str = "padded"  # the data's rows: "padded" (some padded or packed: sdpa and eager need a (seq x seq) mask)
+    # or "full" (every row one document filling it: at pp 1 HF runs sdpa causal with no mask; eager still builds one)
 
 
 @dataclass
@@ -209,6 +212,8 @@ def _check_request(req: PlanRequest) -> None:
         raise ConfigError(f"--precision {req.precision!r}: use fp32, bf16 or fp16")
     if req.attention not in ATTENTION:
         raise ConfigError(f"--attention {req.attention!r}: use one of {', '.join(ATTENTION)}")
+    if req.rows not in ROWS:
+        raise ConfigError(f"--rows {req.rows!r}: use one of {', '.join(ROWS)}")
     if req.lora is not None:
         check_lora_rank(req.lora)
     if req.gpu is None and req.gpu_mem is None:
@@ -233,8 +238,10 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
     from toolkit.plan.tp import shard_layers, tp_comm_bytes
 
     # the attention mask, whole on every tp rank: one per pipeline stage, shared by its blocks; at pp = 1 one
-    # for the model (HF's, per layer kind, made additive once: models.attention.share_additive_masks)
-    stage_act = mask_bytes(seq, 1, req.precision, req.attention)
+    # for the model (HF's, per layer kind, made additive once: models.attention.share_additive_masks), none there
+    # for rows that are each one whole document under sdpa (HF's causal path: transformers' sdpa_mask skips it)
+    causal = req.rows == "full" and req.attention == "sdpa" and not pipeline
+    stage_act = 0 if causal else mask_bytes(seq, 1, req.precision, req.attention)
     # p2p model kept as at tp = 1, also with tp inside stages: the whole (1, seq, h) hidden state is
     # counted per rank on the boundary link, and no all-gather. DeepSpeed's pipeline engine sends 1/tp of
     # it per tp rank and all-gathers it on the receiving stage inside the node (pipe_partitioned), so
@@ -248,7 +255,8 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
                      _held_logits(per_rank["act"], costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
                      tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"],  # dense only: all active
-                     head_loss=_head_loss(arch, seq, req, pipeline))
+                     head_loss=_head_loss(arch, seq, req, pipeline),
+                     backward=[c.backward_bytes / tp for c in costs])  # AutoTP shards the MLP's intermediate
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], _held_logits([c.act_bytes for c in costs], costs, arch, seq, req,
                                                             pipeline), boundary, seq,
@@ -256,7 +264,8 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
                  peak=[c.peak_bytes for c in costs], inactive=[c.inactive for c in costs] if arch.is_moe else None,
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs),
-                 head_loss=_head_loss(arch, seq, req, pipeline), tiled_mlp=_tiled_mlp(arch, costs, seq, req))
+                 head_loss=_head_loss(arch, seq, req, pipeline), tiled_mlp=_tiled_mlp(arch, costs, seq, req),
+                 backward=[c.backward_bytes for c in costs])
 
 
 def _tiled_mlp(arch, costs, seq: int, req) -> tuple:
