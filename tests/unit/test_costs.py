@@ -232,7 +232,7 @@ def test_a_tiled_loss_peaks_at_four_fp32_tiles_and_its_input_gradient():
     and the logits' gradient (4 fp32 (tile, V)), beside the (N, h) gradient of the hidden states it fills: what
     tiled_loss_peak counts (it had 3 tiles and no input gradient)."""
     from models.tiled.loss import tile_tokens, tiled_head_loss
-    from toolkit.plan.layouts.estimate import tiled_loss_bytes
+    from toolkit.plan.layouts.long_sequences import tiled_loss_bytes
 
     vocab, tokens, h = 8192, 3 * tile_tokens(8192), 64
     head = torch.nn.Linear(h, vocab, bias=False).requires_grad_(False)

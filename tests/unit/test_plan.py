@@ -86,7 +86,6 @@ def test_json_and_emit_config(tmp_path, capsys):
     (["--gbs", "8", "--gpu-mem", "0GiB"], "--gpu-mem '0GiB' must be a positive size"),
     (["--gbs", "8", "--gpu-mem", "lots"], "expected a size"),
     (["--gbs", "8", "--gpu", "a100-80"], "Did you mean 'a100-80gb'"),
-    (["--gbs", "8"], "give --gpu NAME"),
     # 16 GPUs: pp divides them and gpt2's 12 blocks bound it (1, 2, 4, 8), so dp is 16, 8, 4 or 2: 7 is none's multiple
     (["--gbs", "7", "--gpu", "a100-80gb", "--gpus-per-node", "16"], "--gbs 7: no layout can form it"),
     (["--gbs", "8", "--gpu", "a100-80gb", "--seq-len", "4096"], "exceeds gpt2's max_positions"),
@@ -94,6 +93,18 @@ def test_json_and_emit_config(tmp_path, capsys):
 def test_bad_input_exits_nonzero_with_a_clear_message(capsys, args, needle):
     code, _, err = run(capsys, "--model", "gpt2", *args)
     assert code != 0 and needle in err and "Traceback" not in err
+
+
+def test_without_gpu_and_gbs_it_plans_an_h100_and_one_sequence_per_gpu_and_says_so(capsys):
+    code, out, err = run(capsys, "--model", "gpt2", "--gpus", "2")
+    assert code == 0 and "assumed: --gpu h100-sxm, --gbs 2 (one sequence per GPU)" in err
+    assert "on 1 x 2 h100-sxm" in out and "gbs 2," in out
+
+
+def test_a_rotary_model_plans_past_its_positions_and_says_what_that_takes(capsys):
+    code, out, _ = run(capsys, "--model", "llama-3-8b", "--gpus", "1", "--seq-len", "524288", "--rows", "full")
+    assert "--seq-len 524288 is past llama-3-8b's 8192 positions: planned as a long-context variant" in out
+    assert code == 0 and "long sequences: tiled loss, tiled MLP, checkpoints in host memory" in out, out
 
 
 def test_v100_has_no_bf16():

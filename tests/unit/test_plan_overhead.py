@@ -94,7 +94,7 @@ def test_with_checkpointing_one_layer_is_recomputed_with_its_own_backward_transi
     recomputed; the planner had added the loss's peak on top of the recomputed block)."""
     from toolkit.plan.arch import load_arch
     from toolkit.plan.cost.layers import layer_costs, logits_bytes, mask_bytes
-    from toolkit.plan.layouts.estimate import tiled_loss_bytes
+    from toolkit.plan.layouts.long_sequences import tiled_loss_bytes
 
     arch = load_arch("llama-3.2-1b")
     req = PlanRequest(model="llama-3.2-1b", gbs=1, gpus_per_node=1, gpu="h100-sxm", seq_len=T, tiled_loss="on",
@@ -107,3 +107,25 @@ def test_with_checkpointing_one_layer_is_recomputed_with_its_own_backward_transi
                      head.act_bytes - logits_bytes(arch, T, 1, 2) + tiled_loss_bytes(T, V, arch.hidden, 2))
     assert block.backward_bytes == 2 * 2 * T * 8192
     assert got.activations == kept + mask_bytes(T, 1, "bf16") + recomputed
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_offloaded_checkpoints_leave_two_on_the_gpu_and_the_rest_in_host_memory(pp):
+    """--offload-activations (auto on a GPU from 1 GiB of a rank's checkpointed inputs): the checkpointed block
+    inputs move to host memory but the newest and the one brought back for its recompute; counted against the
+    host's memory, and said among the layout's long-sequence features."""
+    from toolkit.plan.arch import load_arch
+    from toolkit.plan.cost.layers import boundary_bytes
+    from toolkit.plan.layouts.estimate import stage_flights
+
+    arch, seq = load_arch("llama-3-8b"), 65536
+    lay = Layout(pp=pp, dp=1, zero=1, mbs=1, gas=pp, checkpointing=True)
+    plans = {mode: estimate_layout(PlanRequest(model="llama-3-8b", gbs=pp, gpus_per_node=pp, gpu="h100-sxm",
+                                               seq_len=seq, offload_activations=mode), lay) for mode in ("off", "auto")}
+    off, auto = plans["off"], plans["auto"]
+    held = off.activations - auto.activations  # what left the heaviest stage's GPU
+    layers = auto.parts[auto.stage + 1] - auto.parts[auto.stage]
+    flight = stage_flights(lay, pp)[auto.stage]  # 1F1B's buffers: DeepSpeed keeps at least 2 in a pipeline
+    assert held == auto.host_activations == (layers * flight - 2) * boundary_bytes(arch, seq, 1, "bf16")
+    assert "checkpoints in host memory" in auto.features and "checkpoints in host memory" not in off.features
+    assert off.host_activations == 0

@@ -20,10 +20,12 @@ def _size(ctx, param, value):
 @click.option("--revision", default="main", show_default=True, metavar="REV", help="Branch, tag or commit of a hub id in --model.")
 @click.option("--gpus-per-node", "--gpus", "gpus_per_node", type=int, default=8, show_default=True, metavar="N", help="GPUs in each node (--gpus: the same, for one node).")
 @click.option("--nodes", type=int, default=1, show_default=True, metavar="N", help="Nodes.")
-@click.option("--gpu", metavar="NAME", help=f"GPU preset: {', '.join(GPUS)} (h100 means h100-sxm).")
+@click.option("--gpu", metavar="NAME", help=f"GPU preset: {', '.join(GPUS)} (h100 means h100-sxm). Default: h100-sxm, "
+              "unless --gpu-mem describes another card.")
 @click.option("--gpu-mem", callback=_size, metavar="SIZE", help="Memory per GPU, e.g. 80GiB or 24GB (overrides the preset's).")
 @click.option("--seq-len", type=int, metavar="T", help="Tokens per sequence. Default: min(2048, the model's maximum).")
-@click.option("--gbs", type=int, required=True, metavar="N", help="Global batch: sequences per optimizer step.")
+@click.option("--gbs", type=int, metavar="N", help="Global batch: sequences per optimizer step. Default: one per GPU "
+              "(--gpus-per-node x --nodes).")
 @click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True, help="Training precision (bf16/fp16 keep fp32 master weights).")
 @click.option("--optimizer", type=click.Choice(["adam", "sgd"]), default="adam", show_default=True, help="Adam(W): 2 fp32 states per parameter; SGD: momentum.")
 @click.option("--tflops", type=float, metavar="X", help="Dense peak TFLOPs per GPU, > 0 (overrides the preset's).")
@@ -45,6 +47,9 @@ def _size(ctx, param, value):
               help="As dstk train's: each dense block's MLP through TiledMLP, counted with one shard's (tokens x "
               "intermediate) activations at the block's peak and none held, and one more MLP forward per block (auto: "
               "where a block's MLP would hold 1 GiB or more in rows longer than the hidden size).")
+@click.option("--offload-activations", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="As dstk train's: with activation checkpointing, the checkpointed block inputs in host memory but "
+              "two, counted against --host-mem (auto: where a GPU's would take 1 GiB or more per micro-batch).")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
 @click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
 @click.option("--lora", type=int, metavar="R", help="Plan LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights only: no gradients or optimizer states).")
@@ -59,12 +64,22 @@ def plan(as_json, emit_config, force, **kwargs):
 
     \b
     dstk plan --model llama-3.2-1b --gpu a100-80gb --gpus-per-node 8 --gbs 256
+    dstk plan --model llama-3-8b --seq-len 524288 --gpus 1 --rows full
     dstk plan --model gpt2 --gpu-mem 24GiB --gpus-per-node 2 --gbs 32 --seq-len 1024 --json
     dstk plan --model llama-2-7b --gpu l4 --gpus-per-node 2 --gbs 16 --seq-len 1024 --lora 16
     """
     from toolkit.plan.layouts.planner import PlanRequest, make_plan
     from toolkit.plan.layouts.report import layout_config, render_text
 
+    defaults = []
+    if kwargs["gpu"] is None and kwargs["gpu_mem"] is None:
+        kwargs["gpu"] = "h100-sxm"
+        defaults.append("--gpu h100-sxm")
+    if kwargs["gbs"] is None:
+        kwargs["gbs"] = kwargs["gpus_per_node"] * kwargs["nodes"] if kwargs["gpus_per_node"] > 0 < kwargs["nodes"] else 0
+        defaults.append(f"--gbs {kwargs['gbs']} (one sequence per GPU)")
+    if defaults and not as_json:
+        click.echo(f"assumed: {', '.join(defaults)}; give them to plan for another card or batch", err=True)
     result = make_plan(PlanRequest(**kwargs))
     if emit_config and result.fitting:
         from toolkit.config.generate import write_config

@@ -73,7 +73,7 @@ log-softmax's gradient and the logits' fp32 gradient at once (3 x 4*N*V), whatev
 10-12 x N*V bytes with bf16 logits, measured in tests/unit/test_costs.py. Tiled (dstk train --tiled-loss,
 models.tiled.loss): 4 fp32 (tile, V) tensors at once in its backward (the tile's logits, their log-softmax, its
 gradient, the logits' gradient) + e*N*h, the hidden states' gradient it fills
-(toolkit.plan.layouts.estimate.tiled_loss_bytes).
+(toolkit.plan.layouts.long_sequences.tiled_loss_bytes).
 Backward transient (backward_bytes, dense blocks): 2*e*N*I on top of what the block holds while its MLP's backward
 runs (the gradients of its intermediates; measured: 2.0 x for a gated MLP, 1.75 x for GPT-2's). One layer runs its
 backward at a time, so a stage adds the largest of its layers' transients once: the loss's peak when V is large,
@@ -91,7 +91,7 @@ rest in a row of its own, padded or packed with others).
 Under 1F1B, stage s of pp keeps min(pp - s, micro-batches) micro-batches in flight.
 TiledMLP (dstk train --tiled-mlp, models.tiled.mlp): a dense block holds none of its MLP's m*I per token, which
 DeepSpeed's TiledMLP recomputes in shards in the backward; the stage then peaks once at one shard's m*I per token
-and the (N, h) input gradient it fills (toolkit.plan.layouts.estimate.tiled_mlp_peak).
+and the (N, h) input gradient it fills (toolkit.plan.layouts.long_sequences.tiled_mlp_peak).
 """
 
 from dataclasses import dataclass
@@ -277,7 +277,7 @@ def check_shape(arch: Arch, seq_len: int, mbs: int) -> None:
     for flag, value in (("--seq-len", seq_len), ("--mbs", mbs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
-    if seq_len > arch.max_positions:
+    if seq_len > arch.max_positions and arch.learned_positions:  # a table of max_positions rows: none past it
         raise ConfigError(f"--seq-len {seq_len} exceeds {arch.name}'s max_positions ({arch.max_positions}); "
                           f"use --seq-len {arch.max_positions} or less")
 

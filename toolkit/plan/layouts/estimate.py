@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from toolkit.plan.memory.rank import activation_bytes, in_flight, in_flight_dualpipev, model_state_bytes
 from toolkit.plan.memory.overhead import Fixed, fixed_bytes
 from toolkit.plan.memory.precision import weight_bytes
+from toolkit.plan.layouts.long_sequences import (features, offloaded_checkpoints, tiled_loss_peak, tiled_mlp_flops,
+                                                 tiled_mlp_peak)
 from toolkit.plan.schedule import bubble_fraction
 
 CPU_ADAM = 1e9  # parameters per second DeepSpeedCPUAdam updates (order of magnitude, many cores)
@@ -115,6 +117,8 @@ class Estimate:
     stages: list = field(default_factory=list)  # StageFigures of every pipeline stage
     flops_parts: list | None = None  # the FLOPs-balanced split `parts` replaced to fit memory (None: it is that one)
     split_cost: float = 1.0  # the slowest stage's FLOPs over the FLOPs split's slowest (>= 1)
+    host_activations: int = 0  # checkpointed activations in host memory (--offload-activations), not in `activations`
+    features: tuple = ()  # dstk train's long-sequence features on for this layout (long_sequences.features)
 
     @property
     def allocated(self) -> int:
@@ -127,12 +131,12 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory <= self.capacity and self.states.cpu <= self.host_capacity
+        return self.memory <= self.capacity and self.states.cpu + self.host_activations <= self.host_capacity
 
     @property
     def excess(self) -> int:
         """Bytes over the GPU's (or the host's, for offload) capacity; <= 0 when it fits."""
-        return max(self.memory - self.capacity, self.states.cpu - self.host_capacity)
+        return max(self.memory - self.capacity, self.states.cpu + self.host_activations - self.host_capacity)
 
     @property
     def step_time(self) -> float:
@@ -143,6 +147,7 @@ class Estimate:
                 "memory_bytes": self.memory, "capacity_bytes": self.capacity, "heaviest_stage": self.stage,
                 "model_states": self.states.to_dict(), "activation_bytes": self.activations,
                 "zero3_working_bytes": self.working, "host_bytes": self.states.cpu,
+                "host_activation_bytes": self.host_activations, "long_sequence_features": list(self.features),
                 "loss_peak_bytes": self.loss_peak, "allocated_bytes": self.allocated,
                 "fixed_bytes": {"cuda_context": self.fixed.cuda_context, "nccl": self.fixed.nccl,
                                 "nccl_communicators": self.fixed.communicators},
@@ -181,6 +186,8 @@ class Model:
     # gradients: toolkit.plan.cost.layers.mlp_backward_bytes); None: none counted
     tiled_mlp: tuple | None = None  # (--tiled-mlp mode, hidden, intermediate, gated, per layer its dense MLP's
     # intermediates of one sequence, bytes): dstk train runs them through TiledMLP where models.tiled.mlp.choose says
+    offload: tuple | None = None  # (--offload-activations mode, the model's decoder blocks): dstk train moves the
+    # checkpointed inputs to host memory where models.tiled.offload.choose says (long_sequences.offloaded_checkpoints)
 
 
 @dataclass(frozen=True)
@@ -247,11 +254,12 @@ def stage_flights(lay: Layout, stages: int) -> list:
     return [in_flight(lay.pp, lay.gas, s) for s in range(stages)]
 
 
-def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) -> tuple[int, int]:
-    """(bytes, of which the loss's peak) of the activations a stage holding layers lo:hi keeps with `flight`
-    micro-batches in flight: theirs (or with checkpointing their inputs), the stage's attention mask per micro-batch,
-    and once the largest transient of one layer's backward (one runs at a time): the loss's peak on the head, a
-    dense block's MLP gradients (or its TiledMLP shard); with checkpointing on top of the one layer recomputed."""
+def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) -> tuple[int, int, int]:
+    """(bytes, of which the loss's peak, bytes in host memory) of the activations a stage holding layers lo:hi keeps
+    with `flight` micro-batches in flight: theirs (or with checkpointing their inputs, on the host under
+    --offload-activations but two), the stage's attention mask per micro-batch, and once the largest transient of one
+    layer's backward (one runs at a time): the loss's peak on the head, a dense block's MLP gradients (or its TiledMLP
+    shard); with checkpointing on top of the one layer recomputed."""
     # sp: a rank holds seq / sp tokens of every activation, and no attention mask (module doc)
     scale = lay.mbs / lay.sp
     per_layer = [a * scale for a in model.act[lo:hi]]
@@ -267,72 +275,14 @@ def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) 
         mlps = model.tiled_mlp[4][lo:hi]
         per_layer = [a - m * scale for a, m in zip(per_layer, mlps)]
         transient = [mlp_peak if m else t for t, m in zip(transient, mlps)]
+    host = 0
     if lay.checkpointing:  # each layer's input per micro-batch in flight; the layer recomputed with its transient
-        kept = model.boundary * scale * len(per_layer) * flight
+        kept, host = offloaded_checkpoints(model, lay, len(per_layer), flight)
         acts = kept + max((a + t for a, t in zip(per_layer, transient)), default=0)
     else:
         acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, None, [flight])[0] + max(transient, default=0)
     acts += (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
-    return int(acts), loss
-
-
-def tiled_loss_peak(model: Model, lay: Layout) -> int | None:
-    """The loss's peak when dstk train tiles it on this layout (--tiled-loss, models.tiled.loss.choose on a rank's
-    mbs x seq / sp tokens): tiled_loss_bytes; None when the loss is not tiled (DualPipeV's, ZeRO-3's, a classifier's)."""
-    from models.tiled.loss import choose
-
-    if model.head_loss is None or lay.schedule == "dualpipev" or lay.zero == 3:  # as dstk train: not tiled there
-        return None
-    vocab, mode, _ = model.head_loss
-    tokens = lay.mbs * model.tokens // lay.sp
-    if not choose(mode, tokens, vocab)[0]:
-        return None
-    hidden_bytes = model.boundary // model.tokens  # e * h: one token's hidden state
-    return tiled_loss_bytes(tokens, vocab, hidden_bytes, 1)
-
-
-def tiled_loss_bytes(tokens: int, vocab: int, hidden: int, e: int) -> int:
-    """What models.tiled.loss's backward allocates at its peak for `tokens` tokens (measured in
-    tests/unit/test_costs.py): per tile the fp32 logits, their log-softmax, its gradient and the logits' gradient
-    (4 fp32 (tile, V)), and the (tokens, hidden) gradient of the hidden states it fills (e bytes an element)."""
-    from models.tiled.loss import tile_tokens
-
-    return 4 * 4 * min(tokens, tile_tokens(vocab)) * vocab + e * tokens * hidden
-
-
-def tiled_mlp_peak(model: Model, lay: Layout, lo: int, hi: int) -> int:
-    """The peak of a stage holding layers lo:hi when dstk train tiles their MLPs (--tiled-mlp, models.tiled.mlp.choose
-    on a rank's mbs x seq / sp tokens): one shard's intermediates and the (tokens, h) input gradient TiledMLP fills;
-    0 when they are not tiled (tp > 1, no dense MLP on the stage)."""
-    from models.tiled.mlp import shards
-
-    if not mlp_tiled(model, lay) or not any(model.tiled_mlp[4][lo:hi]):
-        return 0
-    _, hidden, _, _, per_layer = model.tiled_mlp
-    tokens = lay.mbs * model.tokens // lay.sp
-    rows = -(-tokens // shards(tokens, hidden))  # the largest shard
-    return max(per_layer[lo:hi]) * rows // model.tokens + model.boundary // model.tokens * tokens
-
-
-def mlp_tiled(model: Model, lay: Layout) -> bool:
-    """Whether dstk train tiles the dense MLPs on this layout (models.tiled.mlp.choose on a rank's mbs x seq / sp
-    tokens, in the activations' dtype)."""
-    from models.tiled.mlp import choose
-
-    if model.tiled_mlp is None:
-        return False
-    mode, hidden, intermediate, gated, _ = model.tiled_mlp
-    e = model.boundary // (model.tokens * hidden)  # bytes per activation element
-    return choose(mode, lay.mbs * model.tokens // lay.sp, hidden, intermediate, e, gated, None,
-                  model.tokens // lay.sp)[0]
-
-
-def tiled_mlp_flops(model: Model, lay: Layout, lo: int, hi: int) -> float:
-    """FLOPs per sequence TiledMLP adds to layers lo:hi: each tiled MLP's forward once more, in the backward."""
-    if not mlp_tiled(model, lay):
-        return 0.0
-    _, hidden, intermediate, gated, per_layer = model.tiled_mlp
-    return sum(m > 0 for m in per_layer[lo:hi]) * (3 if gated else 2) * 2 * model.tokens * hidden * intermediate
+    return int(acts), loss, int(host)
 
 
 def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):
@@ -354,8 +304,8 @@ def stage_fits(model: Model, lay: Layout, hw: Hardware, precision: str, optimize
     def fits(stage, lo, hi):
         parts = [0] * stage + [lo, hi] + [n] * (lay.pp - stage - 1)  # stage s holds lo:hi
         states = rank_states(model, parts, [stage], lay, precision, optimizer)
-        acts, _ = stage_activations(model, lay, lo, hi, flights[stage])
-        return states.peak + acts <= spare and states.cpu <= hw.host_capacity
+        acts, _, host = stage_activations(model, lay, lo, hi, flights[stage])
+        return states.peak + acts <= spare and states.cpu + host <= hw.host_capacity
 
     return fits
 
@@ -364,7 +314,7 @@ def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str
     stages = len(parts) - 1
     flights = stage_flights(lay, stages)
     held_acts = [stage_activations(model, lay, parts[s], parts[s + 1], flights[s]) for s in range(stages)]
-    acts, peaks = [a for a, _ in held_acts], [p for _, p in held_acts]
+    acts, peaks, hosts = ([figures[i] for figures in held_acts] for i in range(3))
     totals = []
     for r, held in enumerate(rank_stages(lay)):
         states = rank_states(model, parts, held, lay, precision, optimizer)
@@ -378,7 +328,8 @@ def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str
     sends = 2 * model.boundary * lay.mbs * lay.gas * (2 if lay.schedule == "dualpipev" else 1) // lay.sp
     est = Estimate(lay, heaviest, parts, states, int(sum(acts[s] for s in held)), working, hw.capacity,
                    hw.host_capacity, bubble, 0, sends if lay.pp > 1 else 0,
-                   loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp))
+                   loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp),
+                   host_activations=sum(hosts[s] for s in held), features=features(model, lay, sum(hosts)))
     est.stages = _stage_figures(model, parts, lay, [t[0] + working + est.fixed.total for t in totals])
     _times(est, model, hw, precision)
     return est

@@ -28,7 +28,7 @@ as in full fine-tuning; activations are unchanged; the backward skips the frozen
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from toolkit.errors import ConfigError
 from toolkit.plan.lora import check_lora_rank, param_counts
@@ -66,6 +66,7 @@ class PlanRequest:
     revision: str = "main"  # of a hub id in `model`
     tiled_loss: str = "auto"  # dstk train --tiled-loss: the causal LM loss in tiles (models.tiled.loss)
     tiled_mlp: str = "auto"  # dstk train --tiled-mlp: the blocks' MLPs through TiledMLP (models.tiled.mlp)
+    offload_activations: str = "auto"  # dstk train --offload-activations: checkpoints to the host (models.tiled.offload)
     rows: str = "padded"  # the data's rows: "padded" (some padded or packed: sdpa and eager need a (seq x seq) mask)
     # or "full" (every row one document filling it: at pp 1 HF runs sdpa causal with no mask; eager still builds one)
 
@@ -83,6 +84,7 @@ class PlanResult:
     trainable: int = 0  # of which train: all, or LoRA's adapters
     active: int = 0  # of which one token's forward uses: all, or an MoE model's top-k experts per block
     tp_candidates: tuple = (1,)  # tensor-parallel sizes tried (toolkit.plan.tp.tp_candidates)
+    notes: list = field(default_factory=list)  # what the plan assumes that the model's config does not say
 
     @property
     def best(self) -> list:
@@ -105,7 +107,7 @@ class PlanResult:
                 "tp_candidates": self.tp_candidates, "layouts_considered": self.considered,
                 "layouts_fitting": len(self.fitting),
                 "best": [dict(e.to_dict(), reason=why) for e, why in zip(self.best, self.reasons)],
-                "closest": self.closest.to_dict() if self.closest else None}
+                "closest": self.closest.to_dict() if self.closest else None, "notes": list(self.notes)}
 
 
 def make_plan(req: PlanRequest) -> PlanResult:
@@ -124,6 +126,10 @@ def make_plan(req: PlanRequest) -> PlanResult:
     result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [], *param_counts(arch, req.lora))
     result.active = result.params - arch.inactive_params()
     result.tp_candidates = tuple(tps)
+    if seq > arch.max_positions:  # rotary (check_shape refuses learned positions past their table)
+        result.notes.append(f"--seq-len {seq} is past {arch.name}'s {arch.max_positions} positions: planned as a "
+                            f"long-context variant of it (config.json's max_position_embeddings, and its rope_scaling, "
+                            f"raised to {seq}); dstk train refuses a --seq-len past the model's positions")
     best = result.best
     result.reasons = [_reason(e, best, i) for i, e in enumerate(best)]
     return result
@@ -255,7 +261,7 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
         return Model(per_rank["params"], per_rank["tied"], per_rank["flops"], per_rank["fwd_flops"],
                      _held_logits(per_rank["act"], costs, arch, seq, req, pipeline), boundary, seq, tp_comm=comm,
                      tp_recompute=recompute, stage_act=stage_act, peak=per_rank["peak"],  # dense only: all active
-                     head_loss=_head_loss(arch, seq, req, pipeline),
+                     head_loss=_head_loss(arch, seq, req, pipeline), offload=(req.offload_activations, arch.layers),
                      backward=[c.backward_bytes / tp for c in costs])  # AutoTP shards the MLP's intermediate
     return Model([c.params for c in costs], [c.tied_params for c in costs], [c.flops for c in costs],
                  [c.fwd_flops for c in costs], _held_logits([c.act_bytes for c in costs], costs, arch, seq, req,
@@ -265,7 +271,7 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs),
                  head_loss=_head_loss(arch, seq, req, pipeline), tiled_mlp=_tiled_mlp(arch, costs, seq, req),
-                 backward=[c.backward_bytes for c in costs])
+                 backward=[c.backward_bytes for c in costs], offload=(req.offload_activations, arch.layers))
 
 
 def _tiled_mlp(arch, costs, seq: int, req) -> tuple:

@@ -18,7 +18,7 @@ def render_text(result: PlanResult) -> str:
              f"{result.gpu.name} ({fb(result.gpu.memory)} each, "
              f"{fb(usable)} usable after a {r.reserve:.0%} reserve for allocator fragmentation); seq {result.seq_len}, "
              f"gbs {r.gbs}, {r.precision}",
-             f"{result.considered} layouts considered, {len(result.fitting)} fit."]
+             f"{result.considered} layouts considered, {len(result.fitting)} fit.", *result.notes]
     if r.lora:
         lines.insert(1, f"LoRA r={r.lora} on every block linear: {result.trainable:,} trainable of {result.params:,} "
                         f"parameters ({result.trainable / result.params:.2%}); the frozen base holds weights only "
@@ -30,8 +30,9 @@ def render_text(result: PlanResult) -> str:
         over = []
         if e.memory > e.capacity:
             over.append(f"GPU memory by {fb(e.memory - e.capacity)} ({e.memory / e.capacity:.0%} of usable)")
-        if e.states.cpu > e.host_capacity:
-            over.append(f"host memory by {fb(e.states.cpu - e.host_capacity)} (offloaded {fb(e.states.cpu)} "
+        host = e.states.cpu + e.host_activations
+        if host > e.host_capacity:
+            over.append(f"host memory by {fb(host - e.host_capacity)} (offloaded {fb(host)} "
                         f"per GPU, --host-mem gives {fb(e.host_capacity)} per GPU)")
         lines += ["", "Nothing fits. Closest:"] + _describe(e, "  ") + [
             f"   exceeds {' and '.join(over)}; use more or larger GPUs, a shorter --seq-len, or a smaller model"]
@@ -52,8 +53,9 @@ def _describe(e: Estimate, label: str) -> list:
     working = f", ZeRO-3 gathered layers {fb(e.working)}" if e.working else ""
     memory = (f"   memory/GPU {fb(e.memory)}{stage}: model states {fb(s.peak)} ({states}), "
               f"activations {fb(e.activations)}{loss}{working}{fixed}")
-    if s.cpu:
-        memory += f"; host {fb(s.cpu)} offloaded"
+    if s.cpu or e.host_activations:
+        memory += f"; host {fb(s.cpu + e.host_activations)} offloaded"
+        memory += f" (checkpointed activations {fb(e.host_activations)})" if e.host_activations else ""
     comm = (f"   bubble {e.bubble:.1%}, dp comm {fb(e.dp_comm_bytes)}/step/GPU, "
             f"pipeline send/recv {fb(e.pp_comm_bytes)}/step/boundary"
             + (" (DualPipeV: out and back, 2x 1F1B's)" if e.layout.schedule == "dualpipev" else ""))
@@ -63,7 +65,8 @@ def _describe(e: Estimate, label: str) -> list:
     split = textwrap.wrap(f"split {e.parts}, not the FLOPs-balanced {e.flops_parts} whose heaviest stage does not "
                           f"fit: its slowest stage computes {e.split_cost - 1:.1%} more", 116, initial_indent="   ",
                           subsequent_indent="     ") if e.flops_parts else []
-    return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})",
+    long = [f"   long sequences: {', '.join(e.features)} (dstk train's auto choices)"] if e.features else []
+    return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})", *long,
             *_stage_lines(e), *split]
 
 
