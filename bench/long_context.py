@@ -154,7 +154,8 @@ def predicted_activations(model: Path, sp: int, length: int, row: Row = ROWS[0])
 
     result = make_plan(PlanRequest(model=str(model), gpus_per_node=sp, gbs=1, seq_len=length, precision="fp32",
                                    gpu_mem=2**50, tflops=1.0, checkpointing=row.checkpointing, offload=False,
-                                   tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp))
+                                   tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp,
+                                   offload_activations="off"))  # on a CPU host memory is the device's: no saving
     return next(e.activations for e in result.fitting if (e.layout.pp, e.layout.sp, e.layout.zero, e.layout.tp,
                                                             e.layout.checkpointing) == (1, sp, 1, 1, row.checkpointing))
 
@@ -281,19 +282,28 @@ def alst_comparison(tmp: Path) -> list:
               "intermediate_size": arch.intermediate, "vocab_size": arch.vocab, "max_position_embeddings": arch.max_positions,
               "tie_word_embeddings": False, "architectures": ["LlamaForCausalLM"]}
     (folder / "config.json").write_text(json.dumps(config))
+    def plan(gpus: int, length: int):  # ALST's rows: whole documents (no mask at pp 1)
+        return make_plan(PlanRequest(model=str(folder), gpus_per_node=gpus, gpu="h100", gbs=1, seq_len=length,
+                                     rows="full"))
+
     rows = []
     for gpus, alst in ((1, 500_000), (8, 3_700_000)):
-        best, short, length = None, None, 16384
-        while length <= 4 * 2**20:
-            result = make_plan(PlanRequest(model=str(folder), gpus_per_node=gpus, gpu="h100", gbs=1, seq_len=length))
-            if not result.fitting:  # the least memory there, and what of it is the loss's peak (the logits)
-                short = {"length": length, "memory_gib": result.closest.memory / GiB,
-                         "activations_gib": result.closest.activations / GiB,
-                         "loss_peak_gib": result.closest.loss_peak / GiB, "layout": str(result.closest.layout)}
-                break
-            best = {"length": length, "layout": str(result.fitting[0].layout),
-                    "memory_gib": result.fitting[0].memory / GiB}  # fastest first
-            length *= 2
+        fits, length = 0, 16384
+        while length <= 4 * 2**20 and plan(gpus, length).fitting:  # powers of two, then halves of the gap
+            fits, length = length, 2 * length
+        for _ in range(4 if fits and length <= 4 * 2**20 else 0):
+            middle = (fits + length) // 2 // 16384 * 16384
+            fits, length = (middle, length) if plan(gpus, middle).fitting else (fits, middle)
+        best = None
+        if fits:
+            chosen = plan(gpus, fits).fitting[0]  # fastest first
+            best = {"length": fits, "layout": chosen.layout.describe(), "memory_gib": chosen.memory / GiB,
+                    "features": list(chosen.features), "host_activations_gib": chosen.host_activations / GiB}
+        short = None
+        if length <= 4 * 2**20:  # the least memory at the first length that does not fit, and the loss's peak there
+            closest = plan(gpus, length).closest
+            short = {"length": length, "memory_gib": closest.memory / GiB, "activations_gib": closest.activations / GiB,
+                     "loss_peak_gib": closest.loss_peak / GiB, "layout": closest.layout.describe()}
         rows.append({"gpus": gpus, "alst_tokens": alst, "dstk_planned": best, "next_length": short})
     return rows
 

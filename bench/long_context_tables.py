@@ -70,18 +70,23 @@ def markdown(meta: dict, rows: list, speed: list, alst: list) -> list:
 
 
 def alst_lines(alst: list) -> list:
-    lines = ["", "ALST (arXiv 2506.13996) against dstk's GPU path as `dstk plan` sizes it (Llama-3.1-8B, H100 80GB, "
-             "bf16, any layout it plans (sp included), activation checkpointing and offload allowed):", "",
-             "| GPUs | ALST measured | dstk, planner's longest | its layout | twice that needs (least-memory layout) | "
-             "of which the loss's peak |", "|---|---|---|---|---|---|"]
+    lines = ["", "ALST (arXiv 2506.13996) against dstk's GPU path as `dstk plan` sizes it (Llama-3.1-8B with 4M "
+             "positions, H100 80GB, bf16, gbs 1, rows of one whole document (`--rows full`), any layout it plans (sp "
+             "included), activation checkpointing and offload allowed; lengths in steps of 16K):", "",
+             "| GPUs | ALST measured | dstk, planner's longest | its layout | long-sequence features (checkpoints on the "
+             "host) | the next length needs (least-memory layout) | of which the loss's peak |",
+             "|---|---|---|---|---|---|---|"]
     for r in alst:
         best, short = r["dstk_planned"], r["next_length"]
         lines.append(f"| {r['gpus']} | {r['alst_tokens'] / 1e6:.1f}M | "
-                     + (f"{best['length'] / 2**10:.0f}K ({best['memory_gib']:.0f} GiB) | {best['layout']} | " if best
-                        else "none fits at 16K | | ")
-                     + (f"{short['memory_gib']:.0f} GiB | {short['loss_peak_gib']:.0f} GiB |" if short else "- | - |"))
+                     + (f"{best['length'] / 2**10:.0f}K ({best['memory_gib']:.0f} GiB) | {best['layout']} | "
+                        f"{', '.join(best['features'])} ({best['host_activations_gib']:.0f} GiB) | " if best
+                        else "none fits at 16K | | | ")
+                     + (f"{short['length'] / 2**10:.0f}K: {short['memory_gib']:.0f} GiB | {short['loss_peak_gib']:.0f} "
+                        "GiB |" if short else "- | - |"))
     return lines + ["", "The planner counts dstk train's defaults: the tiled loss (--tiled-loss auto, "
-                    "models.tiled.loss: three tiles of logits at the loss's peak instead of (seq / sp) x vocab logits "
-                    "in fp32 and their softmax; bench/tiled_loss.py measures it) and DeepSpeed's TiledMLP (--tiled-mlp "
-                    "auto, models.tiled.mlp: one shard's MLP intermediates). ALST also offloads checkpointed "
-                    "activations to the host, which dstk does not do yet."]
+                    "models.tiled.loss: four fp32 tiles at the loss's peak instead of (seq / sp) x vocab logits in fp32 "
+                    "and their softmax; bench/tiled_loss.py measures it), DeepSpeed's TiledMLP (--tiled-mlp auto, "
+                    "models.tiled.mlp: one shard's MLP intermediates) and the checkpointed block inputs in host memory "
+                    "but two (--offload-activations auto: on a GPU from 1 GiB per micro-batch; not measurable on this "
+                    "CPU machine, where host memory is the device's)."]

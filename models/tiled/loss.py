@@ -23,7 +23,7 @@ import functools
 import types
 
 IGNORE = -100  # the labels the loss skips (HF's and torch's convention)
-TILE_BYTES = 64 * 2**20  # fp32 logits of one tile; with their softmax and gradient about 3x this at the peak
+TILE_BYTES = 64 * 2**20  # fp32 logits of one tile; with their log-softmax and both gradients 4x this at the peak
 MIN_TILE = 256  # tokens: smaller tiles would starve the head's matmul
 
 
