@@ -39,14 +39,15 @@ def test_the_planner_prediction_halves_with_sp_and_drops_the_mask(tmp_path):
 
 def test_each_row_adds_a_feature_the_planner_counts(tmp_path):
     """At 16384 tokens under sp 2 with a 32000-token vocabulary every row's feature takes activations off the row
-    before it, and the defaults tile the loss there (a rank's logits pass --tiled-loss auto's 512 MiB)."""
+    before it (or none, the tiled MLP's, where the head's recompute is the peak), and the defaults tile the loss there (a rank's logits pass --tiled-loss auto's 512 MiB)."""
     model = _config(tmp_path, bench.VOCAB)
     rows = {row.name: row for row in bench.ROWS}
     share = {name: bench.predicted_share(model, 2, 16384, row) for name, row in rows.items()}
-    assert share["baseline"] > share["+ checkpointing"] > 5 * share["+ tiled loss"] > 5 * share["+ tiled MLP"]
+    # with checkpointing the stage peaks at the head's recompute (the tiled loss's tiles), not at a block's MLP
+    assert share["baseline"] > share["+ checkpointing"] > 5 * share["+ tiled loss"] >= 5 * share["+ tiled MLP"]
     assert share["all (defaults)"] == share["+ tiled loss"]
     longest = {name: bench.predicted_longest(model, 2, row, 256, bisect=False) for name, row in rows.items()}
-    assert longest["baseline"] < longest["+ tiled loss"] < longest["+ tiled MLP"]
+    assert longest["baseline"] < longest["+ tiled loss"] <= longest["+ tiled MLP"]
 
 
 def _search(tmp_path, mib_per_token: float, **options) -> tuple:
