@@ -72,7 +72,7 @@ def markdown(meta: dict, rows: list, speed: list, alst: list) -> list:
 def alst_lines(alst: list) -> list:
     lines = ["", "ALST (arXiv 2506.13996) against dstk's GPU path as `dstk plan` sizes it (Llama-3.1-8B with 4M "
              "positions, H100 80GB, bf16, gbs 1, rows of one whole document (`--rows full`), any layout it plans (sp "
-             "included), activation checkpointing and offload allowed; lengths in steps of 16K):", "",
+             "included), activation checkpointing and offload allowed; lengths: powers of two from 16K, then the gap to the first that does not fit halved 4 times):", "",
              "| GPUs | ALST measured | dstk, planner's longest | its layout | long-sequence features (checkpoints on the "
              "host) | the next length needs (least-memory layout) | of which the loss's peak |",
              "|---|---|---|---|---|---|---|"]
