@@ -105,7 +105,7 @@ step() {  # step NAME COMMAND...: run it, say how it went, remember it for gpu.j
     return "$rc"
 }
 
-step plan_gpu.py timeout -k 10 "${PLAN_GPU_TIMEOUT:-180}" "$PY" bench/plan_gpu.py
+step plan_gpu.py timeout -k 10 "${PLAN_GPU_TIMEOUT:-240}" "$PY" bench/plan_gpu.py
 budget=$(( budget_total - (SECONDS - start) - 15 ))  # 15 s: report.py and the end
 # gpu_finetune.py stops the case running at its deadline (SIGTERM, SIGKILL 30 s later); timeout is the backstop
 step gpu_finetune.py timeout -k 10 $(( budget > 0 ? budget + 45 : 45 )) "$PY" bench/gpu_finetune.py "${steps[@]}" \

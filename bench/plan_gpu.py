@@ -14,7 +14,8 @@ Long-sequence cases (LONG_CASES): llama-3.2-1b's widths with a few blocks, one r
 document filling it: no mask, rows="full"), bf16, ZeRO-1, activation checkpointing, dstk's tiled loss and TiledMLP,
 all through dstk's own code paths as toolkit.train.engine applies them at pp 1 (HF's gradient checkpointing,
 models.tiled.loss.patch_causal_lm, models.tiled.mlp.patch_mlps, models.attention.model_inputs); the estimate is the
-same layout with checkpointing, --tiled-loss on and --tiled-mlp on. `--dry-run` prints every case's estimate
+same layout with checkpointing, --tiled-loss on and --tiled-mlp on (and --offload-activations on for the case that
+offloads the checkpoints, next to the same case without). `--dry-run` prints every case's estimate
 without CUDA (what CI checks on CPU).
 """
 
@@ -26,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CASES = [("gpt2", 1024, 4, 0), ("gpt2", 1024, 4, 1), ("llama-3.2-1b", 2048, 2, 0), ("llama-3.2-1b", 2048, 2, 1)]
-LONG_CASES = [("llama-3.2-1b", 4, 16384), ("llama-3.2-1b", 4, 32768)]  # (widths of, blocks, tokens): mbs 1, ZeRO-1
+LONG_CASES = [("llama-3.2-1b", 4, 16384, False), ("llama-3.2-1b", 4, 32768, False),  # (widths of, blocks, tokens,
+               ("llama-3.2-1b", 8, 32768, False), ("llama-3.2-1b", 8, 32768, True)]  # checkpoints offloaded): mbs 1
 
 
 def measure(name: str, seq: int, mbs: int, zero: int) -> int:
@@ -72,9 +74,13 @@ def long_config(name: str, blocks: int):
     return config
 
 
-def measure_long(name: str, blocks: int, seq: int) -> int:
+def measure_long(name: str, blocks: int, seq: int, offload: bool = False) -> int:
     """Peak bytes allocated over 3 training steps of one `seq`-token row (one document) under DeepSpeed ZeRO-1,
-    bf16, with checkpointing, the tiled loss and TiledMLP applied as toolkit.train.engine does at pp 1."""
+    bf16, with checkpointing, the tiled loss and TiledMLP applied as toolkit.train.engine does at pp 1; `offload`:
+    each step's forward and backward inside models.tiled.offload.host_offload (--offload-activations on), as
+    toolkit.train.loop does."""
+    import contextlib
+
     import deepspeed
     import torch
     import transformers
@@ -83,6 +89,7 @@ def measure_long(name: str, blocks: int, seq: int) -> int:
     from models.generic import LogitTransform
     from models.tiled.loss import patch_causal_lm
     from models.tiled.mlp import patch_mlps, widths
+    from models.tiled.offload import host_offload
 
     config = long_config(name, blocks)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).train()
@@ -101,7 +108,8 @@ def measure_long(name: str, blocks: int, seq: int) -> int:
         inputs = {k: v.to(engine.device) if torch.is_tensor(v) else v
                   for k, v in model_inputs(torch.ones_like(ids), model.config).items()}
         ids = ids.to(engine.device)
-        engine.backward(engine(input_ids=ids, labels=ids, **inputs).loss)
+        with host_offload() if offload else contextlib.nullcontext():
+            engine.backward(engine(input_ids=ids, labels=ids, **inputs).loss)
         engine.step()
     peak = torch.cuda.max_memory_allocated() - before
     engine.destroy()
@@ -113,7 +121,7 @@ def measure_long(name: str, blocks: int, seq: int) -> int:
     return peak
 
 
-def predict_long(name: str, blocks: int, seq: int, gpu: str) -> int:
+def predict_long(name: str, blocks: int, seq: int, offload: bool, gpu: str) -> int:
     """The planner's allocated bytes for measure_long's run (its config saved to a temporary directory)."""
     import tempfile
 
@@ -123,7 +131,7 @@ def predict_long(name: str, blocks: int, seq: int, gpu: str) -> int:
     with tempfile.TemporaryDirectory(prefix="dstk-plan-gpu-") as folder:
         long_config(name, blocks).save_pretrained(folder)
         req = PlanRequest(model=folder, gbs=1, gpus_per_node=1, gpu=gpu, seq_len=seq, precision="bf16", rows="full",
-                          tiled_loss="on", tiled_mlp="on")
+                          tiled_loss="on", tiled_mlp="on", offload_activations="on" if offload else "off")
         return estimate_layout(req, Layout(pp=1, dp=1, zero=1, mbs=1, gas=1, checkpointing=True)).allocated
 
 
@@ -144,8 +152,9 @@ def main() -> int:
     cases = [({"model": name, "seq_len": seq, "mbs": mbs, "zero": zero}, (measure, (name, seq, mbs, zero)),
               (predict, (name, seq, mbs, zero, opts.gpu))) for name, seq, mbs, zero in CASES]
     cases += [({"model": f"{name} widths, {blocks} blocks", "seq_len": seq, "mbs": 1, "zero": 1,
-                "long": "checkpointing, tiled loss, TiledMLP"}, (measure_long, (name, blocks, seq)),
-               (predict_long, (name, blocks, seq, opts.gpu))) for name, blocks, seq in LONG_CASES]
+                "long": "checkpointing, tiled loss, TiledMLP" + (", checkpoints offloaded" if offload else "")},
+               (measure_long, (name, blocks, seq, offload)), (predict_long, (name, blocks, seq, offload, opts.gpu)))
+              for name, blocks, seq, offload in LONG_CASES]
     if opts.dry_run:
         for row, _, (fn, fn_args) in cases:
             print(f"{row['model']:30} seq {row['seq_len']} mbs {row['mbs']} zero {row['zero']}: predicted "
