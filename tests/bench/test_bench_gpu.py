@@ -428,12 +428,15 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
 def test_plan_gpus_dry_run_estimates_every_case_the_long_ones_tiled(monkeypatch, capsys):
     """bench/plan_gpu.py --dry-run on CPU: an estimate per case; the long-sequence cases (checkpointing, the tiled
     loss and TiledMLP, one whole row) grow by less than the tokens from 16K to 32K (kept inputs and one recomputed
-    block's shards, not every block's intermediates)."""
+    block's shards, not every block's intermediates); the case offloading the checkpoints predicts all but two of them
+off the GPU."""
     import plan_gpu
 
     monkeypatch.setattr(sys, "argv", ["plan_gpu.py", "--dry-run"])
     assert plan_gpu.main() == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == len(plan_gpu.CASES) + len(plan_gpu.LONG_CASES) and all("predicted" in x for x in lines)
-    short, long = (plan_gpu.predict_long("llama-3.2-1b", 4, seq, "h100-sxm") for seq in (16384, 32768))
+    short, long = (plan_gpu.predict_long("llama-3.2-1b", 4, seq, False, "h100-sxm") for seq in (16384, 32768))
     assert short < long < 2 * short
+    kept, offloaded = (plan_gpu.predict_long("llama-3.2-1b", 8, 32768, offload, "h100-sxm") for offload in (False, True))
+    assert kept - offloaded == 9 * 32768 * 2048 * 2  # the 11 layers' inputs (embedding, 8 blocks, norm, head) but two
