@@ -136,4 +136,8 @@ def shard_stage_experts(module, spec, hf_names: list, section: dict, pp: int) ->
         routers = getattr(layer, "routers", None)
         for sub in (layer.modules() if routers is not None else ()):
             if type(sub).__name__ == "AutoEPMoELayer":
+                if sub.return_router_logits:  # its forward calls the gate a second time (auto_ep_layer.py:908-912)
+                    raise ConfigError(f"{spec.config.model_type}: AutoEP's layer returns router logits to its block "
+                                      "(an older MoE forward), which dstk's pipeline aux loss does not read; set "
+                                      "output_router_logits false in config.json, or train it at pp 1")
                 routers.watch(sub.router.gate)
