@@ -14,6 +14,9 @@ passes), anything else is transformers' model (what transformers passes). The ke
 so nothing either side stores changes.
 """
 
+import contextlib
+import logging
+
 
 def allow_string_keys() -> None:
     """Let transformers' output-capture registry take DeepSpeed's class-name keys too (idempotent; a no-op where
@@ -37,3 +40,46 @@ def allow_string_keys() -> None:
                 super().__setitem__(key, value)
 
     registry.__class__ = StringKeys
+
+
+def replace_stage_experts(holder, config, section: dict, pp: int) -> list:
+    """Expert parallelism inside pipeline stages: AutoEP's replacement, done by dstk where DeepSpeed's engine would
+    do it at pp 1 (runtime/engine.py:816-913 `_configure_expert_parallel`), on one stage's MoE blocks; returns the
+    AutoEPMoELayers put in place. holder: the stage's blocks under their HF names (toolkit.distributed.
+    tensor_parallel.stage_holder), so the presets' re.fullmatch of model.layers.N.mlp (auto_ep.py:429) finds them.
+
+    The groups come first, on every rank in the same order (new_group is collective): DeepSpeed's own
+    `_create_expert_and_data_parallel` (utils/groups.py:370-471) told pp, which cuts the world into pp runs of
+    world / pp ranks, the stages of DeepSpeed's pipe-major grid, and inside each: ep groups of ep consecutive ranks,
+    expert-data groups of the ranks ep apart (:433-438). The engine later finds the AutoEPMoELayers
+    (engine.py:2097-2106: has_moe_layers), binds them to these groups (set_deepspeed_parallelism, auto_ep_layer.py:
+    789: the group exists, nothing is made again) and reduces expert gradients over the expert-data group."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_post_detection
+    from deepspeed.utils import groups, logger
+    import deepspeed.comm as dist
+
+    autoep = parse_autoep_config(section)
+    ep = autoep.autoep_size
+    groups._create_expert_and_data_parallel(expert_parallel_size_=ep, mp_size=1, pp_size=pp, mp_mode="sp")
+    ep_rank = dist.get_rank(group=groups._get_expert_parallel_group(f"ep_size_{ep}"))
+    holder.config = config  # AutoEP reads num_experts, top_k and the model type from model.config (auto_ep.py:415)
+    replacer = AutoEP(holder, autoep)
+    specs = replacer.ep_parser()  # [] on a stage without blocks (the embedding or head alone)
+    if specs:
+        validate_autoep_post_detection(autoep, specs)
+        with _quiet(logger):  # its HF recorder retarget looks for a model class the holder is not, and warns;
+            replacer.replace_moe_layers(specs, ep_size=ep, ep_rank=ep_rank)  # dstk watches the gates (models.moe)
+    del holder.config
+    return [holder.get_submodule(s.moe_module_name) for s in specs]
+
+
+@contextlib.contextmanager
+def _quiet(logger):
+    """`logger` at ERROR for the block (its warnings dropped), its own level after."""
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

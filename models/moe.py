@@ -134,7 +134,12 @@ class RouterCapture:
         self.aux, self.seen = aux, []
         for module in layer.modules():
             if isinstance(module, aux.router_class):
-                module.register_forward_hook(self._hook)
+                self.watch(module)
+
+    def watch(self, module) -> None:
+        """Record `module`'s output (the router logits (N, E), or a tuple holding them at aux.index) in each forward:
+        AutoEP's router gate when it replaces the block's router (models.autoep)."""
+        module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         if not isinstance(output, tuple):

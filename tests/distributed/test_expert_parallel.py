@@ -4,8 +4,10 @@ on CPU ranks forked from the warm rank server (gloo), fp32.
 `dstk train` at pp 1: a tiny Mixtral saved by transformers (4 experts per block, top-2, the router aux loss on at
 coef 0.5), 2 ranks at ep 2 (each holds 2 of every block's 4 experts; tokens reach their experts by all-to-all) give
 one process's losses and gradient norms step by step (ZeRO-1); the eval loss is that of 2 ranks without ep (the
-eval rows split over dp). DeepSpeed writes one file per expert. Heavy: the same for qwen3_moe, and dp 2 x ep 2
-(4 ranks); a run resumed from its step 2 continues its losses. Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
+eval rows split over dp). DeepSpeed writes one file per expert. Inside pipeline stages: pp 2 x dp 2 x ep 2 on 4 ranks
+gives the same losses and norms (dstk replaces the stages' blocks itself). Heavy: the same for qwen3_moe, dp 2 x ep 2
+(4 ranks), pp 2 x dp 4 x ep 2 (8 ranks) and qwen3_moe at pp 2 x ep 2; runs resumed from their step 2 (pp 1 and
+pp 2) continue their losses. Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
 against one process without AutoEP.
 """
 
@@ -26,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS, SEQ = 3, 64
 RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes every run's global batch 8 rows
     "ref": (1, 0, "mixtral"), "ep2": (2, 2, "mixtral"), "dp2": (2, 0, "mixtral"),
-    "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral")}
+    "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral"),
+    "pp2_ep2": (4, 2, "mixtral"), "pp2_dp4_ep2": (8, 2, "mixtral"), "qwen_pp2_ep2": (4, 2, "qwen3_moe")}
+PP = {"pp2_ep2": 2, "pp2_dp4_ep2": 2, "qwen_pp2_ep2": 2}  # pipeline stages (else 1); per stage: dp / ep ep groups, ep expert-data groups
 
 
 class Runs(LazyRuns):
@@ -39,7 +43,8 @@ class Runs(LazyRuns):
             resumed_from(self / name.removesuffix("_resumed"), 2, self.tmp / name)
             resume = ["--resume"]
         procs, ep, model = RUNS[name.removesuffix("_resumed")]
-        cfg = run_config(2, 4 // procs if procs < 4 else 1, 1, clip=1.0)
+        pp = PP.get(name.removesuffix("_resumed"), 1)
+        cfg = run_config(2, 4 * pp // procs, pp, clip=1.0)
         cfg["zero_optimization"] = {"stage": 1}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
         if ep:
             cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model}
@@ -121,5 +126,22 @@ def test_deepspeeds_autoep_alone_gives_one_process_losses(tmp_path, zero):
 
 
 @pytest.mark.heavy
-def test_an_ep_run_resumes_on_its_layout(runs):
-    assert_close(metrics(runs / "ep2_resumed")[0], metrics(runs / "ep2")[0], tol=1e-6)
+@pytest.mark.parametrize("run", ["ep2", "pp2_ep2"])
+def test_an_ep_run_resumes_on_its_layout(runs, run):
+    assert_close(metrics(runs / f"{run}_resumed")[0], metrics(runs / run)[0], tol=1e-6)
+
+
+@pytest.mark.parametrize("run,ref_run", [("pp2_ep2", "ref"), pytest.param("pp2_dp4_ep2", "ref", marks=pytest.mark.heavy),
+                                         pytest.param("qwen_pp2_ep2", "qwen_ref", marks=pytest.mark.heavy)])
+def test_ep_inside_pipeline_stages_trains_as_one_process_does(runs, run, ref_run):
+    """pp 2 x dp 2 x ep 2 on 4 ranks: dstk replaces each stage's MoE blocks by AutoEP's layers itself (toolkit.
+    distributed.tensor_parallel.shard_stage_experts) over the stage's ep group; the router aux loss is carried
+    between the stages from AutoEP's router gates. Heavy: pp 2 x dp 4 x ep 2 on 8 ranks, where each expert lives on
+    2 ranks of a stage and its gradient is averaged over that expert-data group (1 rank each at dp 2)."""
+    (loss, norm, evaluated), (want_loss, want_norm, _) = metrics(runs / run), metrics(runs / ref_run)
+    assert_close(loss, want_loss, tol=1e-4)
+    assert_close(norm, want_norm, tol=1e-4)  # experts' norms over their expert-data group, stages' over pp (ZeRO-1)
+    if run == "pp2_ep2":  # the eval rows split over dp 2, as in the 2-rank run without ep
+        assert abs(evaluated - metrics(runs / "dp2")[2]) <= 1e-5 * evaluated
+    assert summary(runs / run)["run"]["params"] == summary(runs / ref_run)["run"]["params"]  # every expert counted
+    assert "experts: ep 2 (DeepSpeed AutoEP)" in (runs.tmp / f"{run}.log").read_text()

@@ -1,5 +1,5 @@
 """`dstk train --check` (toolkit.train.runner.check, before any rank starts) refuses what dstk train does not
-combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run with --no-export passes. The runs that train:
+combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 or pp 2 run with --no-export passes. The runs that train:
 tests/distributed/test_expert_parallel.py."""
 
 import json
@@ -22,12 +22,12 @@ def check_with(tmp_path, changes: dict, world: int = 2, **flags):
     check(args, world)
 
 
-def test_ep_at_pp1_without_export_passes_the_checks(tmp_path):
-    check_with(tmp_path, {})
+@pytest.mark.parametrize("changes,world", [({}, 2), ({"pipeline": {"stages": 2}}, 4)])
+def test_ep_at_pp1_and_inside_pipeline_stages_without_export_passes_the_checks(tmp_path, changes, world):
+    check_with(tmp_path, changes, world)
 
 
 @pytest.mark.parametrize("changes,world,flags,words", [
-    ({"pipeline": {"stages": 2}}, 4, {}, "pp 2 with \"expert_parallel\" (ep 2): dstk's pipeline stages"),
     ({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4}, 4, {"schedule": "dualpipev"},
      "--schedule dualpipev with \"expert_parallel\""),
     ({"tensor_parallel": {"autotp_size": 2}}, 4, {}, '"autotp_size" 2 with "expert_parallel" (ep 2)'),

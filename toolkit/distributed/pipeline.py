@@ -109,6 +109,10 @@ def _finish_on_host(module, spec, record: dict, cfg: dict, plan, tp: int) -> Non
         from toolkit.distributed.tensor_parallel import shard_stage
 
         module.dstk_tp_info = shard_stage(module, spec, record["hf_names"], spec.config, plan, tp)
+    if (cfg.get("expert_parallel") or {}).get("enabled") is True:
+        from toolkit.distributed.tensor_parallel import shard_stage_experts
+
+        shard_stage_experts(module, spec, record["hf_names"], cfg["expert_parallel"], record["pp"])
 
 
 def _topology(topo):

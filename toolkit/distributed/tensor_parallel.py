@@ -16,6 +16,10 @@ offer, and what this module combines:
   norms, embedding, head) is identical on a stage's tp ranks; the engine is told nothing of tp (its
   config goes without "tensor_parallel").
 
+Expert parallelism inside stages (pp x dp x ep) is built the same way: AutoEP's replacement (module_inject/
+auto_ep.py) run by dstk on the stage's blocks under their HF names, over DeepSpeed's own ep groups made with the
+pipeline's pp (shard_stage_experts, models.autoep); the engine's config goes without "expert_parallel".
+
 The embedding, final norm and head stay whole on every tp rank (a tied embedding stays a pipeline
 tied layer). Gradient norms count a sharded tensor on every tp rank and a replicated one on tp rank 0
 (models.pipeline marks which; DeepSpeed sums the norm over the pipe x tp group).
@@ -63,12 +67,7 @@ def shard_stage(module, spec, hf_names: list, config, plan, tp: int) -> dict:
     from deepspeed.module_inject.layers import collect_autotp_universal_checkpoint_info
     from torch import nn
 
-    holder = nn.Module()
-    for index in range(module._local_start, module._local_stop):
-        if spec.kinds[index] == "block":
-            for hf_name in spec.hf_names[index]:
-                _attach(holder, hf_name, _local_module(module.forward_funcs[index - module._local_start], hf_name,
-                                                            hf_names[index]))
+    holder = stage_holder(module, spec, hf_names)
     set_autotp_mode(training=True)  # AutoTP's layers train (gradients, their backward collectives)
     autotp = AutoTP(module=holder, all_reduce_linears=(), prefix="", state_dict=None,
                     linear_layer_setting=(nn.Linear, nn.Embedding), orig_layer_impl=None, keep_module_on_host=False,
@@ -84,6 +83,21 @@ def shard_stage(module, spec, hf_names: list, config, plan, tp: int) -> dict:
         raise ConfigError(f"tensor_parallel.autotp_size {tp}: the plan shards none of {config.model_type}'s block "
                           "projections here; check its \"partition_config\" patterns")
     return collect_autotp_universal_checkpoint_info(holder)
+
+
+def stage_holder(module, spec, hf_names: list):
+    """This rank's decoder blocks of pipeline `module` gathered under their HF names ("model.layers.3") in one
+    holder module, whose sub-modules ARE the stage's: DeepSpeed's AutoTP and AutoEP find them by those names as on
+    the whole model, and replacing a module in the holder replaces it in the pipeline layer that shares it."""
+    from torch import nn
+
+    holder = nn.Module()
+    for index in range(module._local_start, module._local_stop):
+        if spec.kinds[index] == "block":
+            for hf_name in spec.hf_names[index]:
+                _attach(holder, hf_name, _local_module(module.forward_funcs[index - module._local_start], hf_name,
+                                                       hf_names[index]))
+    return holder
 
 
 def _local_module(layer, hf_name: str, names: dict):
@@ -107,3 +121,23 @@ def _attach(holder, dotted: str, module) -> None:
             node.add_module(part, nn.Module())
         node = getattr(node, part)
     node.add_module(leaf, module)
+
+
+def shard_stage_experts(module, spec, hf_names: list, section: dict, pp: int) -> None:
+    """Expert parallelism inside pipeline stages (pp x dp x ep): this rank's MoE blocks replaced by AutoEP's layers
+    holding experts / ep of each block (models.autoep.replace_stage_experts), and the MoE router aux loss's capture
+    (models.moe.RouterCapture) moved onto each new layer's router gate, the Linear whose output is the router logits
+    (what DeepSpeed's Mixtral recorder retargets to at pp 1, auto_ep_presets/base.py:453)."""
+    from models.autoep import allow_string_keys, replace_stage_experts
+
+    allow_string_keys()
+    replace_stage_experts(stage_holder(module, spec, hf_names), spec.config, section, pp)
+    for layer in module.forward_funcs:
+        routers = getattr(layer, "routers", None)
+        for sub in (layer.modules() if routers is not None else ()):
+            if type(sub).__name__ == "AutoEPMoELayer":
+                if sub.return_router_logits:  # its forward calls the gate a second time (auto_ep_layer.py:908-912)
+                    raise ConfigError(f"{spec.config.model_type}: AutoEP's layer returns router logits to its block "
+                                      "(an older MoE forward), which dstk's pipeline aux loss does not read; set "
+                                      "output_router_logits false in config.json, or train it at pp 1")
+                routers.watch(sub.router.gate)

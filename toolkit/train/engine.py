@@ -133,8 +133,8 @@ def deepspeed_config(cfg: dict, topo) -> dict:
     Pipelines: DeepSpeed's PipelineEngine prints its own "steps: N loss: ..." line every steps_per_print steps
     (a bare print on rank 0, pipe/engine.py, beside dstk's step lines); steps_per_print is set past any run's
     length so it never does (its other use, the engine's wall-clock report, is off unless asked for)."""
-    if topo.pp > 1:
-        cfg = {**cfg, "steps_per_print": NEVER_PRINT}
+    if topo.pp > 1:  # "expert_parallel": dstk replaced the stages' MoE blocks (toolkit.distributed.tensor_parallel)
+        cfg = {k: v for k, v in cfg.items() if k != "expert_parallel"} | {"steps_per_print": NEVER_PRINT}
     if topo.sp > 1 and topo.pp > 1:  # DeepSpeed's grid holds a stage's dp x sp ranks as data-parallel ones
         return {k: v for k, v in cfg.items() if k not in ("train_batch_size", "sequence_parallel_size")}
     if topo.tp == 1:

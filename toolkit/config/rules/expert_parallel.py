@@ -176,8 +176,9 @@ def model_problems(cfg: dict, arch) -> list[Problem]:
 
 def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) -> list[str]:
     """What `dstk train` cannot combine with "expert_parallel" yet (checked by `dstk train --check`, before any
-    rank starts), each with its reason. dstk trains AutoEP at pp 1 only: the whole HF model handed to
-    deepspeed.initialize, which replaces its MoE blocks (tests/distributed/test_expert_parallel.py). A resume on
+    rank starts), each with its reason. At pp 1 the whole HF model goes to deepspeed.initialize, which replaces its
+    MoE blocks; at pp > 1 dstk replaces each stage's blocks itself (toolkit.distributed.tensor_parallel.
+    shard_stage_experts) under the 1F1B schedule (tests/distributed/test_expert_parallel.py). A resume on
     the same layout is DeepSpeed's own load; onto another layout toolkit.checkpoint.manifest.check_resumable
     refuses it."""
     from toolkit.distributed.topology import sp_of, tp_of
@@ -187,12 +188,8 @@ def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) 
     ep, tp, sp, out = (_section(cfg, "expert_parallel").get("autoep_size", 1), tp_of(cfg), sp_of(cfg), [])
     named = f'"expert_parallel" (ep {ep})'
     if schedule == "dualpipev":
-        out.append(f"--schedule dualpipev with {named}: DualPipeV runs pipeline stages, and dstk trains AutoEP at "
-                   "pp 1 only; use --schedule 1f1b at --pp 1")
-    elif pp > 1:
-        out.append(f"pp {pp} with {named}: dstk's pipeline stages hold the model's layers under their own module "
-                   "names, which AutoEP's presets do not match (re.fullmatch of model.layers.N.mlp, deepspeed/"
-                   "module_inject/auto_ep.py:429), and expert parallelism inside stages is not wired yet; use pp 1")
+        out.append(f"--schedule dualpipev with {named}: each DualPipeV rank holds two stages, whose expert groups "
+                   "dstk has not built; use --schedule 1f1b")
     if tp > 1:
         out.append(f'"autotp_size" {tp} with {named}: DeepSpeed folds ep into tp (module_inject/auto_ep_folding.py), '
                    'which dstk train has not run yet; use "autotp_size": 1')
