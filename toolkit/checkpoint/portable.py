@@ -29,7 +29,7 @@ from toolkit.errors import UnusableInput
 from toolkit.checkpoint.deepspeed_files import (Kind, checkpoint_kind, join, model_states, param_shapes,
                                                 partition_files, torch_load, zero3_full, zero3_model_states,
                                                 zero3_pieces, zero3_rank_share, zero3_table)
-from toolkit.checkpoint.manifest import hf_name_of, moved_keys
+from toolkit.checkpoint.manifest import META, hf_name_of, moved_keys
 from toolkit.checkpoint.state import load_state_dict, masters_by_hf_name, partition_fragments, resolve_tag
 from toolkit.distributed.optimizers import is_bf16_optimizer, is_fp16_wrapper, restore_masters
 
@@ -69,7 +69,11 @@ def read(ckpt_dir, tag=None, wanted=None) -> PortableState:
         return _read_portable(tag_dir / PORTABLE, wanted)
     weights, manifest = load_state_dict(ckpt_dir, tag)
     kind = checkpoint_kind(tag_dir, manifest)
-    if kind is Kind.ZERO3:
+    if kind is Kind.EXPERT_PARALLEL:
+        from toolkit.checkpoint.experts import autoep_moments
+
+        moments, step = autoep_moments(tag_dir, manifest, ckpt_dir / META)
+    elif kind is Kind.ZERO3:
         moments, step = _from_zero3(tag_dir)
     elif kind in (Kind.ZERO12, Kind.BF16_OPTIMIZER, Kind.PIPELINE_PARTITIONED):
         moments, step = _from_partitions(list(partition_files(tag_dir).values()), manifest)
