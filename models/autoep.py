@@ -89,3 +89,34 @@ def to_hf(tensors: dict, names: dict, shapes: dict) -> dict:
             want = tuple(shapes[f"{experts}.{short}"])
             out[f"{experts}.{short}"] = tensor if tuple(tensor.shape) == want else tensor.transpose(1, 2).contiguous()
     return out
+
+
+def layers(module) -> dict:
+    """{block name: AutoEPMoELayer} of a module DeepSpeed's AutoEP replaced blocks of ({} for any other)."""
+    return {name: m for name, m in module.named_modules() if type(m).__name__ == "AutoEPMoELayer"}
+
+
+def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
+    """This rank's share of the HF tensors of MoE block `block` as AutoEP layer `layer` holds them (to_hf's inverse:
+    its local experts cut from the fused tensors, gate and up split), by the layer's parameter names under `block`.
+    `tensors`: HF name -> tensor shaped as the HF model holds it (the weights, or one Adam moment)."""
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
+    local = autoep_experts_for_rank(layer.expert_placement_descriptor, layer.ep_rank)  # global ids, packed order
+    experts, w1_shape = f"{block}.{names['experts']}", tuple(layer.experts.w1.shape)  # [E_local, I, H]
+
+    def ours(hf: str, want: tuple):  # [E, a, b] HF tensor -> this rank's experts in AutoEP's orientation
+        full = tensors[hf]
+        full = full if tuple(full.shape[1:]) == want[1:] else full.transpose(1, 2)
+        return full[local].contiguous()
+
+    out = {f"{block}.router.gate.{kind}": tensors[f"{block}.{names['router']}.{kind}"]
+           for kind in ("weight", "bias") if f"{block}.{names['router']}.{kind}" in tensors}
+    if names["w3"] is None:  # gate_up fused: [E, 2I, H] -> w1 = gate, w3 = up
+        both = ours(f"{experts}.{names['w1']}", (w1_shape[0], 2 * w1_shape[1], w1_shape[2]))
+        out[f"{block}.experts.w1"], out[f"{block}.experts.w3"] = both.split(w1_shape[1], dim=1)
+    else:
+        out[f"{block}.experts.w1"] = ours(f"{experts}.{names['w1']}", w1_shape)
+        out[f"{block}.experts.w3"] = ours(f"{experts}.{names['w3']}", w1_shape)
+    out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", tuple(layer.experts.w2.shape))
+    return {k: v.contiguous() for k, v in out.items()}

@@ -129,14 +129,17 @@ def test_an_ep_run_resumes_on_its_layout(runs):
     assert_close(metrics(runs / "ep2_resumed")[0], metrics(runs / "ep2")[0], tol=1e-6)
 
 
-@pytest.mark.parametrize("moved", ["ep2_to_dp2", pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
-                                   pytest.param("dp2_ep2_to_dp2", marks=pytest.mark.heavy)])
-def test_an_ep_run_continues_on_a_layout_without_autoep(runs, moved):
+@pytest.mark.parametrize("moved", ["ep2_to_dp2", "dp2_to_ep2", pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
+                                   pytest.param("dp2_ep2_to_dp2", marks=pytest.mark.heavy),
+                                   pytest.param("ep2_to_dp2_ep2", marks=pytest.mark.heavy)])
+def test_an_ep_run_moves_by_hf_name_and_continues(runs, moved):
     """ep 2 -> ep 1 by HF name (toolkit.checkpoint.experts): every expert's fp32 master and Adam moments joined
-    from its ep ranks into the HF model's fused tensors; the step-3 loss is the ep run's own."""
-    source = moved.split("_to_")[0]
+    from its ep ranks into the HF model's fused tensors; onto AutoEP each rank's experts cut from them
+    (models.autoep.from_hf). The step-3 loss is the source run's own."""
+    source, layout = moved.split("_to_")
     assert_close(metrics(runs / moved)[0], metrics(runs / source)[0], tol=1e-4)
-    assert "expert_parallel" not in json.loads((runs / moved / "checkpoints" / "dstk" / "manifest.json").read_text())
+    manifest = json.loads((runs / moved / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert manifest.get("expert_parallel") == (RUNS[layout][1] or None)
 
 
 def test_the_export_of_an_ep_run_joins_every_expert(runs):
@@ -168,8 +171,8 @@ def test_the_export_of_an_ep_run_joins_every_expert(runs):
 
 
 def test_dstk_reshard_takes_an_ep_run_off_autoep(runs, tmp_path):
-    """`dstk reshard --ep 1`: the tag's state by HF name, the manifest and recipe without "expert_parallel"; a move
-    onto another ep is refused with its reason."""
+    """`dstk reshard --ep 1`: the tag's state by HF name, the manifest without "expert_parallel"; a move onto AutoEP
+    at ZeRO-3 is refused with its reason."""
     import torch
 
     from toolkit.checkpoint import portable
@@ -184,5 +187,5 @@ def test_dstk_reshard_takes_an_ep_run_off_autoep(runs, tmp_path):
     moved, (want, _) = portable.read(ckpt), load_state_dict(runs / "ep2" / "checkpoints")
     assert sorted(moved.weights) == sorted(want) and all(torch.equal(moved.weights[k], want[k]) for k in want)
     assert moved.moments["exp_avg"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 256, 64)
-    with pytest.raises(ConfigError, match="--ep 4: the checkpoint has ep 2"):
-        reshard_checkpoint(runs / "ep2", tmp_path / "ep4", ep=4)
+    with pytest.raises(ConfigError, match="onto AutoEP \\(expert_parallel 4\\) at ZeRO-3"):
+        reshard_checkpoint(runs / "ep2", tmp_path / "ep4", ep=4, zero=3)

@@ -59,8 +59,8 @@ def resumable(tmp_path, saved: dict, now: dict):
 
 
 @pytest.mark.parametrize("saved,now,words", [
-    ({}, {"expert_parallel": 2}, "onto a layout without AutoEP only"),
-    ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4}, "onto a layout without AutoEP only"),
+    ({}, {"expert_parallel": 2, "zero_stage": 3}, "onto AutoEP \\(expert_parallel 2\\) at ZeRO-3"),
+    ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4, "zero_stage": 3}, "onto AutoEP"),
     ({"expert_parallel": 2, "zero_stage": 0}, {"zero_stage": 0}, "at ZeRO 0 is not read by HF name yet")])
 def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved, now, words):
     with pytest.raises(ConfigError, match=words):
@@ -68,6 +68,8 @@ def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved,
     assert resumable(tmp_path, saved, saved) == []  # the same layout: DeepSpeed's own load
 
 
-@pytest.mark.parametrize("now", [{}, {"dp": 1}, {"dp": 4, "zero_stage": 2}])
-def test_an_ep_run_moves_by_hf_name_onto_a_layout_without_autoep(tmp_path, now):
-    assert "expert_parallel" in resumable(tmp_path, {"expert_parallel": 2}, now)  # toolkit.checkpoint.portable
+@pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({"expert_parallel": 2}, {"dp": 1}),
+                                       ({"expert_parallel": 2}, {"dp": 4, "zero_stage": 2}),
+                                       ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4})])
+def test_an_ep_run_moves_by_hf_name(tmp_path, saved, now):
+    assert "expert_parallel" in resumable(tmp_path, saved, now)  # toolkit.checkpoint.portable

@@ -9,7 +9,7 @@ block's experts as experts.w1/w2/w3 [E / ep, ...]. What DeepSpeed writes (runtim
       holding the same experts, R % ep = e, in rank order (R // ep), whose joined fragments are ep rank e's
       experts.wN [E / ep, ...].
 Here they become the fp32 masters and moments of the HF model's own tensors (every expert, fused as transformers
-holds them), by models.autoep.to_hf. ZeRO-0 holds each expert in its file (the weights; its torch optimizer state is
+holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep). ZeRO-0 holds each expert in its file (the weights; its torch optimizer state is
 indexed by AutoEP's parameter order, which the run does not record: no moments) and ZeRO-3 is not read yet.
 """
 
@@ -161,3 +161,20 @@ def _preset(saved: dict, meta: Path) -> str:
     if not found:
         raise UnusableInput(f"no AutoEP preset matches model_type {model_type!r}: dstk cannot name its experts")
     return found[0]
+
+
+def onto_autoep(module, weights: dict, moments: dict) -> tuple[dict, dict]:
+    """(weights, moments) by HF name -> the same with every AutoEP layer's tensors of `module` (this rank's experts,
+    its router) by the layer's own names, as toolkit.checkpoint.portable.restore writes them into the engine."""
+    from models.autoep import from_hf, layers, preset_names
+
+    found = layers(module)
+    weights, moments = dict(weights), {key: dict(found_) for key, found_ in moments.items()}
+    shaped = {key: {hf: t.reshape(weights[hf].shape) for hf, t in tensors.items() if hf in weights}
+              for key, tensors in moments.items()}
+    for block, layer in found.items():
+        names = preset_names(layer.model_family)
+        weights.update(from_hf(weights, block, layer, names))
+        for key in moments:
+            moments[key].update(from_hf(shaped[key], block, layer, names))
+    return weights, moments

@@ -425,10 +425,10 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     moved = moved_keys(saved, now)
     was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
-    if moved and now.get(EP):
-        why = (f"dstk moves a checkpoint onto a layout without AutoEP only (this run has {EP} {now[EP]}; its ranks "
-               "hold AutoEP's experts.w1/w2/w3, which the move does not fill yet): resume on the checkpoint's own "
-               'layout, or move to ep 1 (a config without "expert_parallel")')
+    if moved and now.get(EP) and now.get("zero_stage") == 3:
+        why = (f"a move onto AutoEP ({EP} {now[EP]}) at ZeRO-3 is not made by dstk yet (each rank's experts would go "
+               "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
+               "the same ep")
     elif moved and saved.get(EP) and saved.get("zero_stage") not in (1, 2):
         why = (f"an expert-parallel checkpoint at ZeRO {saved.get('zero_stage')} is not read by HF name yet (ZeRO-0 "
                "keeps its optimizer state in AutoEP's parameter order, ZeRO-3 its experts in expert-data-parallel "

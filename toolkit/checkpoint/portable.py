@@ -66,6 +66,10 @@ def read(ckpt_dir, tag=None, wanted=None) -> PortableState:
     tag = resolve_tag(ckpt_dir, tag)
     tag_dir = ckpt_dir / tag
     if is_portable(tag_dir):
+        from models.autoep import is_autoep_name
+
+        if wanted is not None and any(map(is_autoep_name, wanted)):  # an AutoEP rank's tensors cut from HF ones
+            wanted = None
         return _read_portable(tag_dir / PORTABLE, wanted)
     weights, manifest = load_state_dict(ckpt_dir, tag)
     kind = checkpoint_kind(tag_dir, manifest)
@@ -266,6 +270,13 @@ def restore(engine, state: PortableState, names: dict) -> None:
     Adam moments (by HF name), the optimizer step, LR scheduler and DeepSpeed's step counters."""
     import torch
 
+    from models.autoep import layers
+
+    if layers(engine.module):  # AutoEP: this rank's experts and routers cut from the HF tensors
+        from toolkit.checkpoint.experts import onto_autoep
+
+        weights, moments = onto_autoep(engine.module, state.weights, state.moments)
+        state = PortableState(weights, moments, state.optimizer_step, state.engine)
     missing = [hf for p, hf in names.items() if p.requires_grad and hf not in state.weights]
     if missing:
         raise UnusableInput(f"the checkpoint holds no state for {missing[:3]}: it was written by another model")

@@ -47,6 +47,8 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     now = {**manifest, **target}
     if ep is not None:
         target = {**target, **_expert_parallel(manifest, ep)}
+        if target[EP] and target["pp"] > 1:
+            raise ConfigError(f"--ep {ep} with --pp {target['pp']}: dstk trains AutoEP at pp 1 only; use --pp 1")
         now = {k: v for k, v in {**now, **target}.items() if k != EP or v}
     positions = sorted((ckpt_dir / tag).glob(DATA_POSITION.format("*")))  # a --streaming run's places in its stream
     if positions and target["dp"] != source["dp"]:
@@ -112,6 +114,8 @@ def _recipe(source_recipe: Path, out: Path, was: dict, now: dict):
     cfg.update({"sequence_parallel_size": now["sp"]} if now["sp"] > 1 else {})
     if not now.get(EP):  # moved off AutoEP: every rank holds every expert
         cfg.pop("expert_parallel", None)
+    else:
+        cfg["expert_parallel"] = {**(cfg.get("expert_parallel") or {}), "enabled": True, "autoep_size": now[EP]}
     flags = {k: v for k, v in flags.items() if k not in ("pp", "schedule", "config", "resume")}
     flags.update({"out": str(out), **({"schedule": "dualpipev"} if now.get("schedule") == "dualpipev" else {}),
                   "config": cfg})
@@ -121,13 +125,9 @@ def _recipe(source_recipe: Path, out: Path, was: dict, now: dict):
 
 
 def _expert_parallel(manifest: dict, ep: int) -> dict:
-    """The target's {"expert_parallel": ep} (0: no AutoEP) for --ep; refused where dstk cannot move there."""
-    was = manifest.get(EP) or 1
-    if not isinstance(ep, int) or ep < 1:
+    """The target's {"expert_parallel": ep} (0: no AutoEP, every rank holding every expert) for --ep."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"--ep must be a positive integer, got {ep!r}")
-    if ep > 1 and ep != was:
-        raise ConfigError(f"--ep {ep}: the checkpoint has ep {was}; dstk moves an expert-parallel run onto ep 1 only "
-                          "(a layout without AutoEP) yet; use --ep 1, or leave --ep out")
     return {EP: 0 if ep == 1 else ep}
 
 
