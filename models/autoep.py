@@ -16,6 +16,7 @@ so nothing either side stores changes.
 
 import contextlib
 import logging
+import re
 
 
 def allow_string_keys() -> None:
@@ -83,3 +84,84 @@ def _quiet(logger):
         yield
     finally:
         logger.setLevel(level)
+
+
+# An AutoEPMoELayer's parameters under a MoE block BLOCK (module_inject/auto_ep_layer.py): the router's
+# BLOCK.router.gate.weight [E, H] (+ .bias), and the experts BLOCK.experts.w1 / w3 [E_local, I, H] (gate, up) and
+# w2 [E_local, H, I] (down), E_local = E / ep experts of this rank (ep_repack.py repack_expert_weights). The router
+# is also reachable as BLOCK.<router name> (an alias AutoEP sets for HF's output recorders): one tensor, two names.
+EXPERT = re.compile(r"(.+)\.experts\.(w[123])")
+ROUTER = re.compile(r"(.+)\.router\.gate\.(weight|bias)")
+
+
+def is_autoep_name(name: str) -> bool:
+    return bool(EXPERT.fullmatch(name) or ROUTER.fullmatch(name))
+
+
+def preset_names(preset: str) -> dict:
+    """The HF names DeepSpeed's preset `preset` maps (auto_ep_presets/*.py): router, experts, w1/w2/w3 (w3 None:
+    gate and up fused in w1's tensor, as transformers 5 holds them)."""
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    p = PRESET_MODELS[preset]
+    return {"router": p.router_pattern, "experts": p.experts_pattern, "w1": p.expert_w1, "w2": p.expert_w2,
+            "w3": p.expert_w3}
+
+
+def to_hf(tensors: dict, names: dict, shapes: dict) -> dict:
+    """AutoEP's tensors of every expert (w1/w2/w3 [E, ...], all ranks' experts in order) -> the HF model's
+    (`shapes`: HF name -> shape, the model's own parameters), the inverse of ep_repack._repack_fused_3d: gate and up
+    joined along the projection's output (HF [E, 2I, H], or transposed where the HF model holds [E, H, 2I]).
+    Anything else keeps its name. The same map serves the weights and each Adam moment (elementwise)."""
+    import torch
+
+    out, blocks = {}, {}
+    for name, tensor in tensors.items():
+        expert, router = EXPERT.fullmatch(name), ROUTER.fullmatch(name)
+        if expert:
+            blocks.setdefault(expert.group(1), {})[expert.group(2)] = tensor
+        elif router:
+            out[f"{router.group(1)}.{names['router']}.{router.group(2)}"] = tensor
+        else:
+            out[name] = tensor
+    for block, w in blocks.items():
+        experts = f"{block}.{names['experts']}"
+        if names["w3"] is None:  # fused gate_up
+            parts = {names["w1"]: torch.cat([w["w1"], w["w3"]], dim=1), names["w2"]: w["w2"]}
+        else:
+            parts = {names["w1"]: w["w1"], names["w2"]: w["w2"], names["w3"]: w["w3"]}
+        for short, tensor in parts.items():
+            want = tuple(shapes[f"{experts}.{short}"])
+            out[f"{experts}.{short}"] = tensor if tuple(tensor.shape) == want else tensor.transpose(1, 2).contiguous()
+    return out
+
+
+def layers(module) -> dict:
+    """{block name: AutoEPMoELayer} of a module DeepSpeed's AutoEP replaced blocks of ({} for any other)."""
+    return {name: m for name, m in module.named_modules() if type(m).__name__ == "AutoEPMoELayer"}
+
+
+def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
+    """This rank's share of the HF tensors of MoE block `block` as AutoEP layer `layer` holds them (to_hf's inverse:
+    its local experts cut from the fused tensors, gate and up split), by the layer's parameter names under `block`.
+    `tensors`: HF name -> tensor shaped as the HF model holds it (the weights, or one Adam moment)."""
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
+    local = autoep_experts_for_rank(layer.expert_placement_descriptor, layer.ep_rank)  # global ids, packed order
+    experts, w1_shape = f"{block}.{names['experts']}", tuple(layer.experts.w1.shape)  # [E_local, I, H]
+
+    def ours(hf: str, want: tuple):  # [E, a, b] HF tensor -> this rank's experts in AutoEP's orientation
+        full = tensors[hf]
+        full = full if tuple(full.shape[1:]) == want[1:] else full.transpose(1, 2)
+        return full[local].contiguous()
+
+    out = {f"{block}.router.gate.{kind}": tensors[f"{block}.{names['router']}.{kind}"]
+           for kind in ("weight", "bias") if f"{block}.{names['router']}.{kind}" in tensors}
+    if names["w3"] is None:  # gate_up fused: [E, 2I, H] -> w1 = gate, w3 = up
+        both = ours(f"{experts}.{names['w1']}", (w1_shape[0], 2 * w1_shape[1], w1_shape[2]))
+        out[f"{block}.experts.w1"], out[f"{block}.experts.w3"] = both.split(w1_shape[1], dim=1)
+    else:
+        out[f"{block}.experts.w1"] = ours(f"{experts}.{names['w1']}", w1_shape)
+        out[f"{block}.experts.w3"] = ours(f"{experts}.{names['w3']}", w1_shape)
+    out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", tuple(layer.experts.w2.shape))
+    return {k: v.contiguous() for k, v in out.items()}

@@ -38,12 +38,16 @@ class Runs(LazyRuns):
         from tests.distributed.test_resume_layouts import resumed_from
         from tests.ranks import run_train
 
-        resume = []
+        resume, layout = [], name.removesuffix("_resumed")
         if name.endswith("_resumed"):  # NAME's run from its step 2 checkpoint (DeepSpeed's own load)
-            resumed_from(self / name.removesuffix("_resumed"), 2, self.tmp / name)
+            resumed_from(self / layout, 2, self.tmp / name)
             resume = ["--resume"]
-        procs, ep, model = RUNS[name.removesuffix("_resumed")]
-        pp = PP.get(name.removesuffix("_resumed"), 1)
+        elif "_to_" in name:  # SOURCE_to_LAYOUT: SOURCE's step 2 continued on LAYOUT (by HF name: portable)
+            source, layout = name.split("_to_")
+            resumed_from(self / source, 2, self.tmp / name)
+            resume = ["--resume"]
+        procs, ep, model = RUNS[layout]
+        pp = PP.get(layout, 1)
         cfg = run_config(2, 4 * pp // procs, pp, clip=1.0)
         cfg["zero_optimization"] = {"stage": 1}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
         if ep:
@@ -51,7 +55,7 @@ class Runs(LazyRuns):
         (self.tmp / f"{name}.json").write_text(json.dumps(cfg))
         rc, log = run_train(["--config", self.tmp / f"{name}.json", "--model", self.model(model), "--data",
                              self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", STEPS, "--eval-fraction", "0.01",
-                             "--no-progress", "--attention", "eager", "--no-export", "--save-every", 2, "--out",
+                             "--no-progress", "--attention", "eager", *([] if ep else ["--no-export"]), "--save-every", 2, "--out",
                              self.tmp / name, *resume], procs)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
         (self.tmp / f"{name}.log").write_text(log)
@@ -145,3 +149,65 @@ def test_ep_inside_pipeline_stages_trains_as_one_process_does(runs, run, ref_run
         assert abs(evaluated - metrics(runs / "dp2")[2]) <= 1e-5 * evaluated
     assert summary(runs / run)["run"]["params"] == summary(runs / ref_run)["run"]["params"]  # every expert counted
     assert "experts: ep 2 (DeepSpeed AutoEP)" in (runs.tmp / f"{run}.log").read_text()
+
+
+@pytest.mark.parametrize("moved", ["ep2_to_dp2", "dp2_to_ep2", pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
+                                   pytest.param("dp2_ep2_to_dp2", marks=pytest.mark.heavy),
+                                   pytest.param("ep2_to_dp2_ep2", marks=pytest.mark.heavy)])
+def test_an_ep_run_moves_by_hf_name_and_continues(runs, moved):
+    """ep 2 -> ep 1 by HF name (toolkit.checkpoint.experts): every expert's fp32 master and Adam moments joined
+    from its ep ranks into the HF model's fused tensors; onto AutoEP each rank's experts cut from them
+    (models.autoep.from_hf). The step-3 loss is the source run's own."""
+    source, layout = moved.split("_to_")
+    assert_close(metrics(runs / moved)[0], metrics(runs / source)[0], tol=1e-4)
+    manifest = json.loads((runs / moved / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert manifest.get("expert_parallel") == (RUNS[layout][1] or None)
+
+
+def test_the_export_of_an_ep_run_joins_every_expert(runs):
+    """The end-of-run export of ep 2 (ZeRO-1): the HF per-expert files save_pretrained writes, which
+    from_pretrained loads; each expert exactly DeepSpeed's own file of it, every tensor the one-process run's."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.checkpoint.state import load_state_dict
+
+    hf = runs / "ep2" / "hf"
+    with safe_open(str(next(hf.glob("*.safetensors"))), framework="pt") as f:
+        on_disk = set(f.keys())
+    assert {f"model.layers.{b}.block_sparse_moe.experts.{e}.w{n}.weight" for b in range(2) for e in range(4)
+            for n in (1, 2, 3)} <= on_disk
+    got = dict(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).named_parameters())
+    tag = runs / "ep2" / "checkpoints" / f"global_step{STEPS}"
+    for b in range(2):
+        for e in range(4):
+            own = torch.load(tag / f"layer_{b}_expert_{e}_mp_rank_00_model_states.pt", weights_only=True)
+            w1, w2, w3 = (own[f"model.layers.{b}.mlp.experts.w{n}.{e}"] for n in (1, 2, 3))
+            assert torch.equal(got[f"model.layers.{b}.mlp.experts.gate_up_proj"][e], torch.cat([w1, w3]))
+            assert torch.equal(got[f"model.layers.{b}.mlp.experts.down_proj"][e], w2)
+    one, _ = load_state_dict(runs / "ref" / "checkpoints")
+    assert sorted(one) == sorted(got)
+    for name, tensor in one.items():  # the same training in one process (the sums reduce in another order)
+        assert torch.allclose(got[name], tensor, rtol=0, atol=2e-5), name
+
+
+def test_dstk_reshard_takes_an_ep_run_off_autoep(runs, tmp_path):
+    """`dstk reshard --ep 1`: the tag's state by HF name, the manifest without "expert_parallel"; a move onto AutoEP
+    at ZeRO-3 is refused with its reason."""
+    import torch
+
+    from toolkit.checkpoint import portable
+    from toolkit.checkpoint.reshard import reshard_checkpoint
+    from toolkit.checkpoint.state import load_state_dict
+    from toolkit.errors import ConfigError
+
+    done = reshard_checkpoint(runs / "ep2", tmp_path / "ep1", ep=1)
+    assert done["from"]["expert_parallel"] == 2 and not done["to"]["expert_parallel"]
+    ckpt = tmp_path / "ep1" / "checkpoints"
+    assert "expert_parallel" not in json.loads((ckpt / "dstk" / "manifest.json").read_text())
+    moved, (want, _) = portable.read(ckpt), load_state_dict(runs / "ep2" / "checkpoints")
+    assert sorted(moved.weights) == sorted(want) and all(torch.equal(moved.weights[k], want[k]) for k in want)
+    assert moved.moments["exp_avg"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 256, 64)
+    with pytest.raises(ConfigError, match="onto AutoEP \\(expert_parallel 4\\) at ZeRO-3"):
+        reshard_checkpoint(runs / "ep2", tmp_path / "ep4", ep=4, zero=3)

@@ -1,5 +1,6 @@
 """`dstk train --check` (toolkit.train.runner.check, before any rank starts) refuses what dstk train does not
-combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 or pp 2 run with --no-export passes. The runs that train:
+combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run passes (its export too, but at ZeRO-3), a pp 2
+run with --no-export. The runs that train:
 tests/distributed/test_expert_parallel.py."""
 
 import json
@@ -27,13 +28,18 @@ def test_ep_at_pp1_and_inside_pipeline_stages_without_export_passes_the_checks(t
     check_with(tmp_path, changes, world)
 
 
+def test_ep_at_pp1_passes_the_checks_with_its_export(tmp_path):
+    check_with(tmp_path, {}, export=True)  # the experts joined from their ep ranks (toolkit/checkpoint/experts.py)
+
+
 @pytest.mark.parametrize("changes,world,flags,words", [
     ({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4}, 4, {"schedule": "dualpipev"},
      "--schedule dualpipev with \"expert_parallel\""),
     ({"tensor_parallel": {"autotp_size": 2}}, 4, {}, '"autotp_size" 2 with "expert_parallel" (ep 2)'),
     ({"sequence_parallel_size": 2}, 4, {}, '"sequence_parallel_size" 2 with "expert_parallel" (ep 2)'),
     ({}, 2, {"lora": True}, "--lora with \"expert_parallel\" (ep 2): peft wraps the model"),
-    ({}, 2, {"export": True}, "pass --no-export"),
+    ({"zero_optimization": {"stage": 3}}, 2, {"export": True}, "at ZeRO-3: each expert lies in ZeRO-3 shares"),
+    ({"pipeline": {"stages": 2}}, 4, {"export": True}, "inside pipeline stages: each stage writes its experts"),
 ])
 def test_what_dstk_train_cannot_combine_with_ep_yet_is_refused_with_its_reason(tmp_path, changes, world, flags, words):
     with pytest.raises(ConfigError) as refused:
@@ -46,14 +52,30 @@ def test_zero0_with_clipping_is_refused_by_the_config_rules(tmp_path):
         check_with(tmp_path, {"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0})
 
 
-@pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({}, {"expert_parallel": 2}),
-                                       ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4})])
-def test_a_resume_onto_another_layout_of_an_ep_run_is_refused(tmp_path, saved, now):
+BASE = {"model": "m", "pp": 1, "dp": 2, "tp": 1, "zero_stage": 1, "portable": True}
+
+
+def resumable(tmp_path, saved: dict, now: dict):
     from toolkit.checkpoint.manifest import check_resumable
 
-    (tmp_path / "dstk").mkdir()
-    base = {"model": "m", "pp": 1, "dp": 2, "tp": 1, "zero_stage": 1, "portable": True}
-    (tmp_path / "dstk" / "manifest.json").write_text(json.dumps({**base, **saved}))
-    with pytest.raises(ConfigError, match="which dstk does not map to HF names yet"):
-        check_resumable(tmp_path, {**base, **now})
-    assert check_resumable(tmp_path, {**base, **saved}) == []  # the same layout: DeepSpeed's own load
+    (tmp_path / "dstk").mkdir(exist_ok=True)
+    (tmp_path / "dstk" / "manifest.json").write_text(json.dumps({**BASE, **saved}))
+    return check_resumable(tmp_path, {**BASE, **now})
+
+
+@pytest.mark.parametrize("saved,now,words", [
+    ({}, {"expert_parallel": 2, "zero_stage": 3}, "onto AutoEP \\(expert_parallel 2\\) at ZeRO-3"),
+    ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4, "zero_stage": 3}, "onto AutoEP"),
+    ({"expert_parallel": 2, "zero_stage": 0}, {"zero_stage": 0}, "at ZeRO 0 is not read by HF name yet"),
+    ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4}, "inside pipeline stages is not made by dstk yet")])
+def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved, now, words):
+    with pytest.raises(ConfigError, match=words):
+        resumable(tmp_path, saved, now)
+    assert resumable(tmp_path, saved, saved) == []  # the same layout: DeepSpeed's own load
+
+
+@pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({"expert_parallel": 2}, {"dp": 1}),
+                                       ({"expert_parallel": 2}, {"dp": 4, "zero_stage": 2}),
+                                       ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4})])
+def test_an_ep_run_moves_by_hf_name(tmp_path, saved, now):
+    assert "expert_parallel" in resumable(tmp_path, saved, now)  # toolkit.checkpoint.portable

@@ -67,6 +67,7 @@ class Kind(enum.Enum):
     BF16_OPTIMIZER = "pp = 1, BF16_Optimizer's partitions (no zero_stage: zero_to_fp32 refuses them)"
     ZERO12 = "pp = 1, ZeRO-1/2 partitions"
     ZERO3 = "pp = 1, ZeRO-3 partitions"
+    EXPERT_PARALLEL = "pp = 1, DeepSpeed's AutoEP: experts per ep rank, one file per expert (checkpoint.experts)"
 
 
 def checkpoint_kind(tag_dir: Path, manifest: dict) -> Kind:
@@ -76,6 +77,8 @@ def checkpoint_kind(tag_dir: Path, manifest: dict) -> Kind:
         if tp > 1:
             return Kind.PIPELINE_TP
         return Kind.PIPELINE_PARTITIONED if partition_files(tag_dir) else Kind.PIPELINE
+    if manifest.get("expert_parallel"):
+        return Kind.EXPERT_PARALLEL
     if tp > 1:
         return Kind.ZERO3_TENSOR_PARALLEL if manifest.get("zero_stage") == 3 else Kind.TENSOR_PARALLEL
     optim = optim_files(tag_dir)

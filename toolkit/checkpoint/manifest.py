@@ -374,16 +374,23 @@ LAYOUT_KEYS = ("pp", "dp", "tp", "sp", "zero_stage", "schedule")
 LAYOUT_DEFAULTS = {"tp": 1, "sp": 1, "schedule": "1f1b"}
 
 
+EP = "expert_parallel"  # DeepSpeed's AutoEP size, recorded only where the run has the section (absent: no AutoEP)
+
+
 def layout_of(record: dict) -> dict:
-    """A manifest's (or run identity's) layout keys, absent tp and sp read as 1 (None: not recorded)."""
-    return {k: record.get(k, LAYOUT_DEFAULTS.get(k)) for k in LAYOUT_KEYS}
+    """A manifest's (or run identity's) layout keys, absent tp and sp read as 1 (None: not recorded), and the
+    AutoEP size where there is one."""
+    return {**{k: record.get(k, LAYOUT_DEFAULTS.get(k)) for k in LAYOUT_KEYS},
+            **({EP: record[EP]} if record.get(EP) else {})}
 
 
 def moved_keys(saved: dict, now: dict) -> list:
     """The layout keys whose values differ between a checkpoint's manifest and this run's (a key the
-    checkpoint did not record, pp/dp/zero_stage of a very old dstk, is not compared)."""
+    checkpoint did not record, pp/dp/zero_stage of a very old dstk, is not compared); expert_parallel where
+    either has AutoEP and they differ."""
     was, will = layout_of(saved), layout_of(now)
-    return [k for k in LAYOUT_KEYS if was[k] is not None and was[k] != will[k]]
+    ep = [EP] if saved.get(EP, 0) != now.get(EP, 0) else []
+    return [k for k in LAYOUT_KEYS if was[k] is not None and was[k] != will[k]] + ep
 
 
 TOKEN_KEYS = ("tokenizer", "seq_len", "data")  # what --resume-with-new-data lets change: the token stream
@@ -418,12 +425,18 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     moved = moved_keys(saved, now)
     was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
-    ep_was, ep_now = saved.get("expert_parallel", 1), now.get("expert_parallel", 1)
-    if (moved or ep_was != ep_now) and max(ep_was, ep_now) > 1:
-        was += f", ep {ep_was}"
-        why = (f"this run has ep {ep_now}; an AutoEP checkpoint holds each rank's experts under AutoEP's names "
-               "(experts.w1/w2/w3, one file per expert), which dstk does not map to HF names yet, so only the same "
-               "layout resumes (DeepSpeed's own load)")
+    if moved and now.get(EP) and now.get("zero_stage") == 3:
+        why = (f"a move onto AutoEP ({EP} {now[EP]}) at ZeRO-3 is not made by dstk yet (each rank's experts would go "
+               "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
+               "the same ep")
+    elif moved and (saved.get(EP) or now.get(EP)) and max(saved.get("pp", 1), now.get("pp", 1)) > 1:
+        why = (f"a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
+               "writes its experts per stage, layer_L_expert_E_mp_rank_<stage>, which toolkit/checkpoint/experts.py "
+               "does not join); move at pp 1, or resume on the same layout")
+    elif moved and saved.get(EP) and saved.get("zero_stage") not in (1, 2):
+        why = (f"an expert-parallel checkpoint at ZeRO {saved.get('zero_stage')} is not read by HF name yet (ZeRO-0 "
+               "keeps its optimizer state in AutoEP's parameter order, ZeRO-3 its experts in expert-data-parallel "
+               "shares); only ZeRO-1/2 ones move")
     elif moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
         why = ("a tensor-parallel checkpoint holds each tensor in tp shards, which only `dstk export` merges "
                "today; export it and start a new run from the HF directory")

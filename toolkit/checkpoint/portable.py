@@ -29,7 +29,7 @@ from toolkit.errors import UnusableInput
 from toolkit.checkpoint.deepspeed_files import (Kind, checkpoint_kind, join, model_states, param_shapes,
                                                 partition_files, torch_load, zero3_full, zero3_model_states,
                                                 zero3_pieces, zero3_rank_share, zero3_table)
-from toolkit.checkpoint.manifest import hf_name_of, moved_keys
+from toolkit.checkpoint.manifest import META, hf_name_of, moved_keys
 from toolkit.checkpoint.state import load_state_dict, masters_by_hf_name, partition_fragments, resolve_tag
 from toolkit.distributed.optimizers import is_bf16_optimizer, is_fp16_wrapper, restore_masters
 
@@ -66,10 +66,18 @@ def read(ckpt_dir, tag=None, wanted=None) -> PortableState:
     tag = resolve_tag(ckpt_dir, tag)
     tag_dir = ckpt_dir / tag
     if is_portable(tag_dir):
+        from models.autoep import is_autoep_name
+
+        if wanted is not None and any(map(is_autoep_name, wanted)):  # an AutoEP rank's tensors cut from HF ones
+            wanted = None
         return _read_portable(tag_dir / PORTABLE, wanted)
     weights, manifest = load_state_dict(ckpt_dir, tag)
     kind = checkpoint_kind(tag_dir, manifest)
-    if kind is Kind.ZERO3:
+    if kind is Kind.EXPERT_PARALLEL:
+        from toolkit.checkpoint.experts import autoep_moments
+
+        moments, step = autoep_moments(tag_dir, manifest, ckpt_dir / META)
+    elif kind is Kind.ZERO3:
         moments, step = _from_zero3(tag_dir)
     elif kind in (Kind.ZERO12, Kind.BF16_OPTIMIZER, Kind.PIPELINE_PARTITIONED):
         moments, step = _from_partitions(list(partition_files(tag_dir).values()), manifest)
@@ -262,6 +270,13 @@ def restore(engine, state: PortableState, names: dict) -> None:
     Adam moments (by HF name), the optimizer step, LR scheduler and DeepSpeed's step counters."""
     import torch
 
+    from models.autoep import layers
+
+    if layers(engine.module):  # AutoEP: this rank's experts and routers cut from the HF tensors
+        from toolkit.checkpoint.experts import onto_autoep
+
+        weights, moments = onto_autoep(engine.module, state.weights, state.moments)
+        state = PortableState(weights, moments, state.optimizer_step, state.engine)
     missing = [hf for p, hf in names.items() if p.requires_grad and hf not in state.weights]
     if missing:
         raise UnusableInput(f"the checkpoint holds no state for {missing[:3]}: it was written by another model")

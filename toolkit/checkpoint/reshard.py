@@ -17,13 +17,14 @@ from toolkit.files import check_writable
 from toolkit.checkpoint import portable
 from toolkit.checkpoint.lock import RunLock, is_lock_file
 from toolkit.checkpoint.run_folder import RunFolder, check_not_in_use
-from toolkit.checkpoint.manifest import DATA_POSITION, META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
+from toolkit.checkpoint.manifest import DATA_POSITION, EP, META, check_resumable, layout_of, read_manifest, write_latest, write_manifest
 from toolkit.checkpoint.state import find_checkpoint_dir, resolve_tag
 from toolkit.checkpoint.safe_load import check_tag
 
 
-def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None, schedule=None) -> dict:
+def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None, schedule=None, ep=None) -> dict:
     """Write OUT (a run folder) from checkpoint `tag` of CKPT for layout pp x dp x sp x ZeRO (None: unchanged);
+    ep 1 takes an expert-parallel (AutoEP) run onto a layout without AutoEP, every expert on every rank;
     returns what was done (the --json summary). No parameter depends on sp (Ulysses splits the sequence, not the
     weights): an sp move is a move of the ZeRO partitions (over a stage's dp x sp ranks) and of dp."""
     ckpt_dir = find_checkpoint_dir(ckpt)
@@ -43,12 +44,18 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
     if schedule is None and target["pp"] == 1 and target.get("schedule") == "dualpipev":
         target["schedule"] = "1f1b"  # one stage has no pipeline schedule: moving onto pp 1 drops DualPipeV
     _check_target(ckpt_dir, manifest, target, _pipeline_layers(ckpt_dir, manifest))
+    now = {**manifest, **target}
+    if ep is not None:
+        target = {**target, **_expert_parallel(manifest, ep)}
+        if target[EP] and target["pp"] > 1:
+            raise ConfigError(f"--ep {ep} with --pp {target['pp']}: dstk trains AutoEP at pp 1 only; use --pp 1")
+        now = {k: v for k, v in {**now, **target}.items() if k != EP or v}
     positions = sorted((ckpt_dir / tag).glob(DATA_POSITION.format("*")))  # a --streaming run's places in its stream
     if positions and target["dp"] != source["dp"]:
         raise ConfigError(f"--dp {target['dp']}: {ckpt_dir} is a --streaming run, whose place in its stream is kept "
                           f"per data-parallel replica (rows i % dp); it moves to another pp, sp or ZeRO stage but "
                           f"keeps dp {source['dp']}")
-    check_resumable(ckpt_dir, {**manifest, **target})  # older checkpoints: refused here too
+    check_resumable(ckpt_dir, now)  # older checkpoints, and moves it cannot make: refused here too
     state = portable.read(ckpt_dir, tag)
     recipe_text = _recipe(ckpt_dir.parent / "recipe.yaml", out, source, target)  # read before anything is written
     recipe = out / "recipe.yaml" if recipe_text is not None else None
@@ -60,7 +67,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
         with RunLock(out, "dstk reshard", "OUT_DIR") as held:  # OUT made and locked: no run starts there meanwhile
             held.take()
             _check_empty(out)
-            size = _write(out, ckpt_dir, tag, {**manifest, **target, "portable": True}, state, positions)
+            size = _write(out, ckpt_dir, tag, {**now, "portable": True}, state, positions)
             if recipe is not None:
                 recipe.write_text(recipe_text)
     except BaseException:
@@ -105,12 +112,23 @@ def _recipe(source_recipe: Path, out: Path, was: dict, now: dict):
     cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": now["zero_stage"]}
     cfg.pop("sequence_parallel_size", None)
     cfg.update({"sequence_parallel_size": now["sp"]} if now["sp"] > 1 else {})
+    if not now.get(EP):  # moved off AutoEP: every rank holds every expert
+        cfg.pop("expert_parallel", None)
+    else:
+        cfg["expert_parallel"] = {**(cfg.get("expert_parallel") or {}), "enabled": True, "autoep_size": now[EP]}
     flags = {k: v for k, v in flags.items() if k not in ("pp", "schedule", "config", "resume")}
     flags.update({"out": str(out), **({"schedule": "dualpipev"} if now.get("schedule") == "dualpipev" else {}),
                   "config": cfg})
     return (f"# The flags of the run resharded from {source_recipe.parent} (dstk reshard), for its new layout.\n"
             f"# Continue it: --recipe {out / 'recipe.yaml'} --resume (--steps N for more)\n"
             + yaml.safe_dump(flags, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100))
+
+
+def _expert_parallel(manifest: dict, ep: int) -> dict:
+    """The target's {"expert_parallel": ep} (0: no AutoEP, every rank holding every expert) for --ep."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"--ep must be a positive integer, got {ep!r}")
+    return {EP: 0 if ep == 1 else ep}
 
 
 def _check_empty(out: Path) -> None:

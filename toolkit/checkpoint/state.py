@@ -74,6 +74,10 @@ def load_state_dict(ckpt_dir: Path, tag: str | None = None) -> tuple[dict, dict]
         state = _zero3_tensor_parallel_state(tag_dir, manifest)
     elif kind is Kind.BF16_OPTIMIZER:
         state = _bf16_optimizer_state(tag_dir)
+    elif kind is Kind.EXPERT_PARALLEL:
+        from toolkit.checkpoint.experts import autoep_weights
+
+        state = autoep_weights(tag_dir, manifest, ckpt_dir / META)
     elif kind in (Kind.ZERO12, Kind.ZERO3):
         state = _zero_state(ckpt_dir, tag)
     else:

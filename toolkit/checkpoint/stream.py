@@ -31,6 +31,8 @@ def open_reader(tag_dir: Path, manifest: dict, alias: dict):
     kind = checkpoint_kind(tag_dir, manifest)
     if kind in (Kind.PIPELINE_TP, Kind.TENSOR_PARALLEL, Kind.ZERO3_TENSOR_PARALLEL):
         raise NotStreamable("tensor-parallel shards are merged whole (state.merge_tp_shards)")
+    if kind is Kind.EXPERT_PARALLEL:
+        raise NotStreamable("AutoEP's experts are joined whole from their ep ranks (checkpoint.experts)")
     if kind in (Kind.PIPELINE, Kind.PIPELINE_PARTITIONED):
         return PipelineReader(tag_dir, manifest, alias)
     if kind is Kind.MODULE:

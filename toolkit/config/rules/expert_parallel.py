@@ -204,8 +204,13 @@ def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) 
                    "splits nothing), and LoRA on the fused experts (peft's "
                    "target_parameters on gate_up_proj/down_proj) would be dropped when AutoEP replaces them; "
                    "train without --lora")
-    if export:
-        out.append(f"the end-of-run export with {named}: each rank holds experts / ep of every MoE block as AutoEP's "
-                   "experts.w1/w2/w3 (module_inject/auto_ep_layer.py), which dstk's checkpoint readers do not join "
-                   "back into HF's tensors yet; pass --no-export (DeepSpeed's own checkpoints are still written)")
+    if export and pp > 1:
+        out.append(f"the end-of-run export with {named} inside pipeline stages: each stage writes its experts under "
+                   "its own stage number (layer_L_expert_E_mp_rank_<stage>), which dstk's checkpoint reader "
+                   "(toolkit/checkpoint/experts.py) does not join yet (pp 1 export); pass --no-export (DeepSpeed's own "
+                   "checkpoints are still written)")
+    elif export and _section(cfg, "zero_optimization").get("stage") == 3:
+        out.append(f"the end-of-run export with {named} at ZeRO-3: each expert lies in ZeRO-3 shares within its "
+                   "expert-data-parallel group, which dstk's checkpoint reader (toolkit/checkpoint/experts.py) does not "
+                   "join yet (ZeRO 0-2 export); pass --no-export (DeepSpeed's own checkpoints are still written)")
     return out

@@ -1,0 +1,180 @@
+"""An expert-parallel run's checkpoint (DeepSpeed 0.19.8's AutoEP at pp 1) by HF name: its weights and Adam moments.
+
+AutoEP replaces each MoE block with its own layer (models.autoep): ep consecutive ranks each hold E / ep of every
+block's experts as experts.w1/w2/w3 [E / ep, ...]. What DeepSpeed writes (runtime/engine.py _save_moe_checkpoint):
+  mp_rank_00_model_states.pt      the module without the experts (the router as router.gate.weight)
+  layer_L_expert_E_mp_rank_00_model_states.pt   expert E of MoE block L: {BLOCK.experts.wN.E: [I, H] / [H, I]}
+  zero_pp_rank_R_mp_rank_00_optim_states.pt     ZeRO-1/2: rank R's partitions. The dense groups are cut over all dp
+      ranks, as without ep; the expert groups (the "moe" ones) over the expert-data-parallel group of R: the ranks
+      holding the same experts, R % ep = e, in rank order (R // ep), whose joined fragments are ep rank e's
+      experts.wN [E / ep, ...].
+Here they become the fp32 masters and moments of the HF model's own tensors (every expert, fused as transformers
+holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep). ZeRO-0 holds each expert in its file (the weights; its torch optimizer state is
+indexed by AutoEP's parameter order, which the run does not record: no moments) and ZeRO-3 is not read yet.
+"""
+
+import functools
+from pathlib import Path
+
+from toolkit.checkpoint.deepspeed_files import (fragments, join, model_states, param_shapes, partition_files,
+                                                torch_load)
+from toolkit.errors import UnusableInput
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def autoep_weights(tag_dir: Path, manifest: dict, meta: Path) -> dict:
+    """{HF name: fp32 master} of an AutoEP checkpoint (meta: the run's dstk/ folder, config.json)."""
+    if manifest.get("zero_stage") == 3:
+        raise UnusableInput(f"{tag_dir}: an expert-parallel run at ZeRO-3 is not read by dstk yet (its experts are "
+                            "ZeRO-3 shares within each expert-data-parallel group); resume it on its own layout")
+    saved = torch_load(tag_dir / model_states())
+    module = {k: v for k, v in (saved.get("module") or {}).items()}
+    if partition_files(tag_dir):
+        module.update(_partitioned(tag_dir, manifest, saved, lambda opt: [{"weights": f} for f in
+                                                                         opt["single_partition_of_fp32_groups"]]
+                                   )["weights"])
+    else:
+        module.update(_expert_files(tag_dir))
+    weights = _hf(module, saved, manifest, meta)
+    missing = sorted(set(hf_shapes(meta, manifest.get("task") or "causal-lm")) - set(weights))
+    if missing:
+        raise UnusableInput(f"{tag_dir}: the expert-parallel checkpoint holds no {missing[:3]} of the model in "
+                            f"{meta}: it is incomplete, or was written by another model")
+    return weights
+
+
+def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int]:
+    """({"exp_avg" / "exp_avg_sq": {HF name: tensor}}, the optimizer step) of an AutoEP checkpoint at ZeRO-1/2."""
+    if not partition_files(tag_dir):
+        raise UnusableInput(f"{tag_dir}: an expert-parallel run at ZeRO-0 keeps torch's optimizer state in AutoEP's "
+                            "parameter order, which dstk does not name; resume it on its own layout, or move it "
+                            "from a ZeRO-1/2 checkpoint")
+    saved, steps = torch_load(tag_dir / model_states()), []
+
+    def moments(opt):
+        states = opt["base_optimizer_state"]["state"]
+        groups = [states[g] if g in states else states[list(states)[g]] for g in range(len(states))]
+        steps.extend(int(state["step"]) for state in groups)
+        return [{key: state[key] for key in MOMENTS} for state in groups]
+
+    found = _partitioned(tag_dir, manifest, saved, moments)
+    return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, max(steps)
+
+
+def _partitioned(tag_dir: Path, manifest: dict, saved: dict, flats) -> dict:
+    """{kind: {AutoEP name: tensor}} from the ZeRO-1/2 partition files; flats(optimizer_state_dict) gives per
+    group {kind: flat tensor}. Dense tensors joined over every rank, experts per ep rank, then ep ranks in order."""
+    ep, files = manifest.get("expert_parallel", 1), partition_files(tag_dir)  # (dp, 0) -> path, dp order
+    shapes = dict(param_shapes(saved))  # this rank's (local) shapes: the experts' [E / ep, ...]
+    pieces = {}
+    for (rank, _), path in files.items():
+        opt = torch_load(path).get("optimizer_state_dict") or {}
+        if "param_slice_mappings" not in opt:
+            raise UnusableInput(f"{path} holds no param_slice_mappings: not a ZeRO-1/2 optimizer partition")
+        by_group = flats(opt)
+        for kind in (by_group[0] if by_group else {}):
+            for name, fragment in fragments(opt["param_slice_mappings"], [g[kind] for g in by_group]):
+                owner = rank % ep if _is_expert(name) else None
+                pieces.setdefault(kind, {}).setdefault(name, {}).setdefault(owner, []).append(fragment)
+    out = {}
+    for kind, by_name in pieces.items():
+        out[kind] = {}
+        for name, owners in by_name.items():
+            if None in owners:
+                out[kind][name] = join(owners[None]).reshape(shapes[name])
+            else:
+                _check_owners(name, owners, ep, tag_dir)
+                out[kind][name] = _cat([join(owners[e]).reshape(shapes[name]) for e in range(ep)])
+    return out
+
+
+def _check_owners(name: str, owners: dict, ep: int, tag_dir: Path) -> None:
+    if sorted(owners) != list(range(ep)):
+        raise UnusableInput(f"{tag_dir}: {name} is held by ep ranks {sorted(owners)}, not all of 0..{ep - 1}: the "
+                            "checkpoint is incomplete or from another layout")
+
+
+def _expert_files(tag_dir: Path) -> dict:
+    """{BLOCK.experts.wN: [E, ...]} from DeepSpeed's one file per expert (the module's weights)."""
+    import re
+
+    import torch
+
+    per = {}
+    for path in tag_dir.glob("layer_*_expert_*_mp_rank_00_model_states.pt"):
+        for key, tensor in torch_load(path).items():
+            match = re.fullmatch(r"(.+\.experts\.w[123])\.(\d+)", key)
+            if match:
+                per.setdefault(match.group(1), {})[int(match.group(2))] = tensor
+    if not per:
+        raise UnusableInput(f"{tag_dir} holds no expert files (layer_L_expert_E_*): not an AutoEP checkpoint")
+    return {name: torch.stack([experts[e] for e in sorted(experts)]) for name, experts in per.items()}
+
+
+def _is_expert(name: str) -> bool:
+    from models.autoep import EXPERT
+
+    return bool(EXPERT.fullmatch(name))
+
+
+def _cat(tensors: list):
+    import torch
+
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+
+
+def _hf(tensors: dict, saved: dict, manifest: dict, meta: Path) -> dict:
+    """AutoEP's names -> the HF model's (the router's alias dropped)."""
+    from models.autoep import ROUTER, preset_names, to_hf
+
+    shapes = hf_shapes(meta, manifest.get("task") or "causal-lm")
+    kept = {k: v for k, v in tensors.items() if k in shapes or ROUTER.fullmatch(k) or _is_expert(k)}
+    return to_hf(kept, preset_names(_preset(saved, meta)), shapes)
+
+
+@functools.lru_cache(maxsize=4)
+def hf_shapes(meta: Path, task: str) -> dict:
+    """{HF name: shape} of the model in META (config.json), built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig
+
+    from models.api import auto_class
+
+    config = AutoConfig.from_pretrained(meta)
+    with torch.device("meta"):
+        model = auto_class(task, config)._from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _preset(saved: dict, meta: Path) -> str:
+    """The AutoEP preset the run used: its DeepSpeed config's, else the one matching the model's type."""
+    import json
+
+    from toolkit.config.rules.expert_parallel import PRESETS
+
+    named = ((saved.get("ds_config") or {}).get("expert_parallel") or {}).get("preset_model")
+    if named:
+        return named
+    model_type = json.loads((meta / "config.json").read_text()).get("model_type")
+    found = [name for name, types in PRESETS.items() if model_type in types]
+    if not found:
+        raise UnusableInput(f"no AutoEP preset matches model_type {model_type!r}: dstk cannot name its experts")
+    return found[0]
+
+
+def onto_autoep(module, weights: dict, moments: dict) -> tuple[dict, dict]:
+    """(weights, moments) by HF name -> the same with every AutoEP layer's tensors of `module` (this rank's experts,
+    its router) by the layer's own names, as toolkit.checkpoint.portable.restore writes them into the engine."""
+    from models.autoep import from_hf, layers, preset_names
+
+    found = layers(module)
+    weights, moments = dict(weights), {key: dict(found_) for key, found_ in moments.items()}
+    shaped = {key: {hf: t.reshape(weights[hf].shape) for hf, t in tensors.items() if hf in weights}
+              for key, tensors in moments.items()}
+    for block, layer in found.items():
+        names = preset_names(layer.model_family)
+        weights.update(from_hf(weights, block, layer, names))
+        for key in moments:
+            moments[key].update(from_hf(shaped[key], block, layer, names))
+    return weights, moments
