@@ -35,8 +35,8 @@ Per token, forward, a multiply-add counting 2 (n tokens: multiply by n):
   router    2*h*E
   experts   k * 3 * 2*h*I_e            the top-k experts a token is routed to, not all E
   shared    3 * 2*h*I_s (+ 2*h)        the shared expert (qwen2_moe: and its gate)
-Memory: every rank holds all E experts (dstk has no expert parallelism), so weights, gradients and
-optimizer states count all of them (moe_params); FLOPs and activations count k.
+Memory: moe_params counts all E experts, as every rank holds them without expert parallelism (with AutoEP's
+ep > 1 a rank holds E / ep: toolkit.plan.memory.rank.expert_states); FLOPs and activations count k.
 
 Approximated:
   - every token runs exactly k experts and each expert's rows cost what a dense matmul of that many

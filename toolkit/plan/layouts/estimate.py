@@ -27,6 +27,12 @@ for pp = 1 where ZeRO-2/3 can overlap):
               (a tp group is tp consecutive ranks of one node): two all-reduces of (mbs, seq, h) per block
               forward and two backward (toolkit.plan.tp.tp_comm_bytes). The dp comm above then carries
               the rank's params / tp.
+  ep comm     AutoEP (ep > 1, inside dp; tp = sp = 1, 1F1B): a rank holds E / ep of each MoE block's routed experts
+              (their weights, gradients and states: toolkit.plan.memory.rank.expert_states); per MoE block and
+              micro-batch it sends its tokens x k rows of h out and back by all-to-all (ep_comm_bytes), over
+              `nvlink` where its ep consecutive ranks share a node; the experts' gradients are reduced over the
+              dp / ep ranks holding the same experts, the dense ones over dp (ep_dp_volume). Compute unchanged:
+              the same FLOPs per token (larger per-expert matmuls may run faster; not modelled, not measured).
 LoRA (a frozen base, Model.trainable = the adapters per layer): the stage's model states hold gradients and
 optimizer states for the adapters only (toolkit.plan.memory.rank), G and the optimizer's traffic shrink to the
 adapters', and compute is cost/layers.py's: a frozen matmul's backward computes the input gradient only, about 1 x
@@ -43,7 +49,8 @@ allocator's fragmentation, toolkit.plan.layouts.planner).
 
 from dataclasses import asdict, dataclass, field
 
-from toolkit.plan.memory.rank import activation_bytes, in_flight, in_flight_dualpipev, model_state_bytes
+from toolkit.plan.memory.rank import (activation_bytes, expert_states, in_flight, in_flight_dualpipev,
+                                      model_state_bytes)
 from toolkit.plan.memory.overhead import Fixed, fixed_bytes
 from toolkit.plan.memory.precision import weight_bytes
 from toolkit.plan.layouts.long_sequences import (features, offloaded_checkpoints, tiled_loss_peak, tiled_mlp_flops,
@@ -67,6 +74,7 @@ class Layout:
     tp: int = 1  # tensor-parallel size (AutoTP); world = pp * dp * sp * tp
     sp: int = 1  # Ulysses sequence-parallel size (pp = tp = 1): each rank holds seq / sp tokens
     schedule: str = "1f1b"  # or "dualpipev" (pp > 1): 2 pp stages, rank r holds stages r and 2 pp - 1 - r
+    ep: int = 1  # expert-parallel size (AutoEP, inside dp: ep consecutive ranks of a stage share a block's experts)
 
     @property
     def zero_ranks(self) -> int:
@@ -79,6 +87,7 @@ class Layout:
                 (["act-ckpt"] if self.checkpointing else [])
         tp = f" tp={self.tp}" if self.tp > 1 else ""
         tp += f" sp={self.sp}" if self.sp > 1 else ""
+        tp += f" ep={self.ep}" if self.ep > 1 else ""
         tp += " dualpipev" if self.schedule == "dualpipev" else ""
         return " ".join([f"pp={self.pp} dp={self.dp}{tp} zero={self.zero} mbs={self.mbs} gas={self.gas}"] + extra)
 
@@ -112,6 +121,7 @@ class Estimate:
     times: dict = field(default_factory=dict)  # seconds: compute, bubble, dp_comm, pp_comm, offload, tp_comm
     tp_comm_bytes: int = 0  # per rank per step, over its tp group
     sp_comm_bytes: int = 0  # per rank per step, Ulysses' all-to-alls over its sp group
+    ep_comm_bytes: int = 0  # per rank per step, AutoEP's dispatch and combine all-to-alls over its ep group
     loss_peak: int = 0  # of `activations`: the loss's transient peak, on the stage holding the head
     fixed: Fixed = Fixed(0, 0, 0)  # outside torch's allocator: CUDA context, NCCL buffers (toolkit.plan.memory.overhead)
     stages: list = field(default_factory=list)  # StageFigures of every pipeline stage
@@ -154,6 +164,7 @@ class Estimate:
                 "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
                 "tp": self.layout.tp, "tp_comm_bytes": self.tp_comm_bytes,
                 "sp": self.layout.sp, "sp_comm_bytes": self.sp_comm_bytes,
+                "ep": self.layout.ep, "ep_comm_bytes": self.ep_comm_bytes,
                 "step_time_s": self.step_time, "times_s": dict(self.times), "parts": list(self.parts),
                 "stages": [asdict(s) for s in self.stages], "flops_parts": self.flops_parts,
                 "split_cost": self.split_cost}
@@ -188,6 +199,10 @@ class Model:
     # intermediates of one sequence, bytes): dstk train runs them through TiledMLP where models.tiled.mlp.choose says
     offload: tuple | None = None  # (--offload-activations mode, the model's decoder blocks): dstk train moves the
     # checkpointed inputs to host memory where models.tiled.offload.choose says (long_sequences.offloaded_checkpoints)
+    experts: list | None = None  # per layer, of `params` the routed experts' (all E of an MoE block; AutoEP's
+    # ep > 1 leaves E / ep of them on a rank); None: a dense model
+    routed: list | None = None  # per layer, bytes one sequence's tokens carry in AutoEP's all-to-alls forward at
+    # ep > 1, before the share that stays on the rank: dispatch and combine (toolkit.plan.layouts.planner.model_of)
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,18 @@ def rank_params(model: Model, parts: list, stages: list) -> int:
     if len(stages) > 1 and parts[stages[0]] == 0 and parts[stages[1] + 1] == len(model.params):
         total -= model.tied[-1]
     return total
+
+
+def rank_experts(model: Model, parts: list, stages: list) -> int:
+    """Routed-expert parameters of a rank's `stages`, every expert counted (0 for a dense model)."""
+    if not model.experts:
+        return 0
+    return sum(sum(model.experts[parts[s]:parts[s + 1]]) for s in stages)
+
+
+def rank_held(model: Model, parts: list, stages: list, ep: int) -> int:
+    """Parameters a rank stores: with ep > 1 only E / ep of each MoE block's routed experts."""
+    return rank_params(model, parts, stages) - rank_experts(model, parts, stages) * (ep - 1) // ep
 
 
 def rank_trainable(model: Model, parts: list, stages: list) -> int:
@@ -286,19 +313,22 @@ def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) 
 
 
 def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):
-    """memory.ModelStates of the rank holding stages `held` under `parts`."""
-    return model_state_bytes(rank_params(model, parts, held), lay.zero_ranks, lay.zero, precision, optimizer,
-                             lay.offload, pipeline=lay.pp > 1,
-                             overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
-                             fp32_grad_accum=precision == "bf16",  # generate-config's bf16 default
-                             trainable=rank_trainable(model, parts, held))
+    """memory.ModelStates of the rank holding stages `held` under `parts` (ep > 1: memory.rank.expert_states)."""
+    options = dict(precision=precision, optimizer=optimizer, offload=lay.offload, pipeline=lay.pp > 1,
+                   overlap_comm=lay.zero == 2,  # generate-config turns it on for ZeRO >= 2
+                   fp32_grad_accum=precision == "bf16")  # generate-config's bf16 default
+    if lay.ep > 1:  # no LoRA with ep (dstk train refuses it): every parameter trains
+        return expert_states(rank_params(model, parts, held), rank_experts(model, parts, held), lay.zero_ranks,
+                             lay.ep, lay.zero, **options)
+    return model_state_bytes(rank_params(model, parts, held), lay.zero_ranks, lay.zero,
+                             trainable=rank_trainable(model, parts, held), **options)
 
 
 def stage_fits(model: Model, lay: Layout, hw: Hardware, precision: str, optimizer: str):
     """fits(stage, lo, hi): whether a 1F1B stage holding layers lo:hi fits the GPU (and offload the host) under
     this layout: what predict counts for it (toolkit.plan.cost.partition.fitting_split's test)."""
     flights = stage_flights(lay, lay.pp)
-    spare = hw.capacity - fixed_bytes(lay.pp, lay.zero_ranks, lay.tp).total
+    spare = hw.capacity - fixed_bytes(lay.pp, lay.zero_ranks, lay.tp, lay.ep).total
     n = len(model.params)
 
     def fits(stage, lo, hi):
@@ -322,13 +352,15 @@ def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str
     _, heaviest, states = max(totals, key=lambda t: t[0])
     held = rank_stages(lay)[heaviest]
     w = weight_bytes(precision)
-    working = 2 * max(model.params) * w if lay.zero == 3 else 0
+    # ZeRO-3 gathers a layer's parameters: with ep > 1 its own E / ep experts
+    held_layers = [p - e * (lay.ep - 1) // lay.ep for p, e in zip(model.params, model.experts or [0] * len(model.params))]
+    working = 2 * max(held_layers) * w if lay.zero == 3 else 0
     bubble = dualpipev_bubble(lay.pp, lay.gas) if lay.schedule == "dualpipev" else bubble_fraction(lay.pp, lay.gas)
     # sp: slices travel; DualPipeV: both phases cross each link
     sends = 2 * model.boundary * lay.mbs * lay.gas * (2 if lay.schedule == "dualpipev" else 1) // lay.sp
     est = Estimate(lay, heaviest, parts, states, int(sum(acts[s] for s in held)), working, hw.capacity,
                    hw.host_capacity, bubble, 0, sends if lay.pp > 1 else 0,
-                   loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp),
+                   loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp, lay.ep),
                    host_activations=sum(hosts[s] for s in held), features=features(model, lay, sum(hosts)))
     est.stages = _stage_figures(model, parts, lay, [t[0] + working + est.fixed.total for t in totals])
     _times(est, model, hw, precision)
@@ -361,20 +393,25 @@ def _times(est: Estimate, model: Model, hw: Hardware, precision: str) -> None:
         slot = max(slot, flops * lay.mbs / lay.sp / rate)
     pp_bw = hw.network if _crosses(lay.dp * lay.sp * lay.tp, lay.pp, hw.gpus_per_node, boundary=True) else hw.nvlink
     send = 2 * model.boundary * lay.mbs / lay.sp / (pp_bw * 1e9) if lay.pp > 1 else 0.0
-    heaviest = max(rank_params(model, parts, held) for held in rank_stages(lay))
+    heaviest = max(rank_held(model, parts, held, lay.ep) for held in rank_stages(lay))
     trained = max(rank_trainable(model, parts, held) for held in rank_stages(lay))
-    est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w))
+    est.dp_comm_bytes = int(_dp_volume(lay, trained * w, heaviest * w) if lay.ep == 1 else
+                            max(ep_dp_volume(model, parts, held, lay, w) for held in rank_stages(lay)))
     # a dp group spans dp * tp consecutive ranks (its members stride by tp)
     dp_bw = hw.network if _crosses(lay.zero_ranks * lay.tp, lay.pp, hw.gpus_per_node) else hw.nvlink
     est.tp_comm_bytes = int((model.tp_comm + lay.checkpointing * model.tp_recompute) * lay.mbs * lay.gas)
     est.sp_comm_bytes = int(sp_comm_bytes(model.attn_bytes, lay))
     sp_bw = hw.network if lay.sp > hw.gpus_per_node else hw.nvlink  # an sp group: sp consecutive ranks
+    est.ep_comm_bytes = int(max(ep_comm_bytes(model, parts, held, lay) for held in rank_stages(lay)))
+    # an ep group: ep consecutive ranks of a stage, aligned to multiples of ep
+    ep_bw = hw.network if lay.ep > hw.gpus_per_node or hw.gpus_per_node % lay.ep else hw.nvlink
     # DualPipeV: each micro-batch crosses every link twice (out and back); a rank idles (4 pp - 5) / 6 slots
     idle, crossings = ((4 * lay.pp - 5) / 6, 2) if lay.schedule == "dualpipev" else (lay.pp - 1, 1)
     est.times = {"compute": lay.gas * slot, "bubble": idle * (slot + send), "pp_comm": lay.gas * send * crossings,
                  "dp_comm": est.dp_comm_bytes / (dp_bw * 1e9),
                  "offload": _offload_time(lay, trained, heaviest, w, hw),
-                 "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9), "sp_comm": est.sp_comm_bytes / (sp_bw * 1e9)}
+                 "tp_comm": est.tp_comm_bytes / (hw.nvlink * 1e9), "sp_comm": est.sp_comm_bytes / (sp_bw * 1e9),
+                 "ep_comm": est.ep_comm_bytes / (ep_bw * 1e9)}
 
 
 def sp_comm_bytes(attn_bytes: float, lay: Layout) -> float:
@@ -387,12 +424,34 @@ def sp_comm_bytes(attn_bytes: float, lay: Layout) -> float:
     return passes * attn_bytes / lay.sp * (lay.sp - 1) / lay.sp * lay.mbs * lay.gas
 
 
-def _dp_volume(lay: Layout, grad_bytes: int, param_bytes: int) -> float:
-    """Bytes a rank sends per step: gradients (and updated parameters) of what trains; ZeRO-3 also
-    gathers every parameter, frozen ones included, twice per micro-batch."""
-    if lay.zero_ranks == 1:
+def ep_comm_bytes(model: Model, parts: list, held: list, lay: Layout) -> float:
+    """Bytes a rank sends per step in AutoEP's all-to-alls over its ep group: per MoE block and micro-batch its
+    tokens x top-k rows of the hidden size out to their experts and back (dispatch, combine: Model.routed), again
+    for the backward (their gradients) and with activation checkpointing for the recomputed forward; of which
+    (ep - 1) / ep leaves the rank (routing spread evenly over the experts; a skewed router sends more)."""
+    if lay.ep == 1 or not model.routed:
         return 0.0
-    share = (lay.zero_ranks - 1) / lay.zero_ranks  # of the bytes, in one reduce-scatter or all-gather
+    passes = 3 if lay.checkpointing else 2
+    routed = sum(sum(model.routed[parts[s]:parts[s + 1]]) for s in held)
+    return passes * routed * (lay.ep - 1) / lay.ep * lay.mbs * lay.gas
+
+
+def ep_dp_volume(model: Model, parts: list, held: list, lay: Layout, w: int) -> float:
+    """_dp_volume under expert parallelism: the dense parameters over the dp group, the rank's E / ep experts over
+    the expert-data-parallel group of dp / ep ranks (DeepSpeed reduces expert gradients there)."""
+    experts = rank_experts(model, parts, held)
+    dense = (rank_params(model, parts, held) - experts) * w
+    local = experts // lay.ep * w
+    return _dp_volume(lay, dense, dense) + _dp_volume(lay, local, local, lay.zero_ranks // lay.ep)
+
+
+def _dp_volume(lay: Layout, grad_bytes: int, param_bytes: int, ranks: int | None = None) -> float:
+    """Bytes a rank sends per step: gradients (and updated parameters) of what trains; ZeRO-3 also
+    gathers every parameter, frozen ones included, twice per micro-batch. ranks: the group (default dp * sp)."""
+    ranks = ranks or lay.zero_ranks
+    if ranks == 1:
+        return 0.0
+    share = (ranks - 1) / ranks  # of the bytes, in one reduce-scatter or all-gather
     if lay.zero <= 1:
         return 2 * share * grad_bytes
     if lay.zero == 2:

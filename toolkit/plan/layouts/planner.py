@@ -8,7 +8,8 @@ Layouts: pp dividing the world, up to the model's block count; tensor parallelis
 tp dividing the GPUs of a node (a tp group never spans nodes), for models AutoTP can shard
 (toolkit.plan.tp.tp_candidates), alone (pp = 1) or inside pipeline stages (3D: dp x pp x tp);
 Ulysses sequence parallelism (sp) at tp = 1, alone or inside pipeline stages, for a causal LM whose heads sp
-divides; dp = world / (pp * sp * tp); ZeRO 0-3 at pp = 1 (with or without tp), 0-1 with pp > 1 (DeepSpeed's PipelineEngine
+divides; expert parallelism (AutoEP, ep_candidates) for MoE models at tp = sp = 1 under 1F1B, ep inside dp dividing
+it and the experts; dp = world / (pp * sp * tp); ZeRO 0-3 at pp = 1 (with or without tp), 0-1 with pp > 1 (DeepSpeed's PipelineEngine
 refuses 2/3); mbs * gas * dp = gbs; offload of the optimizer (ZeRO >= 1) or of everything (ZeRO-3); activation
 checkpointing on or off. With tp at pp = 1 AutoTP shards every layer it has a plan for (the head, a tied
 embedding); inside pipeline stages only the decoder blocks are sharded, the embedding, final norm and
@@ -92,7 +93,7 @@ class PlanResult:
         seen, out = set(), []
         for e in self.fitting:
             lay = e.layout
-            family = (lay.pp, lay.tp, lay.sp, lay.zero, lay.offload, lay.checkpointing, lay.schedule)
+            family = (lay.pp, lay.tp, lay.sp, lay.ep, lay.zero, lay.offload, lay.checkpointing, lay.schedule)
             if family not in seen and len(out) < self.request.top:
                 seen.add(family)
                 out.append(e)
@@ -271,7 +272,22 @@ def model_of(costs, arch, seq: int, req: PlanRequest, tp: int = 1, pipeline: boo
                  # q and the output (h wide), k and v (kv_heads * head_dim: h * kv_heads / heads, as counted here)
                  attn_bytes=boundary * (2 + 2 * arch.kv_heads / arch.heads) * sum(c.kind == "block" for c in costs),
                  head_loss=_head_loss(arch, seq, req, pipeline), tiled_mlp=_tiled_mlp(arch, costs, seq, req),
-                 backward=[c.backward_bytes for c in costs], offload=(req.offload_activations, arch.layers))
+                 backward=[c.backward_bytes for c in costs], offload=(req.offload_activations, arch.layers),
+                 **_expert_figures(arch, costs, seq, req))
+
+
+def _expert_figures(arch, costs, seq: int, req) -> dict:
+    """Model.experts and Model.routed of an MoE model ({} for a dense one): per MoE block its E routed experts'
+    parameters (3 h I_e each), and the bytes one sequence's tokens send in AutoEP's all-to-alls forward: seq x k
+    rows of h activations out to their experts (dispatch) and back (combine)."""
+    from toolkit.plan.memory.precision import PRECISIONS
+
+    if not arch.is_moe:
+        return {}
+    moe = [c.kind == "block" and arch.moe_block(i - 1) for i, c in enumerate(costs)]  # costs[0]: the embedding
+    experts = arch.experts * 3 * arch.hidden * arch.expert_intermediate
+    routed = 2 * seq * arch.experts_per_token * arch.hidden * PRECISIONS[req.precision].act
+    return dict(experts=[experts * m for m in moe], routed=[routed * m for m in moe])
 
 
 def _tiled_mlp(arch, costs, seq: int, req) -> tuple:
@@ -343,9 +359,10 @@ def candidate_layouts(req: PlanRequest, arch, costs: list, tps=(1,)):
                 if schedule == "dualpipev" and gas < 2 * pp:  # DualPipeVSchedule's floor
                     continue
                 for zero in (range(2) if pp > 1 else range(4)):
-                    for offload in _offloads(zero, req.offload):
-                        for ckpt in ((False, True) if req.checkpointing else (False,)):
-                            yield parts, Layout(pp, dp, zero, mbs, gas, offload, ckpt, tp, sp, schedule)
+                    for ep in ep_candidates(arch, req, dp, zero, tp, sp, schedule):
+                        for offload in _offloads(zero, req.offload):
+                            for ckpt in ((False, True) if req.checkpointing else (False,)):
+                                yield parts, Layout(pp, dp, zero, mbs, gas, offload, ckpt, tp, sp, schedule, ep)
 
 
 def _schedules(costs: list, pp: int, tp: int, sp: int) -> list:
@@ -370,6 +387,16 @@ def sp_candidates(arch, seq: int, world: int) -> list:
         return []
     return [sp for sp in range(2, min(world, arch.heads) + 1)  # sp divides the heads: bounded by them, not the world
             if world % sp == 0 and not ulysses_problems(arch.heads, arch.kv_heads, sp, seq)]
+
+
+def ep_candidates(arch, req: PlanRequest, dp: int, zero: int, tp: int, sp: int, schedule: str) -> list:
+    """Expert-parallel sizes to try: 1, and for an MoE model the divisors of dp (AutoEP groups ep consecutive ranks
+    of a stage's dp x sp x tp; dstk train runs it at tp = sp = 1 only) that divide its experts. Not where dstk
+    train refuses ep (tp, sp, DualPipeV, LoRA: toolkit.config.rules.expert_parallel.train_refusals), nor at ZeRO-0,
+    whose clipping norm is wrong with ep (`dstk validate` refuses it with generate-config's clipping)."""
+    if not arch.is_moe or tp > 1 or sp > 1 or schedule != "1f1b" or req.lora or zero == 0:
+        return [1]
+    return [1] + [ep for ep in range(2, dp + 1) if dp % ep == 0 and arch.experts % ep == 0]
 
 
 def _divisors_up_to(n: int, limit: int) -> list:
@@ -399,7 +426,8 @@ def _reason(e: Estimate, ranked: list, index: int) -> str:
 
 _PARTS = {"compute": "compute", "bubble": "pipeline bubble", "dp_comm": "data-parallel communication",
           "pp_comm": "pipeline send/receive", "offload": "offload traffic and CPU optimizer",
-          "tp_comm": "tensor-parallel all-reduces", "sp_comm": "sequence-parallel all-to-alls"}
+          "tp_comm": "tensor-parallel all-reduces", "sp_comm": "sequence-parallel all-to-alls",
+          "ep_comm": "expert-parallel all-to-alls"}
 
 
 def _compare(slower: Estimate, faster: Estimate, name: str) -> str:

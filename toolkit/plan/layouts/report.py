@@ -61,6 +61,8 @@ def _describe(e: Estimate, label: str) -> list:
             + (" (DualPipeV: out and back, 2x 1F1B's)" if e.layout.schedule == "dualpipev" else ""))
     if e.layout.tp > 1:
         comm += f", tp comm {fb(e.tp_comm_bytes)}/step/GPU (within a node)"
+    if e.layout.ep > 1:
+        comm += f", ep all-to-all {fb(e.ep_comm_bytes)}/step/GPU ({_experts(e)})"
     parts = ", ".join(f"{k} {v:.3g}" for k, v in t.items() if v)
     split = textwrap.wrap(f"split {e.parts}, not the FLOPs-balanced {e.flops_parts} whose heaviest stage does not "
                           f"fit: its slowest stage computes {e.split_cost - 1:.1%} more", 116, initial_indent="   ",
@@ -68,6 +70,12 @@ def _describe(e: Estimate, label: str) -> list:
     long = [f"   long sequences: {', '.join(e.features)} (dstk train's auto choices)"] if e.features else []
     return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})", *long,
             *_stage_lines(e), *split]
+
+
+def _experts(e: Estimate) -> str:
+    group = e.layout.dp // e.layout.ep
+    reduce = f"their gradients reduced over {group} ranks" if group > 1 else "each expert on one rank, none to reduce"
+    return f"each rank holds 1/{e.layout.ep} of the experts; {reduce}"
 
 
 def _stage_lines(e: Estimate) -> list:
@@ -118,8 +126,18 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _preset(model: str, revision: str) -> str | None:
+    """DeepSpeed's AutoEP preset matching the model's model_type (None: AutoEP tries each)."""
+    from toolkit.config.rules.expert_parallel import PRESETS
+    from toolkit.plan.arch import load_arch
+
+    model_type = load_arch(model, revision).model_type
+    return next((name for name, types in PRESETS.items() if model_type in types), None)
+
+
 def layout_config(result: PlanResult, index: int = 0) -> dict:
-    """The DeepSpeed config of the index-th best layout, through generate-config's build_config."""
+    """The DeepSpeed config of the index-th best layout, through generate-config's build_config (ep > 1: with the
+    expert_parallel section and the AutoEP preset of the model's model_type)."""
     from toolkit.config.generate import build_config
     from toolkit.config.options import GenerateOptions
 
@@ -130,7 +148,8 @@ def layout_config(result: PlanResult, index: int = 0) -> dict:
         world_size=r.gpus_per_node * r.nodes, nodes=r.nodes, gpus_per_node=r.gpus_per_node, pp=lay.pp, tp=lay.tp,
         mbs=lay.mbs, gbs=r.gbs, zero=lay.zero, precision=r.precision, optimizer=OPTIMIZER_TYPES[r.optimizer],
         offload_optimizer="cpu" if lay.offload != "none" else "none",
-        offload_param="cpu" if lay.offload == "all" else "none", activation_checkpointing=lay.checkpointing)
+        offload_param="cpu" if lay.offload == "all" else "none", activation_checkpointing=lay.checkpointing,
+        ep=lay.ep, ep_preset=_preset(r.model, r.revision) if lay.ep > 1 else None)
     cfg = build_config(options)
     if result.best[index].flops_parts:  # the split that fits, which training would not find by FLOPs alone
         cfg["pipeline"]["parts"] = list(result.best[index].parts)

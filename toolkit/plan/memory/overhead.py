@@ -23,6 +23,8 @@ no device_id, so groups are not split from the world's and share no buffers):
   + 3 with pp > 1: the pipeline group (the engine broadcasts the loss over it) and the (up to) two stages it
       sends to and receives from (torch opens one 2-rank communicator per send/recv pair)
   + 1 with tp > 1: the tensor-parallel group
+  + 1 with ep > 1: the expert-parallel group (AutoEP's all-to-alls), + 1 the expert-data-parallel group when
+      dp / ep > 1 (the experts' gradient reduction)
 A world of one counts none: its one-rank communicator connects to no peer and allocates no channel buffers.
 """
 
@@ -46,15 +48,15 @@ class Fixed:
         return self.cuda_context + self.nccl
 
 
-def communicators(pp: int, dp: int, tp: int) -> int:
-    """NCCL communicators one rank of a pp x dp x tp layout opens (module docstring)."""
+def communicators(pp: int, dp: int, tp: int, ep: int = 1) -> int:
+    """NCCL communicators one rank of a pp x dp x tp layout (ep: of its dp ranks) opens (module docstring)."""
     world = pp * dp * tp
     if world == 1:
         return 0
-    return 1 + (dp > 1 and pp * tp > 1) + 3 * (pp > 1) + (tp > 1)
+    return 1 + (dp > 1 and pp * tp > 1) + 3 * (pp > 1) + (tp > 1) + (ep > 1) + (ep > 1 and dp > ep)
 
 
-def fixed_bytes(pp: int, dp: int, tp: int = 1) -> Fixed:
+def fixed_bytes(pp: int, dp: int, tp: int = 1, ep: int = 1) -> Fixed:
     """The CUDA context and NCCL's buffers of one rank (module docstring)."""
-    n = communicators(pp, dp, tp)
+    n = communicators(pp, dp, tp, ep)
     return Fixed(CUDA_CONTEXT, n * NCCL_COMM, n)

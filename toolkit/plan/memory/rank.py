@@ -24,6 +24,11 @@ their weight bytes on every dp rank (ZeRO-3 partitions them too). The reduction 
 trainable, so they overstate LoRA several times over (bf16 with Adam: about 16 bytes per frozen parameter
 instead of 2).
 
+Expert parallelism (DeepSpeed AutoEP, ep > 1: `expert_states`): a rank holds E / ep of each MoE block's routed
+experts, and ZeRO partitions their gradients, masters and optimizer states over the expert-data-parallel group
+(dp / ep ranks) while the dense rest is partitioned over dp as above. So a rank holds 1/ep of the experts' weights
+(and ZeRO-0/1's full gradients), and at ZeRO >= 1 the same experts / dp of their masters and states as at ep 1.
+
 Activations: bytes per layer per micro-batch (N = mbs*seq tokens) come from toolkit.plan.cost.layers, which
 counts the tensors HF's modules save for backward (norm inputs, q/k/v, attention output, MLP
 intermediates; (seq x seq) probabilities only under eager attention). It plays the role of Korthikanti
@@ -31,7 +36,7 @@ et al. 2022's sbh(34 + 5as/h) bytes per 16-bit Megatron layer, fitted to HF laye
 are multiplied by the micro-batches 1F1B keeps in flight on each stage.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 
 from toolkit.errors import ConfigError
 from toolkit.plan.memory.precision import FP32, optimizer_bytes, weight_bytes
@@ -111,6 +116,24 @@ def model_state_bytes(num_params: int, dp: int, zero: int, precision: str = "bf1
     if offload == "all":
         cpu, params = cpu + params, 0
     return ModelStates(params, grads, master, opt, buffers, cpu)
+
+
+def expert_states(num_params: int, experts: int, dp: int, ep: int, zero: int, **kwargs) -> ModelStates:
+    """Model states of a rank under expert parallelism: of its `num_params`, `experts` are routed-expert parameters
+    (every expert of its blocks, as at ep 1) of which it holds experts / ep, partitioned over dp / ep ranks; the rest
+    over dp (module docstring). One reduction bucket, the larger of the two; kwargs: model_state_bytes's (no LoRA:
+    dstk train refuses it with ep)."""
+    if ep == 1 or not experts:
+        return model_state_bytes(num_params, dp, zero, **kwargs)
+    if dp % ep or experts % ep:
+        raise ConfigError(f"ep {ep} must divide dp ({dp}) and the expert parameters ({experts})")
+    dense = model_state_bytes(num_params - experts, dp, zero, **kwargs) if num_params > experts else None
+    routed = model_state_bytes(experts // ep, dp // ep, zero, **kwargs)
+    if dense is None:
+        return routed
+    fields = [a + b for a, b in zip(astuple(dense), astuple(routed))]
+    fields[4] = max(dense.buffers, routed.buffers)  # one bucket at a time
+    return ModelStates(*fields)
 
 
 def _zero0_layout(n: int, dp: int, w: int, pipeline: bool) -> tuple[int, int, int, int]:
