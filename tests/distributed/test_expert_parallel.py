@@ -55,7 +55,7 @@ class Runs(LazyRuns):
         (self.tmp / f"{name}.json").write_text(json.dumps(cfg))
         rc, log = run_train(["--config", self.tmp / f"{name}.json", "--model", self.model(model), "--data",
                              self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", STEPS, "--eval-fraction", "0.01",
-                             "--no-progress", "--attention", "eager", *([] if ep else ["--no-export"]), "--save-every", 2, "--out",
+                             "--no-progress", "--attention", "eager", *([] if ep and pp == 1 else ["--no-export"]), "--save-every", 2, "--out",
                              self.tmp / name, *resume], procs)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
         (self.tmp / f"{name}.log").write_text(log)
