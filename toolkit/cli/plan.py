@@ -50,6 +50,8 @@ def _size(ctx, param, value):
 @click.option("--offload-activations", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="As dstk train's: with activation checkpointing, the checkpointed block inputs in host memory but "
               "two, counted against --host-mem (auto: where a GPU's would take 1 GiB or more per micro-batch).")
+@click.option("--ep/--no-ep", "expert_parallel", default=True, show_default=True,
+              help="Consider expert parallelism (DeepSpeed's AutoEP) for an MoE model.")
 @click.option("--offload/--no-offload", default=True, show_default=True, help="Consider ZeRO offload to CPU.")
 @click.option("--checkpointing/--no-checkpointing", default=True, show_default=True, help="Consider activation checkpointing.")
 @click.option("--lora", type=int, metavar="R", help="Plan LoRA fine-tuning: rank-R adapters on every block linear train, the base is frozen (weights only: no gradients or optimizer states).")

@@ -277,7 +277,7 @@ def check_shape(arch: Arch, seq_len: int, mbs: int) -> None:
     for flag, value in (("--seq-len", seq_len), ("--mbs", mbs)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
-    if seq_len > arch.max_positions and arch.learned_positions:  # a table of max_positions rows: none past it
+    if seq_len > arch.max_positions:
         raise ConfigError(f"--seq-len {seq_len} exceeds {arch.name}'s max_positions ({arch.max_positions}); "
                           f"use --seq-len {arch.max_positions} or less")
 

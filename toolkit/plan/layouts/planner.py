@@ -61,6 +61,7 @@ class PlanRequest:
     host_mem: int = 2**40  # bytes of host memory per node, for offloaded states
     attention: str = "sdpa"
     offload: bool = True  # consider offload layouts
+    expert_parallel: bool = True  # consider expert parallelism (AutoEP) for an MoE model
     checkpointing: bool = True  # consider activation checkpointing
     top: int = 3
     lora: int | None = None  # LoRA rank r: adapters on every block linear train, the base is frozen
@@ -127,8 +128,8 @@ def make_plan(req: PlanRequest) -> PlanResult:
     result = PlanResult(req, gpu, seq, len(estimates), fitting, closest, [], *param_counts(arch, req.lora))
     result.active = result.params - arch.inactive_params()
     result.tp_candidates = tuple(tps)
-    if seq > arch.max_positions:  # rotary (check_shape refuses learned positions past their table)
-        result.notes.append(f"--seq-len {seq} is past {arch.name}'s {arch.max_positions} positions: planned as a "
+    if "dstk_positions" in arch.extra:  # a rotary model past its positions (_prepare)
+        result.notes.append(f"--seq-len {seq} is past {arch.name}'s {arch.extra['dstk_positions']} positions: planned as a "
                             f"long-context variant of it (config.json's max_position_embeddings, and its rope_scaling, "
                             f"raised to {seq}); dstk train refuses a --seq-len past the model's positions")
     best = result.best
@@ -189,6 +190,8 @@ def _prepare(req: PlanRequest) -> tuple:
     _check_request(req)
     gpu, arch = _gpu(req), load_arch(req.model, req.revision)
     seq = req.seq_len or min(2048, arch.max_positions)
+    if seq > arch.max_positions and not arch.learned_positions:  # rotary: its long-context variant (make_plan's note)
+        arch = replace(arch, max_positions=seq, extra={**arch.extra, "dstk_positions": arch.max_positions})
     return gpu, arch, seq, layer_costs(arch, seq, 1, req.precision, attention=req.attention, lora=req.lora)
 
 
@@ -394,7 +397,7 @@ def ep_candidates(arch, req: PlanRequest, dp: int, zero: int, tp: int, sp: int, 
     of a stage's dp x sp x tp; dstk train runs it at tp = sp = 1 only) that divide its experts. Not where dstk
     train refuses ep (tp, sp, DualPipeV, LoRA: toolkit.config.rules.expert_parallel.train_refusals), nor at ZeRO-0,
     whose clipping norm is wrong with ep (`dstk validate` refuses it with generate-config's clipping)."""
-    if not arch.is_moe or tp > 1 or sp > 1 or schedule != "1f1b" or req.lora or zero == 0:
+    if not (arch.is_moe and req.expert_parallel) or tp > 1 or sp > 1 or schedule != "1f1b" or req.lora or zero == 0:
         return [1]
     return [1] + [ep for ep in range(2, dp + 1) if dp % ep == 0 and arch.experts % ep == 0]
 
