@@ -19,7 +19,6 @@ import pytest
 
 from tests.configs import run_config
 from tests.distributed.launch import LazyRuns, run_script
-from tests.distributed.test_moe_training import losses
 from tests.unit.test_moe_aux import AUX, SIX
 
 pytestmark = pytest.mark.distributed

@@ -7,23 +7,17 @@ pipeline's deepspeed.checkpointing in stages. Packed text at pp 1 and pp 2 (1F1B
 long-sequence feature at once (tiled loss, tiled MLP, offload) against none of them at pp 2 x sp 2, on packed text
 and on chat rows with assistant-only labels and LoRA."""
 
-from pathlib import Path
-
 import pytest
 
 from tests.configs import OPTIMIZER, QUIET, write_config
 from tests.distributed.launch import CORPUS, LazyRuns
 from tests.distributed.test_tiled_loss_runs import STEPS, assert_same
+from tests.distributed.test_tiled_mlp_runs import CHAT, ZERO3
 from tests.distributed.test_train import losses
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
 TEXT = ["--model", "tiny-llama", "--data", str(CORPUS), "--seq-len", "64", "--no-progress", "--eval-fraction", "0.05"]
-CHAT = ["--model", "tiny-llama", "--data", str(REPO / "toolkit" / "corpus" / "chat.jsonl"), "--chat-template",
-        str(REPO / "toolkit" / "corpus" / "chatml.jinja"), "--seq-len", "160", "--no-progress", "--eval-fraction",
-        "0.1", "--lora", "--lora-r", "4", "--train-on", "assistant"]
-ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}  # tiny weights are otherwise never partitioned
 LAYOUTS = {  # processes, pp, sp, model arguments, ZeRO section
     "pp1": (1, 1, 1, TEXT, {"stage": 1}), "pp2": (2, 2, 1, TEXT, {"stage": 1}),
     "chat_pp1": (1, 1, 1, CHAT, {"stage": 1}), "sp2": (2, 1, 2, TEXT, {"stage": 1}),

@@ -430,7 +430,7 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
                "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
                "the same ep")
     elif moved and (saved.get(EP) or now.get(EP)) and max(saved.get("pp", 1), now.get("pp", 1)) > 1:
-        why = (f"a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
+        why = ("a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
                "writes its experts per stage, layer_L_expert_E_mp_rank_<stage>, which toolkit/checkpoint/experts.py "
                "does not join); move at pp 1, or resume on the same layout")
     elif moved and saved.get(EP) and saved.get("zero_stage") not in (1, 2):
