@@ -97,8 +97,9 @@ def _tiled_function():
                 if wants_x:
                     x_grad[start:start + ctx.tile] = got.pop(0)
                 for i, g in zip(trained, got):
-                    if g is not None:
-                        sums[i] = g if sums[i] is None else sums[i] + g
+                    if g is not None:  # summed in place: one copy of each weight's gradient beside the next tile's
+                        sums[i] = g if sums[i] is None else sums[i].add_(g)
+                got = g = logits = loss = piece = None  # nothing of this tile held through the next one's peak
             return (None, x_grad, None, None, None, *sums)
 
     def partitioned_backward(ctx, grad, params, tied):

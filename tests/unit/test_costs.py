@@ -242,3 +242,10 @@ def test_a_tiled_loss_peaks_at_four_fp32_tiles_and_its_input_gradient():
         tiled_head_loss(head, x, targets, vocab).backward()
     assert tiled_loss_bytes(tokens, vocab, h, 4) == 16 * tile_tokens(vocab) * vocab + 4 * tokens * h
     assert mode.peak == pytest.approx(tiled_loss_bytes(tokens, vocab, h, 4), rel=0.05)
+    h = 1024  # a head that trains, wide enough that a copy of its gradient would show (32 MiB next to 256 MiB of
+    head = torch.nn.Linear(h, vocab, bias=False)  # tiles): summed in place, the sum is its .grad, no copy beside it
+    x = torch.randn(1, tokens, h, requires_grad=True)
+    with LiveBytes() as trained:
+        tiled_head_loss(head, x, targets, vocab).backward()
+    weight = vocab * h * 4  # its .grad, which stays
+    assert trained.peak - weight == pytest.approx(tiled_loss_bytes(tokens, vocab, h, 4), rel=0.05)

@@ -22,7 +22,9 @@ def tiled_loss_peak(model, lay) -> int | None:
 def tiled_loss_bytes(tokens: int, vocab: int, hidden: int, e: int) -> int:
     """What models.tiled.loss's backward allocates at its peak for `tokens` tokens (measured in
     tests/unit/test_costs.py): per tile the fp32 logits, their log-softmax, its gradient and the logits' gradient
-    (4 fp32 (tile, V)), and the (tokens, hidden) gradient of the hidden states it fills (e bytes an element)."""
+    (4 fp32 (tile, V)), and the (tokens, hidden) gradient of the hidden states it fills (e bytes an element). A head
+    that trains adds no copy: its gradient is summed over the tiles in place, in the tensor that becomes its .grad
+    (the model states' gradient)."""
     from models.tiled.loss import tile_tokens
 
     return 4 * 4 * min(tokens, tile_tokens(vocab)) * vocab + e * tokens * hidden
