@@ -106,7 +106,7 @@ def _expert_parallel_core() -> dict:
                             "and every MoE block's expert count."),
         "expert_tensor_parallel_size": size("Tensor parallelism inside each expert; DeepSpeed 0.19 accepts only 1."),
         "preset_model": {"description": "The AutoEP preset naming the model's MoE modules; null tries each.",
-                         "enum": [*available_preset_names(), None], "default": None},
+                         "type": ["string", "null"], "enum": [*available_preset_names(), None], "default": None},
     }
 
 
