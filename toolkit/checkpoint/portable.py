@@ -272,8 +272,8 @@ def restore(engine, state: PortableState, names: dict) -> None:
 
     from models.autoep import layers
 
-    if layers(getattr(engine, "module", None) or torch.nn.Module()):  # AutoEP: this rank's experts and routers cut
-        # from the HF tensors
+    module = getattr(engine, "module", None)  # a stand-in engine (tests) may hold none
+    if module is not None and layers(module):  # AutoEP: this rank's experts and routers cut from the HF tensors
         from toolkit.checkpoint.experts import onto_autoep
 
         weights, moments = onto_autoep(engine.module, state.weights, state.moments)
