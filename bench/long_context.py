@@ -9,16 +9,20 @@ Llama-3.1-8B, 500K tokens on one H100, 3.7M on 8).
 
 Model: a small Llama built here (hidden 256, 2 blocks, 8 heads, 4 key/value heads, max positions 2^20) with a 32000-
 token vocabulary, so that the loss weighs as in Llama (bench/tiled_loss.py's), random weights, the byte tokenizer, fp32,
-ZeRO-1, mbs 1, gas 1, dp 1 (world = sp), cpus / sp threads per rank, one document per row: every run is `launch.sh` like
+ZeRO-0, mbs 1, gas 1, dp 1 (world = sp), cpus / sp threads per rank, one document per row: every run is `launch.sh` like
 a user's. Activations: the peak resident set the run logs (peak_mem_mib, the largest over ranks; glibc's blocks of 64
-KiB and more mmap'd, MMAP_THRESHOLD) less that of a BASE_LEN-token baseline run at the same sp (the process, model and
-optimizer states). A row whose flags settle as an earlier row's at a length (the defaults where auto turns nothing on)
+KiB and more mmap'd, MMAP_THRESHOLD) less that of a baseline run (no feature) of BASE_TOKENS tokens per rank at the same sp
+(the process, the model states and that run's activations, the loss's peak mostly). A row whose flags settle as an earlier row's at a length (the defaults where auto turns nothing on)
 takes that row's run there. Search: from a length known to fit
-(the previous row's longest at this sp, or this row's at the sp before; --start at first) the length doubles while the
+(the previous row's longest at this sp, or this row's at the sp before; --start at first; never
+below twice the baseline's length) the length doubles while the
 activations stay within --budget-mib, up to --cap (--bisect: then one step halfway to the first failing length); a
-start that does not fit halves. A run whose ranks pass --kill-at x the budget is stopped there (its activations are
-then a lower bound). The planner's figures: its activations for the same layout, flags and length less its own at
-BASE_LEN (toolkit.plan.layouts: pp 1, ZeRO-1, fp32), and its longest on the same lengths (not capped). Tokens/s: the
+start that does not fit halves, down to twice the baseline's length. A run whose ranks pass --kill-at x the budget is stopped there (its activations are
+then a lower bound). The planner's figures: its activations for the same layout, flags and length less its own for
+the baseline run (toolkit.plan.layouts: pp 1, ZeRO-0, fp32), and its longest on the same lengths (not capped); where
+the run's loss is tiled, plus the head's weight gradient (hidden x vocab fp32): the tiled loss sums it from its first
+tile, so it is alive at the run's peak, while the baseline (whole logits) peaks in its loss before it exists; the
+planner counts every gradient among the model states, alive the whole step. Tokens/s: the
 median per-step tokens/s (the first step left out) at the row's common length, the longest every sp of the row
 trained; --reps > 1 adds runs there, sps alternated.
 """
@@ -40,8 +44,11 @@ from bench.long_context_tables import markdown  # noqa: E402
 ARCH = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
         "intermediate_size": 688, "max_position_embeddings": 2**20}
 VOCAB = 32000
-BASE_LEN = 128  # tokens of the run whose peak is the process, model and optimizer states (and its few activations)
-MIN_LEN = 256  # a start that does not fit halves down to this
+# tokens per rank of the baseline run every activation figure is above (its length: BASE_TOKENS x sp): enough that
+# its peak is in its loss, as the longer runs' are, not in the model states' moments (the end of backward: every
+# gradient and DeepSpeed's flat copy for its all-reduce, 136 MiB here; traced by counting torch's allocations)
+BASE_TOKENS = 512
+ZERO = 0  # ZeRO-1 adds its step's moment (the fp32 gradient partition and AdamW's temporaries), above 128 tokens' loss
 PLANNER_CAP = 2**20
 # glibc serves blocks of 64 KiB and more (every tensor here but the smallest) from mmap and unmaps them when freed,
 # so the resident set follows the live tensors, as a GPU allocator's count does: with its moving threshold it keeps
@@ -50,7 +57,7 @@ MMAP_THRESHOLD = 2**16
 GiB, MiB = 2**30, 2**20
 MODEL_WORDS = (f"Model: small Llama (hidden {ARCH['hidden_size']}, {ARCH['num_hidden_layers']} blocks, "
                f"{ARCH['num_attention_heads']} heads, {ARCH['num_key_value_heads']} kv heads) with a {VOCAB}-token "
-               "vocabulary, fp32, ZeRO-1, mbs 1, one document per row.")
+               "vocabulary, fp32, ZeRO-0, mbs 1, one document per row.")
 CKPT = {"activation_checkpointing": {"partition_activations": False}}  # dstk: HF gradient checkpointing at pp 1
 
 
@@ -119,7 +126,7 @@ def run(model: Path, sp: int, length: int, steps: int, tmp: Path, flags: tuple =
     name = f"sp{sp}_{length}_{len(list(tmp.iterdir()))}"
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-           "zero_optimization": {"stage": 1}, "steps_per_print": 10**6, **(config or {})}
+           "zero_optimization": {"stage": ZERO}, "steps_per_print": 10**6, **(config or {})}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
     (tmp / f"{name}.json").write_text(json.dumps(cfg))
@@ -149,7 +156,7 @@ def run(model: Path, sp: int, length: int, steps: int, tmp: Path, flags: tuple =
 
 
 def predicted_activations(model: Path, sp: int, length: int, row: Row = ROWS[0]) -> int:
-    """The planner's activation bytes for this layout (pp 1, dp 1, sp, ZeRO-1, mbs 1, fp32) with `row`'s features."""
+    """The planner's activation bytes for this layout (pp 1, dp 1, sp, ZeRO-0, mbs 1, fp32) with `row`'s features."""
     from toolkit.plan.layouts.planner import PlanRequest, make_plan
 
     result = make_plan(PlanRequest(model=str(model), gpus_per_node=sp, gbs=1, seq_len=length, precision="fp32",
@@ -157,18 +164,25 @@ def predicted_activations(model: Path, sp: int, length: int, row: Row = ROWS[0])
                                    tiled_loss=row.tiled_loss, tiled_mlp=row.tiled_mlp,
                                    offload_activations="off"))  # on a CPU host memory is the device's: no saving
     return next(e.activations for e in result.fitting if (e.layout.pp, e.layout.sp, e.layout.zero, e.layout.tp,
-                                                            e.layout.checkpointing) == (1, sp, 1, 1, row.checkpointing))
+                                                            e.layout.checkpointing) == (1, sp, ZERO, 1, row.checkpointing))
+
+
+def base_len(sp: int) -> int:
+    return BASE_TOKENS * sp
 
 
 def predicted_share(model: Path, sp: int, length: int, row: Row) -> float:
-    """MiB the planner counts above the base run: its activations at `length` less the baseline's at BASE_LEN."""
-    return (predicted_activations(model, sp, length, row) - predicted_activations(model, sp, BASE_LEN)) / MiB
+    """MiB the planner counts above the baseline run at `sp`: its activations at `length` less the baseline's, and the
+    head's weight gradient where the run's loss is tiled (module docstring)."""
+    head_grad = 4 * ARCH["hidden_size"] * VOCAB if row.resolved(sp, length)[1] else 0
+    return (predicted_activations(model, sp, length, row) + head_grad
+            - predicted_activations(model, sp, base_len(sp))) / MiB
 
 
 def predicted_longest(model: Path, sp: int, row: Row, budget_mib: float, bisect: bool) -> int | None:
     """The planner's longest on the benchmark's lengths: powers of two from MIN_LEN until the first that does not fit
     (--bisect: then halfway to it), up to PLANNER_CAP."""
-    best, length = None, MIN_LEN
+    best, length = None, 2 * base_len(sp)
     while length <= PLANNER_CAP and predicted_share(model, sp, length, row) <= budget_mib:
         best, length = length, 2 * length
     if bisect and best and length <= PLANNER_CAP and predicted_share(model, sp, best * 3 // 2, row) <= budget_mib:
@@ -210,7 +224,7 @@ class Bench:
 
     def longest(self, row: Row, sp: int, start: int) -> dict:
         """Double from `start` (halve while it does not fit) to the longest length within the budget."""
-        tried, length = [], min(start, self.args.cap)
+        tried, length = [], max(min(start, self.args.cap), 2 * base_len(sp))
 
         def fits(n: int) -> bool:
             tried.append(self.attempt(row, sp, n))
@@ -219,7 +233,7 @@ class Bench:
         best = length if fits(length) else None
         while best and 2 * best <= self.args.cap and fits(2 * best):
             best *= 2
-        while best is None and length // 2 >= MIN_LEN:
+        while best is None and length // 2 >= 2 * base_len(sp):
             length //= 2
             best = length if fits(length) else None
         failing = min((t["length"] for t in tried if t["status"] != "fits" and t["length"] > (best or 0)), default=None)
@@ -234,7 +248,7 @@ class Bench:
         """Every row at every sp: sp by sp, each row's search started where a row known to use no more fitted."""
         found = {}
         for sp in self.args.sps:
-            base = self.launch(ROWS[0], sp, BASE_LEN)
+            base = self.launch(ROWS[0], sp, base_len(sp))
             for row in ROWS:
                 if base is None:
                     found[row.name, sp] = {"row": row.name, "flags": row.words, "sp": sp,
@@ -313,9 +327,9 @@ def main() -> int:
     parser.add_argument("--sps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--budget-mib", type=float, default=256, help="activations per rank, MiB")
     parser.add_argument("--cap", type=int, default=8192, help="longest length tried")
-    parser.add_argument("--start", type=int, default=512, help="the first length tried (baseline, first sp)")
+    parser.add_argument("--start", type=int, default=1024, help="the first length tried (baseline, first sp)")
     parser.add_argument("--bisect", action="store_true", help="one more run halfway to the first failing length")
-    parser.add_argument("--kill-at", type=float, default=1.25, help="stop a run past this x the budget (0: never)")
+    parser.add_argument("--kill-at", type=float, default=3, help="stop a run past this x the budget (0: never)")
     parser.add_argument("--reps", type=int, default=1, help="runs pooled for tokens/s at the common length")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
@@ -329,7 +343,7 @@ def main() -> int:
         speed = [bench.speed(cells) for cells in rows]
         alst = alst_comparison(tmp)
     load.append(os.getloadavg()[0])
-    meta = {"model": MODEL_WORDS, "base_len": BASE_LEN, "budget_mib": args.budget_mib, "cap": args.cap, "sps": args.sps,
+    meta = {"model": MODEL_WORDS, "base_tokens": BASE_TOKENS, "zero": ZERO, "budget_mib": args.budget_mib, "cap": args.cap, "sps": args.sps,
             "reps": args.reps, "steps": args.steps, "bisect": args.bisect, "kill_at": args.kill_at, "load": load,
             "cpus": os.cpu_count()}
     write_result("long_context", {"meta": meta, "rows": rows, "throughput": speed, "alst": alst})

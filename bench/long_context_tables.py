@@ -48,7 +48,7 @@ def tried_text(t: dict) -> str:
 def markdown(meta: dict, rows: list, speed: list, alst: list) -> list:
     sps = meta["sps"]
     lines = [meta["model"] + f" Activation budget per rank: {meta['budget_mib']:g} MiB (peak RSS above a "
-             f"{meta['base_len']}-token baseline run at the same sp); lengths double from one known to fit, up to "
+             f"baseline run of {meta['base_tokens']} tokens per rank at the same sp, ZeRO-{meta['zero']}); lengths double from one known to fit, up to "
              f"{meta['cap']}{', then one step halfway to the first failing one' if meta['bisect'] else ''}. "
              f"{meta['cpus']} CPUs, cpus / sp threads per rank; load average {meta['load'][0]:.1f} before, "
              f"{meta['load'][1]:.1f} after.", "",
@@ -59,8 +59,8 @@ def markdown(meta: dict, rows: list, speed: list, alst: list) -> list:
     for cells, rate in zip(rows, speed):
         lines.append(f"| {cells[0]['row']}: {cells[0]['flags']} | " + " | ".join(cell(c) for c in cells)
                      + f" | {worst(cells)} | {speed_text(rate, sps)} |")
-    lines += ["", OFFLOAD, "", "Each length tried: measured / planner's activations (MiB above the baseline run at "
-              f"{meta['base_len']} tokens; a run past {meta['kill_at']:g}x the budget is stopped there, its figure a "
+    lines += ["", OFFLOAD, "", "Each length tried: measured / planner's activations (MiB above the baseline run of "
+              f"{meta['base_tokens']} tokens per rank; the planner's with the head's gradient where the loss is tiled; a run past {meta['kill_at']:g}x the budget is stopped there, its figure a "
               "lower bound):", "", "| features | sp | lengths |", "|---|---|---|"]
     for cells in rows:
         for c in cells:

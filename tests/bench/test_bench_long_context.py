@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -50,7 +52,24 @@ def test_each_row_adds_a_feature_the_planner_counts(tmp_path):
     assert longest["baseline"] < longest["+ tiled loss"] <= longest["+ tiled MLP"]
 
 
-def _search(tmp_path, mib_per_token: float, **options) -> tuple:
+def test_a_tiled_run_is_compared_with_the_head_gradient_it_holds_at_its_peak(tmp_path):
+    """The tiled loss sums the head's weight gradient from its first tile, so it is alive at a tiled run's peak and
+    not at the whole-logits baseline's: the planner's figure above the baseline carries it (hidden x vocab fp32)
+    exactly where the row's loss is tiled at that length."""
+    model = _config(tmp_path, bench.VOCAB)
+    rows = {row.name: row for row in bench.ROWS}
+    head = 4 * bench.ARCH["hidden_size"] * bench.VOCAB / 2**20
+    for sp, length in ((1, 2048), (2, 8192)):
+        acts = {n: (bench.predicted_activations(model, sp, length, r)
+                    - bench.predicted_activations(model, sp, bench.base_len(sp))) / 2**20 for n, r in rows.items()}
+        assert bench.predicted_share(model, sp, length, rows["+ tiled loss"]) == acts["+ tiled loss"] + head
+        assert bench.predicted_share(model, sp, length, rows["+ checkpointing"]) == acts["+ checkpointing"]
+    # the defaults tile from 4096 tokens per rank here: at 2048 the share is checkpointing's, no gradient added
+    assert bench.predicted_share(model, 1, 2048, rows["all (defaults)"]) == pytest.approx(
+        bench.predicted_share(model, 1, 2048, rows["+ checkpointing"]))
+
+
+def _search(tmp_path, mib_per_token: float, start: int = 1024, **options) -> tuple:
     """Bench.longest over a stand-in for the runs: `mib_per_token` x length MiB of activations (budget 100 MiB)."""
     args = SimpleNamespace(**{"budget_mib": 100, "cap": 8192, "bisect": False, "kill_at": 0, "steps": 1, **options})
     runs = bench.Bench(_config(tmp_path, 257), args, tmp_path)
@@ -61,14 +80,16 @@ def _search(tmp_path, mib_per_token: float, **options) -> tuple:
         return {"length": length, "status": "fits" if mib_per_token * length <= 100 else "over"}
 
     runs.attempt = attempt
-    return runs.longest(bench.ROWS[0], 1, 1024), tried
+    return runs.longest(bench.ROWS[0], 1, start), tried
 
 
 def test_the_search_doubles_halves_bisects_and_stops_at_the_cap(tmp_path):
     found, tried = _search(tmp_path / "a", 100 / 3500)  # 3500 tokens fit
     assert found["longest"] == 2048 and tried == [1024, 2048, 4096] and not found["capped"]
-    found, tried = _search(tmp_path / "b", 100 / 300)  # 300 tokens fit: the start halves
-    assert found["longest"] == 256 and tried == [1024, 512, 256]
+    found, tried = _search(tmp_path / "b", 100 / 1500, start=8192)  # 1500 tokens fit: the start halves
+    assert found["longest"] == 1024 and tried == [8192, 4096, 2048, 1024]
+    found, tried = _search(tmp_path / "e", 100 / 300, start=512)  # never below twice the baseline's 512 tokens
+    assert found["longest"] is None and tried == [1024]
     found, tried = _search(tmp_path / "c", 100 / 3500, bisect=True)
     assert found["longest"] == 3072 and tried == [1024, 2048, 4096, 3072]
     found, tried = _search(tmp_path / "d", 100 / 10**6)
@@ -108,7 +129,7 @@ def test_tables_report_a_failed_run_as_failed():
               {"length": 2048, "status": "fits", "activation_mib": 90.0, "predicted_mib": 100.0, "ratio": 0.9},
               {"length": 4096, "status": "killed", "activation_mib": 130.0, "predicted_mib": 200.0, "ratio": 0.65}]}
     failed = {"row": "baseline", "flags": "no checkpointing", "sp": 2, "status": "failed at the base length"}
-    meta = {"model": "Model.", "base_len": 128, "budget_mib": 100, "cap": 8192, "bisect": False, "kill_at": 1.25,
+    meta = {"model": "Model.", "base_tokens": 512, "zero": 0, "budget_mib": 100, "cap": 8192, "bisect": False, "kill_at": 1.25,
             "sps": [1, 2], "cpus": 2, "load": [1.0, 1.0]}
     text = "\n".join(tables.markdown(meta, [[ok, failed]], [{"length": None}], []))
     row = "| baseline: no checkpointing | 2048 (planner 4096) | failed: failed at the base length | 0.90 (sp 1, 2048) |"
