@@ -107,6 +107,20 @@ def test_a_rotary_model_plans_past_its_positions_and_says_what_that_takes(capsys
     assert code == 0 and "long sequences: tiled loss, tiled MLP, checkpoints in host memory" in out, out
 
 
+def test_where_the_mask_of_padded_rows_is_what_does_not_fit_it_says_so_and_plans_whole_documents(capsys):
+    """The issue's own command: at 524288 tokens sdpa's (seq x seq) mask of padded or packed rows (512 GiB in bf16)
+    fits no H100; the plan names it and shows what fits with rows of one whole document, exiting 1 (as asked,
+    nothing fits)."""
+    code, out, _ = run(capsys, "--model", "llama-3-8b", "--gpus", "1", "--seq-len", "524288")
+    closest, whole = out.split("Nothing fits. Closest:")[1].split("With rows that are each one whole document")
+    assert code == 1 and "attention mask 512 GiB" in closest and "--rows full, --attention flash_attention_2" in closest
+    assert "layouts that fit: 1. Fastest:" in whole and "mask" not in whole.split("Fastest:")[1]
+    assert "long sequences: tiled loss, tiled MLP, checkpoints in host memory" in whole
+    code, out, _ = run(capsys, "--model", "llama-3-8b", "--gpus", "1", "--seq-len", "524288", "--attention",
+                       "flash_attention_2")
+    assert code == 0 and "whole document" not in out and "attention mask" not in out
+
+
 def test_v100_has_no_bf16():
     with pytest.raises(ConfigError, match="no bf16"):
         make_plan(PlanRequest(model="gpt2", gpus_per_node=2, gpu="v100-32gb", gbs=8))

@@ -71,7 +71,7 @@ def plan(as_json, emit_config, force, **kwargs):
     dstk plan --model llama-2-7b --gpu l4 --gpus-per-node 2 --gbs 16 --seq-len 1024 --lora 16
     """
     from toolkit.plan.layouts.planner import PlanRequest, make_plan
-    from toolkit.plan.layouts.report import layout_config, render_text
+    from toolkit.plan.layouts.report import layout_config, render_text, render_whole_documents
 
     defaults = []
     if kwargs["gpu"] is None and kwargs["gpu_mem"] is None:
@@ -88,6 +88,10 @@ def plan(as_json, emit_config, force, **kwargs):
 
         write_config(layout_config(result), emit_config, force=force, flag="--emit-config")
     echo_json(result.to_dict()) if as_json else click.echo(render_text(result))
+    if not (result.fitting or as_json) and kwargs["rows"] == "padded" and kwargs["attention"] != "flash_attention_2":
+        whole = make_plan(PlanRequest(**{**kwargs, "rows": "full"}))  # without the (seq x seq) mask, at pp 1
+        if whole.fitting:
+            click.echo(render_whole_documents(whole))
     if emit_config:
         click.echo(f"wrote {emit_config} ({result.best[0].layout.describe()})" if result.fitting
                    else f"not writing {emit_config}: no layout fits", err=True)

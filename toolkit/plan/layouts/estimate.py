@@ -123,6 +123,7 @@ class Estimate:
     sp_comm_bytes: int = 0  # per rank per step, Ulysses' all-to-alls over its sp group
     ep_comm_bytes: int = 0  # per rank per step, AutoEP's dispatch and combine all-to-alls over its ep group
     loss_peak: int = 0  # of `activations`: the loss's transient peak, on the stage holding the head
+    mask: int = 0  # of `activations`: the attention masks kept (padded or packed rows at sp 1, sdpa or eager)
     fixed: Fixed = Fixed(0, 0, 0)  # outside torch's allocator: CUDA context, NCCL buffers (toolkit.plan.memory.overhead)
     stages: list = field(default_factory=list)  # StageFigures of every pipeline stage
     flops_parts: list | None = None  # the FLOPs-balanced split `parts` replaced to fit memory (None: it is that one)
@@ -158,7 +159,7 @@ class Estimate:
                 "model_states": self.states.to_dict(), "activation_bytes": self.activations,
                 "zero3_working_bytes": self.working, "host_bytes": self.states.cpu,
                 "host_activation_bytes": self.host_activations, "long_sequence_features": list(self.features),
-                "loss_peak_bytes": self.loss_peak, "allocated_bytes": self.allocated,
+                "loss_peak_bytes": self.loss_peak, "mask_bytes": self.mask, "allocated_bytes": self.allocated,
                 "fixed_bytes": {"cuda_context": self.fixed.cuda_context, "nccl": self.fixed.nccl,
                                 "nccl_communicators": self.fixed.communicators},
                 "bubble": self.bubble, "dp_comm_bytes": self.dp_comm_bytes, "pp_comm_bytes": self.pp_comm_bytes,
@@ -308,8 +309,13 @@ def stage_activations(model: Model, lay: Layout, lo: int, hi: int, flight: int) 
         acts = kept + max((a + t for a, t in zip(per_layer, transient)), default=0)
     else:
         acts = activation_bytes(per_layer, [0, hi - lo], 1, lay.gas, None, [flight])[0] + max(transient, default=0)
-    acts += (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
+    acts += stage_mask(model, lay, flight)
     return int(acts), loss, int(host)
+
+
+def stage_mask(model: Model, lay: Layout, flight: int) -> int:
+    """Bytes of the attention masks a stage keeps: one per micro-batch in flight; none under sp (module doc)."""
+    return (model.stage_act if lay.sp == 1 else 0) * lay.mbs * flight
 
 
 def rank_states(model: Model, parts: list, held: list, lay: Layout, precision: str, optimizer: str):
@@ -360,7 +366,8 @@ def predict(model: Model, parts: list, lay: Layout, hw: Hardware, precision: str
     sends = 2 * model.boundary * lay.mbs * lay.gas * (2 if lay.schedule == "dualpipev" else 1) // lay.sp
     est = Estimate(lay, heaviest, parts, states, int(sum(acts[s] for s in held)), working, hw.capacity,
                    hw.host_capacity, bubble, 0, sends if lay.pp > 1 else 0,
-                   loss_peak=max(peaks[s] for s in held), fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp, lay.ep),
+                   loss_peak=max(peaks[s] for s in held), mask=sum(stage_mask(model, lay, flights[s]) for s in held),
+                   fixed=fixed_bytes(lay.pp, lay.zero_ranks, lay.tp, lay.ep),
                    host_activations=sum(hosts[s] for s in held), features=features(model, lay, sum(hosts)))
     est.stages = _stage_figures(model, parts, lay, [t[0] + working + est.fixed.total for t in totals])
     _times(est, model, hw, precision)

@@ -34,9 +34,17 @@ def render_text(result: PlanResult) -> str:
         if host > e.host_capacity:
             over.append(f"host memory by {fb(host - e.host_capacity)} (offloaded {fb(host)} "
                         f"per GPU, --host-mem gives {fb(e.host_capacity)} per GPU)")
+        maskless = ", or rows that need no attention mask (--rows full, --attention flash_attention_2)" if e.mask else ""
         lines += ["", "Nothing fits. Closest:"] + _describe(e, "  ") + [
-            f"   exceeds {' and '.join(over)}; use more or larger GPUs, a shorter --seq-len, or a smaller model"]
+            f"   exceeds {' and '.join(over)}; use more or larger GPUs, a shorter --seq-len, or a smaller model{maskless}"]
     return "\n".join(lines)
+
+
+def render_whole_documents(result: PlanResult) -> str:
+    """What fits when every row is one whole document (--rows full): the lines added under a padded-rows plan where
+    nothing fit, since at pp 1 sdpa then keeps no (seq x seq) mask."""
+    return "\n".join(["", f"With rows that are each one whole document (--rows full: at pp 1 sdpa keeps no (seq x seq) "
+                           f"mask), layouts that fit: {len(result.fitting)}. Fastest:"] + _describe(result.best[0], "#1"))
 
 
 def _describe(e: Estimate, label: str) -> list:
@@ -46,7 +54,8 @@ def _describe(e: Estimate, label: str) -> list:
     stage = f" (stage {e.stage} of {e.layout.pp})" if e.layout.pp > 1 else ""
     if e.layout.schedule == "dualpipev":
         stage = f" (rank {e.stage} of {e.layout.pp}: stages {e.stage} and {2 * e.layout.pp - 1 - e.stage} of {2 * e.layout.pp})"
-    loss = f" (loss peak {fb(e.loss_peak)})" if e.loss_peak else ""
+    parts = [f"loss peak {fb(e.loss_peak)}"] * bool(e.loss_peak) + [f"attention mask {fb(e.mask)}"] * bool(e.mask)
+    loss = f" ({', '.join(parts)})" if parts else ""
     fixed = (f", fixed {fb(e.fixed.total)} (CUDA context {fb(e.fixed.cuda_context)}, NCCL {e.fixed.communicators} "
              f"x {fb(e.fixed.nccl // e.fixed.communicators)})" if e.fixed.communicators else
              f", fixed {fb(e.fixed.total)} (CUDA context)")
