@@ -30,6 +30,7 @@ def dstk_export(*args):
     return [sys.executable, "-m", "toolkit.cli", "export", *map(str, args)]
 
 
+@pytest.mark.heavy  # ~30 s: a 200M-parameter pipeline checkpoint written and exported
 def test_streaming_export_of_a_200m_pipeline_checkpoint_peaks_near_one_layer(tmp_path):
     """A 202M-parameter GPT-2 (16 blocks of 1024, byte vocabulary: 808 MB in fp32) at pp = 2.
 

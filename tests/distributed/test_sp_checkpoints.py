@@ -96,7 +96,7 @@ def hf_eval_loss(out: Path) -> float:
     return eval_reference(model, data.prepare(data.DataOptions(path=str(CORPUS), seq_len=32, eval_fraction=0.05), tok).eval)
 
 
-@pytest.mark.parametrize("name", ["sp2z1", "sp2z3", "pp2sp2"])
+@pytest.mark.parametrize("name", ["sp2z1", pytest.param("sp2z3", marks=pytest.mark.heavy), "pp2sp2"])
 def test_an_sp_run_exports_the_weights_of_one_process(runs, name):
     close(exported(runs / name), exported(runs / "sp1"))
     from toolkit.checkpoint.manifest import read_manifest
@@ -108,7 +108,8 @@ def test_an_sp_run_exports_the_weights_of_one_process(runs, name):
 
 
 @pytest.mark.parametrize("name, reference", [("sp2_to_sp1", "sp2z1"), ("sp1_to_sp2", "sp1"),
-                                             ("pp2sp2_to_sp1", "pp2sp2"), ("sp1_to_pp2sp2", "sp1")])
+                                             ("pp2sp2_to_sp1", "pp2sp2"),
+                                             pytest.param("sp1_to_pp2sp2", "sp1", marks=pytest.mark.heavy)])
 def test_a_run_moved_to_another_sp_continues_as_if_uninterrupted(runs, name, reference):
     moved, want = losses(runs / name), losses(runs / reference)
     assert sorted(moved) == list(range(1, STEPS + 1))

@@ -32,7 +32,7 @@ LAYOUTS = {  # procs, pp, tp, ZeRO stage
     "tp1": (1, 1, 1, 0), "tp2": (2, 1, 2, 1), "dp2tp2": (4, 1, 2, 2), "tp2bf16": (2, 1, 2, 0),
     "pp2tp2": (4, 2, 2, 0), "dp2pp2tp2bf16": (8, 2, 2, 1), "dp2tp2z3": (4, 1, 2, 3)}
 FROM_DIR = ("dp2tp2z3",)  # ZeRO-3 builds a built-in model under zero.Init (another init): the same weights saved
-RESUMED = ("dp2tp2z3", "pp2tp2")
+Z3_HEAVY = pytest.param("dp2tp2z3", marks=pytest.mark.heavy)  # ZeRO-3 x tp: ~30 s of runs, in the heavy tier
 
 
 def config(path: Path, procs: int, pp: int, tp: int, zero: int, bf16: bool = False) -> Path:
@@ -79,7 +79,7 @@ def _args(llama_dir: Path, name: str) -> list:
     return ["--model", str(llama_dir), *ARGS[2:]] if name in FROM_DIR else ARGS
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", "dp2tp2z3"])
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", Z3_HEAVY])
 def test_tensor_parallel_layouts_give_the_losses_of_one_process(runs, name):
     want, got = losses(runs / "tp1"), losses(runs / name)
     assert sorted(got) == list(range(1, 11))
@@ -87,7 +87,7 @@ def test_tensor_parallel_layouts_give_the_losses_of_one_process(runs, name):
     assert summary(runs / name)["steps"] == 10
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", "dp2tp2z3"])
+@pytest.mark.parametrize("name", ["tp2", "dp2tp2", "pp2tp2", Z3_HEAVY])
 def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,7 +107,7 @@ def test_the_export_merges_the_shards_into_the_trained_model(runs, name):
     assert max((mine[k] - ref[k]).abs().max().item() for k in ref) <= 1e-4
 
 
-@pytest.mark.parametrize("name", RESUMED)
+@pytest.mark.parametrize("name", [Z3_HEAVY, "pp2tp2"])
 def test_a_tensor_parallel_run_resumes_from_its_shards(runs, name):
     want, got = losses(runs / name), losses(runs / f"{name}_resumed")
     assert sorted(got) == list(range(1, 11)) and summary(runs / f"{name}_resumed")["start_step"] == 5
