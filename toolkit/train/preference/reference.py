@@ -68,7 +68,7 @@ def scores(job, pairs) -> torch.Tensor:
     if job.pipeline and (job.record or {}).get("schedule") == "dualpipev":
         count = -(-count // job.engine.micro_batches) * job.engine.micro_batches  # eval_batch takes gas at a time
     mine = list(range(job.dp_rank, n, job.dp))
-    batches = data.eval_micro_batches(pairs, mbs, job.dp, job.dp_rank, count)
+    batches = _told(data.eval_micro_batches(pairs, mbs, job.dp, job.dp_rank, count), n, job.dp)
     values = _pipeline_pass(job, batches, count) if job.pipeline else _plain_pass(job, batches)
     out = torch.zeros(2 * n, dtype=torch.float64, device=job.engine.device)
     for k, logps in enumerate(values):  # the loss stage's (pipelines), every rank's at pp 1
@@ -77,6 +77,20 @@ def scores(job, pairs) -> torch.Tensor:
             out[torch.as_tensor(pair_rows(idx), device=out.device)] = logps[: 2 * len(idx)].double().to(out.device)
     dist.all_reduce(out)
     return out.float().cpu()
+
+
+def _told(batches, pairs: int, dp: int):
+    """The micro-batches, with rank 0's progress line over a long pass (about every 30 s in a log, as tokenizing
+    says; nothing for one that ends sooner)."""
+    from toolkit.data.tokens import Progress
+
+    progress = Progress(f"reference log-probs: {pairs:,} pairs", 2 * pairs) if dist.get_rank() == 0 else None
+    for batch in batches:
+        if progress is not None:
+            progress.update(batch[0][0].shape[0] * dp, batch[0][0].numel() * dp)
+        yield batch
+    if progress is not None and progress.last != progress.start:  # it said something: say it ended
+        progress.close()
 
 
 def _plain_pass(job, batches) -> list:
