@@ -2,8 +2,9 @@
 preference pairs, gbs 8 rows (4 pairs) on every layout, fp32, clipping at 1.0.
 
 - pp 2 (1F1B; the default tier), pp 2 x dp 2 (ZeRO-1), pp 2 under DualPipeV and pp 1 x dp 2 under ZeRO-3 give
-  pp 1's losses and TRL's metrics to 1e-4 over 4 steps, full fine-tuning and LoRA (at pp 1 LoRA's reference is the base under PEFT's disable_adapter, live; in a pipeline the initial model's
-  log-probs, precomputed: B is zero at init), each layout computing its own reference (its own --data-cache)
+  pp 1's losses and TRL's metrics to 1e-4 over 4 steps, full fine-tuning and LoRA (at pp 1 LoRA's reference is the
+  base under PEFT's disable_adapter, live; in a pipeline the initial model's log-probs, precomputed: B is zero at
+  init), each layout computing its own reference (its own --data-cache)
 - step 1's loss is ln 2; the eval loss is the DPO loss of the held-out pairs, the same on every layout
 - a resume continues the losses, reading the cached reference (never computing it again); a pp 2 checkpoint resumed
   at pp 1 continues them too

@@ -10,4 +10,5 @@ from toolkit.train.preference.objective import (build, check, check_prepared, fo
                                                 stage_metrics, uses_preference)
 from toolkit.train.preference.reference import attach_reference
 
-__all__ = ["build", "check", "check_prepared", "forward_loss", "opening_line", "stage_metrics", "uses_preference", "attach_reference"]
+__all__ = ["build", "check", "check_prepared", "forward_loss", "opening_line", "stage_metrics", "uses_preference",
+           "attach_reference"]
