@@ -144,3 +144,24 @@ def test_check_refuses_what_dpo_does_not_combine_with(tmp_path, args, fragment):
 
 def test_preference_rows_without_dpo_are_refused(tmp_path):
     refused(train_cli(tmp_path, "--format", "preference", "--check", data=PAIRS), 1, "--objective dpo")
+
+
+def test_the_reference_cache_is_keyed_by_rows_and_model_and_refuses_a_wrong_shape(tmp_path):
+    from types import SimpleNamespace
+
+    from toolkit.train.preference import reference
+
+    rows = [{"prompt": f"Q{i}?", "chosen": " yes", "rejected": " no"} for i in range(4)]
+    prepared, _ = prepare(tmp_path, rows, eval_fraction=0.25)
+    args = SimpleNamespace(model="tiny-gpt2", seed=1234, attention="sdpa", task="causal-lm")
+    key = reference.cache_key(prepared.train, prepared.eval, args, {})
+    assert key == reference.cache_key(prepared.train, prepared.eval, args, {})
+    assert key != reference.cache_key(prepared.train, prepared.eval, SimpleNamespace(**{**vars(args), "seed": 1}), {})
+    assert key != reference.cache_key(prepared.train, prepared.eval, args, {"bf16": {"enabled": True}})
+    assert key != reference.cache_key(prepared.eval, prepared.train, args, {})
+    path = tmp_path / "ref.pt"
+    reference._write(path, {"train": torch.arange(6.0), "eval": torch.arange(2.0)})
+    assert reference._read(path, 6, 2)["train"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert reference._read(path, 8, 2) is None and reference._read(tmp_path / "none.pt", 6, 2) is None
+    with_ref = prepared.train.with_reference(torch.arange(6.0))
+    assert with_ref.batch([2])[1][1].tolist() == [4.0, 5.0] and with_ref.head(1).ref.tolist() == [0.0, 1.0]
