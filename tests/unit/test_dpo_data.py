@@ -165,3 +165,14 @@ def test_the_reference_cache_is_keyed_by_rows_and_model_and_refuses_a_wrong_shap
     assert reference._read(path, 8, 2) is None and reference._read(tmp_path / "none.pt", 6, 2) is None
     with_ref = prepared.train.with_reference(torch.arange(6.0))
     assert with_ref.batch([2])[1][1].tolist() == [4.0, 5.0] and with_ref.head(1).ref.tolist() == [0.0, 1.0]
+
+
+def test_check_refuses_a_moe_router_aux_loss_it_would_drop(tmp_path, saved_models):
+    model = tmp_path / "moe_like"
+    import shutil
+
+    shutil.copytree(saved_models.get("tiny-gpt2"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    result = train_cli(tmp_path, "--objective", "dpo", "--check", "--seq-len", "128", "--model", str(model), data=PAIRS)
+    refused(result, 1, "output_router_logits", "DPO loss")

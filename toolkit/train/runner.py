@@ -342,6 +342,10 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     if local is not None and preference.uses_preference(args):  # every pair's refusals, before any rank starts
         from toolkit.data.pairs.check import check_rows
 
+        if Path(local.model).is_dir() and _router_logits_on(Path(local.model)):
+            raise ConfigError(f"--objective dpo: {local.model}'s config.json turns output_router_logits on, and the "
+                              "router aux loss is not added to the DPO loss yet; set output_router_logits false there")
+
         tok = hf.load_tokenizer(local.model, local.tokenizer, args.chat_template)
         for path, flag in ((args.data, "--data"), (args.eval_data, "--eval-data")):
             if path and not args.streaming:
