@@ -176,3 +176,14 @@ def test_check_refuses_a_moe_router_aux_loss_it_would_drop(tmp_path, saved_model
     (model / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
     result = train_cli(tmp_path, "--objective", "dpo", "--check", "--seq-len", "128", "--model", str(model), data=PAIRS)
     refused(result, 1, "output_router_logits", "DPO loss")
+
+
+def test_eval_data_holds_its_own_pairs(tmp_path):
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"H{i}?", "chosen": " a", "rejected": " b"}) + "\n" for i in range(3)))
+    tok = hf.byte_tokenizer()
+    opts = data.DataOptions(path=str(PAIRS), seq_len=128, eval_data=str(held), cache_dir=str(tmp_path / "c"))
+    prepared = data.prepare(opts, tok, quiet=True)
+    assert (len(prepared.train), len(prepared.eval)) == (256, 3) and prepared.info["eval_rows"] == 6
+    (ids, _), _ = prepared.eval.batch([2])
+    assert tok.decode(ids[0][:3]) == "H2?" and tok.decode(ids[1][:3]) == "H2?"
