@@ -71,6 +71,10 @@ class Prepared:
             return (f"data: --streaming {i['path']}: {i['how']}; rows read as the steps need them (dp rank r reads "
                     f"documents i % dp == r), {'packed' if i['packing'] else 'padded'} into rows of {i['seq_len']} "
                     f"tokens; eval: {i['eval_rows']} rows" + (" of --eval-data" if i["eval_rows"] else ""))
+        if i.get("pairs"):  # preference rows: 2 rows a pair
+            return (f"data: {i['how']}; {i['documents']} pairs -> {i['train_documents']} train / {i['eval_documents']} "
+                    f"eval ({i['split']}); 2 rows a pair (chosen, rejected) of {i['seq_len']} tokens, padded; "
+                    f"{i['long']} rows longer than --seq-len truncated")
         return (f"data: {i['how']}; {i['documents']} documents -> {i['train_documents']} train / "
                 f"{i['eval_documents']} eval ({i['split']}); {i['train_rows']} train / {i['eval_rows']} eval rows of "
                 f"{i['seq_len']} tokens ({'packed' if i['packing'] else 'padded'}); {i['long']} longer than --seq-len "
