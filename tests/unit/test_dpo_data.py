@@ -160,9 +160,9 @@ def test_the_reference_cache_is_keyed_by_rows_and_model_and_refuses_a_wrong_shap
     assert key != reference.cache_key(prepared.train, prepared.eval, args, {"bf16": {"enabled": True}})
     assert key != reference.cache_key(prepared.eval, prepared.train, args, {})
     path = tmp_path / "ref.pt"
-    reference._write(path, {"train": torch.arange(6.0), "eval": torch.arange(2.0)})
-    assert reference._read(path, 6, 2)["train"].tolist() == [0, 1, 2, 3, 4, 5]
-    assert reference._read(path, 8, 2) is None and reference._read(tmp_path / "none.pt", 6, 2) is None
+    reference.write_cached(path, {"train": torch.arange(6.0), "eval": torch.arange(2.0)})
+    assert reference.read_cached(path, 6, 2)["train"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert reference.read_cached(path, 8, 2) is None and reference.read_cached(tmp_path / "none.pt", 6, 2) is None
     with_ref = prepared.train.with_reference(torch.arange(6.0))
     assert with_ref.batch([2])[1][1].tolist() == [4.0, 5.0] and with_ref.head(1).ref.tolist() == [0.0, 1.0]
 

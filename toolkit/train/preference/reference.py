@@ -30,7 +30,7 @@ def attach_reference(job, args, cfg: dict) -> str:
 
     train, held = job.train.data, job.eval_set
     path = cache_root(args.data_cache) / f"dpo-reference-{cache_key(train, held, args, cfg)}.pt"
-    found = _read(path, len(train.rows), len(held.rows))
+    found = read_cached(path, len(train.rows), len(held.rows))
     have = torch.tensor([0.0 if found is None else 1.0], device=job.engine.device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank runs the pass, or none
     if have.item():
@@ -38,7 +38,7 @@ def attach_reference(job, args, cfg: dict) -> str:
     else:
         found = {"train": scores(job, train), "eval": scores(job, held)}
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            _write(path, found)
+            write_cached(path, found)
         how = f"reference log-probs computed with the initial weights, cached as {path.name}"
     job.train.data = train.with_reference(found["train"])
     job.eval_set = held.with_reference(found["eval"])
@@ -123,7 +123,7 @@ def _pipeline_pass(job, batches, count: int) -> list:
         objective.collect = None
 
 
-def _read(path: Path, train_rows: int, eval_rows: int) -> dict | None:
+def read_cached(path: Path, train_rows: int, eval_rows: int) -> dict | None:
     try:
         found = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError):
@@ -133,7 +133,7 @@ def _read(path: Path, train_rows: int, eval_rows: int) -> dict | None:
     return found if ok else None
 
 
-def _write(path: Path, found: dict) -> None:
+def write_cached(path: Path, found: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     torch.save(found, tmp)
