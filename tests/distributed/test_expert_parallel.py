@@ -30,6 +30,8 @@ RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes ever
     "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral"),
     "pp2_ep2": (4, 2, "mixtral"), "pp2_dp4_ep2": (8, 2, "mixtral"), "qwen_pp2_ep2": (4, 2, "qwen3_moe")}
 PP = {"pp2_ep2": 2, "pp2_dp4_ep2": 2, "qwen_pp2_ep2": 2}  # pipeline stages (else 1); per stage: dp / ep ep groups, ep expert-data groups
+RUNS.update({"ep2_z0": (2, 2, "mixtral"), "dp2_z0": (2, 0, "mixtral"), "ep2_z3": (2, 2, "mixtral")})
+ZERO = {"ep2_z0": (0, 4), "dp2_z0": (0, 4), "ep2_z3": (3, 3)}  # (ZeRO stage, steps) where not (1, STEPS); ZeRO-0 unclipped
 
 
 class Runs(LazyRuns):
@@ -46,15 +48,16 @@ class Runs(LazyRuns):
             resumed_from(self / source, 2, self.tmp / name)
             resume = ["--resume"]
         procs, ep, model = RUNS[layout]
-        pp = PP.get(layout, 1)
-        cfg = run_config(2, 4 * pp // procs, pp, clip=1.0)
-        cfg["zero_optimization"] = {"stage": 1}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
+        pp, (zero, steps) = PP.get(layout, 1), ZERO.get(layout, (1, STEPS))
+        cfg = run_config(2, 4 * pp // procs, pp, clip=1.0 if zero else 0.0)
+        cfg["zero_optimization"] = {"stage": zero}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
         if ep:
             cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model}
         (self.tmp / f"{name}.json").write_text(json.dumps(cfg))
         rc, log = run_train(["--config", self.tmp / f"{name}.json", "--model", self.model(model), "--data",
-                             self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", STEPS, "--eval-fraction", "0.01",
-                             "--no-progress", "--attention", "eager", *([] if ep and pp == 1 else ["--no-export"]), "--save-every", 2, "--out",
+                             self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", steps, "--eval-fraction", "0.01",
+                             "--no-progress", "--attention", "eager",
+                             *([] if ep and pp == 1 and zero < 3 else ["--no-export"]), "--save-every", 2, "--out",
                              self.tmp / name, *resume], procs)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
         (self.tmp / f"{name}.log").write_text(log)
@@ -161,6 +164,33 @@ def test_an_ep_run_moves_by_hf_name_and_continues(runs, moved):
     assert_close(metrics(runs / moved)[0], metrics(runs / source)[0], tol=1e-4)
     manifest = json.loads((runs / moved / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert manifest.get("expert_parallel") == (RUNS[layout][1] or None)
+
+
+def test_a_zero0_ep_run_moves_off_autoep_with_its_moments(runs):
+    """ZeRO-0 ep 2 -> dp 2 (ep 1) from step 2: each ep rank's torch optimizer state (DeepSpeed's
+    expp_rank_E_mp_rank_00_optim_states.pt) named by the parameters the engine's optimizer holds after AutoEP replaced
+    them (the manifest's param_groups). Steps 3 and 4 are the source run's: step 4's loss comes after an Adam step
+    taken with the moved moments."""
+    moved, source = metrics(runs / "ep2_z0_to_dp2_z0")[0], metrics(runs / "ep2_z0")[0]
+    assert sorted(moved) == sorted(source) == [1, 2, 3, 4], (moved, source)
+    assert all(abs(moved[s] - source[s]) <= 1e-4 * abs(source[s]) for s in (3, 4)), (moved, source)
+    manifest = json.loads((runs / "ep2_z0" / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert "model.layers.0.mlp.experts.w1" in {n for group in manifest["param_groups"] for n in group}
+
+
+def test_a_move_from_a_zero3_ep_checkpoint_is_refused_at_check(runs, tmp_path):
+    from tests.distributed.test_resume_layouts import resumed_from
+    from tests.ranks import run_ranks
+
+    out = resumed_from(runs / "ep2_z3", 2, tmp_path / "moved")
+    cfg = run_config(2, 2, 1, clip=1.0) | {"zero_optimization": {"stage": 1}}
+    (tmp_path / "dp2.json").write_text(json.dumps(cfg))
+    rc, log = run_ranks(["-m", "toolkit.train", "--check", "--world-size", 2, "--config", tmp_path / "dp2.json",
+                         "--model", runs.model("mixtral"), "--data", runs.tmp / "docs.txt", "--seq-len", SEQ,
+                         "--steps", STEPS, "--eval-fraction", "0.01", "--attention", "eager", "--no-progress",
+                         "--out", out, "--resume"], 1)
+    assert rc != 0 and "an expert-parallel checkpoint at ZeRO-3 is not read by HF name yet" in log, log[-2000:]
+    assert "Traceback" not in log
 
 
 def test_the_export_of_an_ep_run_joins_every_expert(runs):

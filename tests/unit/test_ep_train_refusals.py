@@ -66,7 +66,9 @@ def resumable(tmp_path, saved: dict, now: dict):
 @pytest.mark.parametrize("saved,now,words", [
     ({}, {"expert_parallel": 2, "zero_stage": 3}, "onto AutoEP \\(expert_parallel 2\\) at ZeRO-3"),
     ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4, "zero_stage": 3}, "onto AutoEP"),
-    ({"expert_parallel": 2, "zero_stage": 0}, {"zero_stage": 0}, "at ZeRO 0 is not read by HF name yet"),
+    ({"expert_parallel": 2, "zero_stage": 0, "param_groups": [["model.layers.0.mlp.experts.gate_up_proj"]]},
+     {"zero_stage": 0}, "names its optimizer's parameters as they were before AutoEP"),
+    ({"expert_parallel": 2, "zero_stage": 3}, {"zero_stage": 1}, "at ZeRO-3 is not read by HF name yet"),
     ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4}, "inside pipeline stages is not made by dstk yet")])
 def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved, now, words):
     with pytest.raises(ConfigError, match=words):
@@ -76,6 +78,8 @@ def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved,
 
 @pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({"expert_parallel": 2}, {"dp": 1}),
                                        ({"expert_parallel": 2}, {"dp": 4, "zero_stage": 2}),
-                                       ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4})])
+                                       ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4}),
+                                       ({"expert_parallel": 2, "zero_stage": 0,  # AutoEP's names, recorded after initialize
+                                         "param_groups": [["model.layers.0.mlp.experts.w1"]]}, {"zero_stage": 0})])
 def test_an_ep_run_moves_by_hf_name(tmp_path, saved, now):
     assert "expert_parallel" in resumable(tmp_path, saved, now)  # toolkit.checkpoint.portable

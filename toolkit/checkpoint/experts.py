@@ -9,8 +9,9 @@ block's experts as experts.w1/w2/w3 [E / ep, ...]. What DeepSpeed writes (runtim
       holding the same experts, R % ep = e, in rank order (R // ep), whose joined fragments are ep rank e's
       experts.wN [E / ep, ...].
 Here they become the fp32 masters and moments of the HF model's own tensors (every expert, fused as transformers
-holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep). ZeRO-0 holds each expert in its file (the weights; its torch optimizer state is
-indexed by AutoEP's parameter order, which the run does not record: no moments) and ZeRO-3 is not read yet.
+holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep). ZeRO-0 holds each expert in its file (the weights) and each ep rank's torch optimizer state in
+expp_rank_E_mp_rank_00_optim_states.pt, in the engine's parameter order after initialize (the manifest's
+param_groups). ZeRO-3 is not read yet.
 """
 
 import functools
@@ -45,12 +46,11 @@ def autoep_weights(tag_dir: Path, manifest: dict, meta: Path) -> dict:
 
 
 def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int]:
-    """({"exp_avg" / "exp_avg_sq": {HF name: tensor}}, the optimizer step) of an AutoEP checkpoint at ZeRO-1/2."""
-    if not partition_files(tag_dir):
-        raise UnusableInput(f"{tag_dir}: an expert-parallel run at ZeRO-0 keeps torch's optimizer state in AutoEP's "
-                            "parameter order, which dstk does not name; resume it on its own layout, or move it "
-                            "from a ZeRO-1/2 checkpoint")
+    """({"exp_avg" / "exp_avg_sq": {HF name: tensor}}, the optimizer step) of an AutoEP checkpoint at ZeRO-0/1/2."""
     saved, steps = torch_load(tag_dir / model_states()), []
+    if not partition_files(tag_dir):
+        found, step = _torch_states(tag_dir, manifest)
+        return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, step
 
     def moments(opt):
         states = opt["base_optimizer_state"]["state"]
@@ -87,6 +87,34 @@ def _partitioned(tag_dir: Path, manifest: dict, saved: dict, flats) -> dict:
                 _check_owners(name, owners, ep, tag_dir)
                 out[kind][name] = _cat([join(owners[e]).reshape(shapes[name]) for e in range(ep)])
     return out
+
+
+def _torch_states(tag_dir: Path, manifest: dict) -> tuple[dict, int]:
+    """ZeRO-0: ({kind: {AutoEP name: moment}}, step) from each ep rank's torch optimizer state (DeepSpeed's
+    expp_rank_E_mp_rank_00_optim_states.pt), state i being the i-th parameter of the optimizer's groups after
+    initialize (the manifest's param_groups: dstk records them from the engine for an AutoEP run). Experts joined
+    over the ep ranks in order; the dense parameters' moments are every rank's alike (ep rank 0's taken)."""
+    ep, names = manifest.get("expert_parallel", 1), manifest.get("param_groups") or []
+    order = [name for group in names for name in group]
+    if not any(map(_is_expert, order)):
+        raise UnusableInput(f"{tag_dir}: this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters "
+                            "before AutoEP replaced them (a dstk older than the fix); resume it on its own layout")
+    by_rank, steps = [], []
+    for e in range(ep):
+        path = tag_dir / f"expp_rank_{e}_mp_rank_00_optim_states.pt"
+        if not path.is_file():
+            raise UnusableInput(f"{tag_dir}: {path.name} is missing: the ZeRO-0 checkpoint of ep {ep} is incomplete")
+        states = (torch_load(path).get("optimizer") or {}).get("state") or {}
+        if sorted(states) != list(range(len(order))):
+            raise UnusableInput(f"{path}: {len(states)} optimizer states for the {len(order)} parameters training "
+                                "recorded; resume it on its own layout")
+        steps.extend(int(state["step"]) for state in states.values())
+        by_rank.append({order[i]: state for i, state in states.items()})
+    out = {key: {} for key in MOMENTS}
+    for name in order:
+        for key in MOMENTS:
+            out[key][name] = _cat([r[name][key] for r in by_rank]) if _is_expert(name) else by_rank[0][name][key]
+    return out, max(steps)
 
 
 def _check_owners(name: str, owners: dict, ep: int, tag_dir: Path) -> None:

@@ -433,10 +433,13 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
         why = ("a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
                "writes its experts per stage, layer_L_expert_E_mp_rank_<stage>, which toolkit/checkpoint/experts.py "
                "does not join); move at pp 1, or resume on the same layout")
-    elif moved and saved.get(EP) and saved.get("zero_stage") not in (1, 2):
-        why = (f"an expert-parallel checkpoint at ZeRO {saved.get('zero_stage')} is not read by HF name yet (ZeRO-0 "
-               "keeps its optimizer state in AutoEP's parameter order, ZeRO-3 its experts in expert-data-parallel "
-               "shares); only ZeRO-1/2 ones move")
+    elif moved and saved.get(EP) and saved.get("zero_stage") == 3:
+        why = ("an expert-parallel checkpoint at ZeRO-3 is not read by HF name yet (its experts lie in ZeRO-3 shares "
+               "of each expert-data-parallel group, its dense weights in shares of every rank); only ZeRO 0-2 ones "
+               "move: resume on its layout, move it to ZeRO-1/2 there (the same ep), then move that")
+    elif moved and saved.get(EP) and not saved.get("zero_stage") and not _autoep_names(saved):
+        why = ("this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters as they were before AutoEP "
+               "replaced them (written by an older dstk), so its torch optimizer state cannot be named")
     elif moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
         why = ("a tensor-parallel checkpoint holds each tensor in tp shards, which only `dstk export` merges "
                "today; export it and start a new run from the HF directory")
@@ -447,6 +450,13 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
                           f"{', '.join(f'{k} {v}' for k, v in layout_of(now).items())}: {why}; resume with the "
                           "checkpoint's layout (its config), or start a fresh --out")
     return moved
+
+
+def _autoep_names(saved: dict) -> bool:
+    """Whether the manifest's param_groups are an AutoEP engine's (recorded after initialize: its experts named)."""
+    from models.autoep import EXPERT
+
+    return any(EXPERT.fullmatch(name) for group in saved.get("param_groups") or [] for name in group)
 
 
 def _diff(key: str, saved, now, skip=()) -> str:
