@@ -90,12 +90,16 @@ def _quiet(logger):
 # BLOCK.router.gate.weight [E, H] (+ .bias), and the experts BLOCK.experts.w1 / w3 [E_local, I, H] (gate, up) and
 # w2 [E_local, H, I] (down), E_local = E / ep experts of this rank (ep_repack.py repack_expert_weights). The router
 # is also reachable as BLOCK.<router name> (an alias AutoEP sets for HF's output recorders): one tensor, two names.
+# DeepSeek-V3's router also holds e_score_correction_bias [E] (a buffer: it shifts which experts are picked, is not
+# trained, and a pretrained model's is not zero), which AutoEP copies from HF's BLOCK.gate onto BLOCK.router
+# (auto_ep_layer.py:131 _copy_e_score_correction_bias).
 EXPERT = re.compile(r"(.+)\.experts\.(w[123])")
 ROUTER = re.compile(r"(.+)\.router\.gate\.(weight|bias)")
+ROUTER_BUFFER = re.compile(r"(.+)\.router\.(e_score_correction_bias)")
 
 
 def is_autoep_name(name: str) -> bool:
-    return bool(EXPERT.fullmatch(name) or ROUTER.fullmatch(name))
+    return bool(EXPERT.fullmatch(name) or ROUTER.fullmatch(name) or ROUTER_BUFFER.fullmatch(name))
 
 
 def preset_names(preset: str) -> dict:
@@ -117,10 +121,10 @@ def to_hf(tensors: dict, names: dict, shapes: dict) -> dict:
 
     out, blocks = {}, {}
     for name, tensor in tensors.items():
-        expert, router = EXPERT.fullmatch(name), ROUTER.fullmatch(name)
+        expert, router = EXPERT.fullmatch(name), ROUTER.fullmatch(name) or ROUTER_BUFFER.fullmatch(name)
         if expert:
             blocks.setdefault(expert.group(1), {})[expert.group(2)] = tensor
-        elif router:
+        elif router:  # BLOCK.router.gate.weight -> BLOCK.gate.weight, BLOCK.router.e_score_correction_bias -> BLOCK.gate.e_...
             out[f"{router.group(1)}.{names['router']}.{router.group(2)}"] = tensor
         else:
             out[name] = tensor
@@ -157,6 +161,9 @@ def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
 
     out = {f"{block}.router.gate.{kind}": tensors[f"{block}.{names['router']}.{kind}"]
            for kind in ("weight", "bias") if f"{block}.{names['router']}.{kind}" in tensors}
+    bias = f"{block}.{names['router']}.e_score_correction_bias"
+    if bias in tensors:  # DeepSeek's router buffer (the weights only: it has no moments)
+        out[f"{block}.router.e_score_correction_bias"] = tensors[bias]
     if names["w3"] is None:  # gate_up fused: [E, 2I, H] -> w1 = gate, w3 = up
         both = ours(f"{experts}.{names['w1']}", (w1_shape[0], 2 * w1_shape[1], w1_shape[2]))
         out[f"{block}.experts.w1"], out[f"{block}.experts.w3"] = both.split(w1_shape[1], dim=1)

@@ -30,7 +30,8 @@ RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes ever
     "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral"),
     "pp2_ep2": (4, 2, "mixtral"), "pp2_dp4_ep2": (8, 2, "mixtral"), "qwen_pp2_ep2": (4, 2, "qwen3_moe")}
 PP = {"pp2_ep2": 2, "pp2_dp4_ep2": 2, "qwen_pp2_ep2": 2}  # pipeline stages (else 1); per stage: dp / ep ep groups, ep expert-data groups
-RUNS.update({"ep2_z0": (2, 2, "mixtral"), "dp2_z0": (2, 0, "mixtral"), "ep2_z3": (2, 2, "mixtral")})
+RUNS.update({"ep2_z0": (2, 2, "mixtral"), "dp2_z0": (2, 0, "mixtral"), "ep2_z3": (2, 2, "mixtral"),
+             "ds_ep2": (2, 2, "deepseek_v3"), "ds_dp2": (2, 0, "deepseek_v3")})
 ZERO = {"ep2_z0": (0, 4), "dp2_z0": (0, 4), "ep2_z3": (3, 3)}  # (ZeRO stage, steps) where not (1, STEPS); ZeRO-0 unclipped
 
 
@@ -64,6 +65,8 @@ class Runs(LazyRuns):
 
     def model(self, model_type: str) -> Path:
         """The corpus's sentences as documents (docs.txt) and `model_type` saved by save_pretrained, once."""
+        import torch
+
         from toolkit.train.hf import byte_tokenizer
         from toolkit.train.parity import small_model
 
@@ -72,8 +75,11 @@ class Runs(LazyRuns):
             text = (REPO / "toolkit" / "corpus" / "corpus.txt").read_text()
             sentences = [s.strip() for s in re.split(r"(?<=\.)\s+", text) if s.strip()]
             (self.tmp / "docs.txt").write_text("\n\n".join(sentences[:400]) + "\n")
-            small_model(model_type, attn_implementation="eager", vocab_size=320, **AUX,
-                        **SIX[model_type]).save_pretrained(folder)
+            model = small_model(model_type, attn_implementation="eager", vocab_size=320, **AUX, **SIX[model_type])
+            for name, bias in model.named_buffers():  # DeepSeek's router bias, as a pretrained model's: not zero
+                if name.endswith("e_score_correction_bias"):
+                    bias.copy_(torch.linspace(-0.5, 0.5, bias.numel()))
+            model.save_pretrained(folder)
             byte_tokenizer().save_pretrained(folder)
         return folder
 
@@ -191,6 +197,19 @@ def test_a_move_from_a_zero3_ep_checkpoint_is_refused_at_check(runs, tmp_path):
                          "--out", out, "--resume"], 1)
     assert rc != 0 and "an expert-parallel checkpoint at ZeRO-3 is not read by HF name yet" in log, log[-2000:]
     assert "Traceback" not in log
+
+
+def test_deepseeks_router_bias_goes_through_the_export_and_a_move(runs):
+    """deepseek_v3 at ep 2: AutoEP copies the gate's e_score_correction_bias (a buffer that picks the experts, not
+    trained) onto its router; the export writes it back under HF's name, equal to the model's own, and a move
+    ep 2 -> dp 2 (by HF name) continues the losses."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(next((runs / "ds_ep2" / "hf").glob("*.safetensors"))), framework="pt") as f:
+        exported = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert torch.equal(exported, torch.linspace(-0.5, 0.5, 4)), exported
+    assert_close(metrics(runs / "ds_ep2_to_ds_dp2")[0], metrics(runs / "ds_ep2")[0], tol=1e-4)
 
 
 def test_the_export_of_an_ep_run_joins_every_expert(runs):

@@ -153,11 +153,12 @@ def _cat(tensors: list):
 
 
 def _hf(tensors: dict, saved: dict, manifest: dict, meta: Path) -> dict:
-    """AutoEP's names -> the HF model's (the router's alias dropped)."""
-    from models.autoep import ROUTER, preset_names, to_hf
+    """AutoEP's names -> the HF model's (the router's alias dropped; DeepSeek's router buffer kept)."""
+    from models.autoep import ROUTER, ROUTER_BUFFER, preset_names, to_hf
 
     shapes = hf_shapes(meta, manifest.get("task") or "causal-lm")
-    kept = {k: v for k, v in tensors.items() if k in shapes or ROUTER.fullmatch(k) or _is_expert(k)}
+    kept = {k: v for k, v in tensors.items()
+            if k in shapes or ROUTER.fullmatch(k) or ROUTER_BUFFER.fullmatch(k) or _is_expert(k)}
     return to_hf(kept, preset_names(_preset(saved, meta)), shapes)
 
 
