@@ -11,14 +11,16 @@ block's experts as experts.w1/w2/w3 [E / ep, ...]. What DeepSpeed writes (runtim
 Here they become the fp32 masters and moments of the HF model's own tensors (every expert, fused as transformers
 holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep). ZeRO-0 holds each expert in its file (the weights) and each ep rank's torch optimizer state in
 expp_rank_E_mp_rank_00_optim_states.pt, in the engine's parameter order after initialize (the manifest's
-param_groups). ZeRO-3 is not read yet.
+param_groups). ZeRO-3: each rank's zero_pp_rank_R files, the experts in ZeRO-3 shares of their expert-data-parallel
+group (`_zero3`).
 """
 
+import contextlib
 import functools
 from pathlib import Path
 
 from toolkit.checkpoint.deepspeed_files import (fragments, join, model_states, param_shapes, partition_files,
-                                                torch_load)
+                                                torch_load, zero3_full, zero3_model_states, zero3_pieces, zero3_table)
 from toolkit.errors import UnusableInput
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -26,12 +28,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def autoep_weights(tag_dir: Path, manifest: dict, meta: Path) -> dict:
     """{HF name: fp32 master} of an AutoEP checkpoint (meta: the run's dstk/ folder, config.json)."""
+    saved = _model_states(tag_dir, manifest)
+    module = {k: v for k, v in (saved.get("module") or {}).items() if v.numel()}  # ZeRO-3: its buffers alone
     if manifest.get("zero_stage") == 3:
-        raise UnusableInput(f"{tag_dir}: an expert-parallel run at ZeRO-3 is not read by dstk yet (its experts are "
-                            "ZeRO-3 shares within each expert-data-parallel group); resume it on its own layout")
-    saved = torch_load(tag_dir / model_states())
-    module = {k: v for k, v in (saved.get("module") or {}).items()}
-    if partition_files(tag_dir):
+        module.update(_zero3(tag_dir, lambda opt: {"weights": list(opt["fp32_flat_groups"])})["weights"])
+    elif partition_files(tag_dir):
         module.update(_partitioned(tag_dir, manifest, saved, lambda opt: [{"weights": f} for f in
                                                                          opt["single_partition_of_fp32_groups"]]
                                    )["weights"])
@@ -47,7 +48,15 @@ def autoep_weights(tag_dir: Path, manifest: dict, meta: Path) -> dict:
 
 def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int]:
     """({"exp_avg" / "exp_avg_sq": {HF name: tensor}}, the optimizer step) of an AutoEP checkpoint at ZeRO-0/1/2."""
-    saved, steps = torch_load(tag_dir / model_states()), []
+    saved, steps = _model_states(tag_dir, manifest), []
+    if manifest.get("zero_stage") == 3:
+        def zero3_moments(opt):
+            states = opt["optimizer_state_dict"]["state"]  # per group: {"step", moment: flat share}
+            steps.extend(int(states[i]["step"]) for i in states)
+            return {key: [states[i][key] for i in sorted(states)] for key in MOMENTS}
+
+        found = _zero3(tag_dir, zero3_moments)
+        return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, max(steps)
     if not partition_files(tag_dir):
         found, step = _torch_states(tag_dir, manifest)
         return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, step
@@ -86,6 +95,41 @@ def _partitioned(tag_dir: Path, manifest: dict, saved: dict, flats) -> dict:
             else:
                 _check_owners(name, owners, ep, tag_dir)
                 out[kind][name] = _cat([join(owners[e]).reshape(shapes[name]) for e in range(ep)])
+    return out
+
+
+def _model_states(tag_dir: Path, manifest: dict) -> dict:
+    """Rank 0's model states: the module without its experts, the config, ZeRO's param_shapes."""
+    return torch_load(tag_dir / (zero3_model_states() if manifest.get("zero_stage") == 3 else model_states()))
+
+
+def _zero3(tag_dir: Path, flats) -> dict:
+    """ZeRO-3: {kind: {AutoEP name: tensor}} from every rank's zero_pp_rank_R_mp_rank_00_{model,optim}_states.pt;
+    flats(the optim file's optimizer_state_dict) gives {kind: [flat share per group]}. A rank's groups end to end
+    hold its share of each parameter, ceil(n / ranks) elements, in param_shapes order; the dense parameters are cut
+    over every rank, the experts over the rank's expert-data-parallel group (the ranks holding the same experts),
+    whose ep rank and place each rank's ds_autoep_layers record. Experts then joined over the ep ranks in order."""
+    files = partition_files(tag_dir)  # (rank, 0) -> path, rank order
+    ranks, where, shapes, edp = [r for r, _ in files], {}, None, 1
+    for r in ranks:
+        saved = torch_load(tag_dir / zero3_model_states(r))
+        layer = (saved.get("ds_autoep_layers") or [{}])[0]
+        where[r] = (layer.get("ep_rank", 0), layer.get("expert_data_parallel_rank", 0))
+        shapes, edp = shapes or param_shapes(saved), layer.get("expert_data_parallel_world_size", 1)
+    ep = len(ranks) // edp
+    table = zero3_table(shapes, lambda name: edp if _is_expert(name) else len(ranks))
+    by_rank = {r: flats(torch_load(files[r, 0])["optimizer_state_dict"]) for r in ranks}
+    holders = [sorted((r for r in ranks if where[r][0] == e), key=lambda r: where[r][1]) for e in range(ep)]
+    if any(len(group) != edp for group in holders):  # ep rank e's experts: its expert-data group, in group order
+        raise UnusableInput(f"{tag_dir}: the ZeRO-3 files of {len(ranks)} ranks do not make {ep} expert-data-parallel "
+                            f"groups of {edp} ({holders}): the checkpoint is incomplete or from another layout")
+    out = {}
+    for kind in by_rank[ranks[0]]:
+        out[kind] = {}
+        for name, (offset, share, shape) in table.items():
+            out[kind][name] = _cat([zero3_full([p for r in group for p in zero3_pieces(by_rank[r][kind], offset, share)],
+                                               tuple(shape), copy=True) for group in (holders if _is_expert(name)
+                                                                                      else [ranks])])
     return out
 
 
@@ -171,9 +215,26 @@ def hf_shapes(meta: Path, task: str) -> dict:
     from models.api import auto_class
 
     config = AutoConfig.from_pretrained(meta)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_zero_init():
         model = auto_class(task, config)._from_config(config)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _no_zero_init():
+    """transformers' HfDeepSpeedConfig off for the block: on a ZeRO-3 rank (a move onto ZeRO-3 reads the checkpoint
+    on rank 0 alone) it is alive, and _from_config would build inside deepspeed.zero.Init, whose collectives wait
+    for the other ranks forever. transformers holds it by weak reference (integrations/deepspeed.py); put back after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    live = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if live is not None:
+            hf_deepspeed.set_hf_deepspeed_config(live)
 
 
 def _preset(saved: dict, meta: Path) -> str:

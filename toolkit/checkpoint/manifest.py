@@ -433,10 +433,6 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
         why = ("a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
                "writes its experts per stage, layer_L_expert_E_mp_rank_<stage>, which toolkit/checkpoint/experts.py "
                "does not join); move at pp 1, or resume on the same layout")
-    elif moved and saved.get(EP) and saved.get("zero_stage") == 3:
-        why = ("an expert-parallel checkpoint at ZeRO-3 is not read by HF name yet (its experts lie in ZeRO-3 shares "
-               "of each expert-data-parallel group, its dense weights in shares of every rank); only ZeRO 0-2 ones "
-               "move: resume on its layout, move it to ZeRO-1/2 there (the same ep), then move that")
     elif moved and saved.get(EP) and not saved.get("zero_stage") and not _autoep_names(saved):
         why = ("this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters as they were before AutoEP "
                "replaced them (written by an older dstk), so its torch optimizer state cannot be named")

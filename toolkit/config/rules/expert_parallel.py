@@ -209,8 +209,4 @@ def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) 
                    "its own stage number (layer_L_expert_E_mp_rank_<stage>), which dstk's checkpoint reader "
                    "(toolkit/checkpoint/experts.py) does not join yet (pp 1 export); pass --no-export (DeepSpeed's own "
                    "checkpoints are still written)")
-    elif export and _section(cfg, "zero_optimization").get("stage") == 3:
-        out.append(f"the end-of-run export with {named} at ZeRO-3: each expert lies in ZeRO-3 shares within its "
-                   "expert-data-parallel group, which dstk's checkpoint reader (toolkit/checkpoint/experts.py) does not "
-                   "join yet (ZeRO 0-2 export); pass --no-export (DeepSpeed's own checkpoints are still written)")
     return out

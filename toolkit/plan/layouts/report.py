@@ -73,13 +73,12 @@ def _describe(e: Estimate, label: str) -> list:
 
 
 def export_line(lay) -> list:
-    """What `dstk train` needs of a layout with ep inside pipeline stages or at ZeRO-3: --no-export (its end-of-run
-    export joins experts at pp 1 and ZeRO 0-2 only: toolkit/config/rules/expert_parallel.py train_refusals)."""
-    if lay.ep == 1 or (lay.pp == 1 and lay.zero != 3):
+    """What `dstk train` needs of a layout with ep inside pipeline stages: --no-export (its end-of-run export joins
+    experts at pp 1 only: toolkit/config/rules/expert_parallel.py train_refusals)."""
+    if lay.ep == 1 or lay.pp == 1:
         return []
-    where = "inside pipeline stages" if lay.pp > 1 else "at ZeRO-3"
-    return [f"   export: dstk train needs --no-export for ep {where} (its end-of-run HF export is not made there yet; "
-            "DeepSpeed's checkpoints are written, and resume on this layout)"]
+    return ["   export: dstk train needs --no-export for ep inside pipeline stages (its end-of-run HF export is not "
+            "made there yet; DeepSpeed's checkpoints are written, and resume on this layout)"]
 
 
 def _experts(e: Estimate) -> str:
