@@ -12,9 +12,12 @@ at deepspeed.initialize, and a one-argument get with a string would silently fin
 `allow_string_keys()` gives the registry object both readings: a string key is a plain dict key (what DeepSpeed
 passes), anything else is transformers' model (what transformers passes). The keys are the same strings either way,
 so nothing either side stores changes.
+
+`hf_shapes` gives a saved model's parameter shapes by HF name (what a checkpoint of AutoEP's tensors becomes).
 """
 
 import contextlib
+import functools
 import logging
 import re
 
@@ -172,3 +175,34 @@ def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
         out[f"{block}.experts.w3"] = ours(f"{experts}.{names['w3']}", w1_shape)
     out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", tuple(layer.experts.w2.shape))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=4)
+def hf_shapes(meta, task: str) -> dict:
+    """{HF name: shape} of the model in META (config.json), built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig
+
+    from models.api import auto_class
+
+    config = AutoConfig.from_pretrained(meta)
+    with torch.device("meta"), _no_zero_init():
+        model = auto_class(task, config)._from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _no_zero_init():
+    """transformers' HfDeepSpeedConfig off for the block: on a ZeRO-3 rank (a move onto ZeRO-3 reads the checkpoint
+    on rank 0 alone) it is alive, and _from_config would build inside deepspeed.zero.Init, whose collectives wait
+    for the other ranks forever. transformers holds it by weak reference (integrations/deepspeed.py); put back after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    live = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if live is not None:
+            hf_deepspeed.set_hf_deepspeed_config(live)

@@ -1,6 +1,6 @@
 """`dstk train --check` (toolkit.train.runner.check, before any rank starts) refuses what dstk train does not
-combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run passes (its export too, ZeRO 0-3), a pp 2
-run with --no-export. The runs that train:
+combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run passes (its export too, ZeRO 0-3), and a pp 2
+run with its export. The runs that train:
 tests/distributed/test_expert_parallel.py."""
 
 import json
@@ -33,13 +33,16 @@ def test_ep_at_pp1_passes_the_checks_with_its_export(tmp_path, zero):
     check_with(tmp_path, {"zero_optimization": {"stage": zero}}, export=True)  # the experts joined from their ep ranks
 
 
+def test_ep_inside_pipeline_stages_passes_the_checks_with_its_export(tmp_path):
+    check_with(tmp_path, {"pipeline": {"stages": 2}}, 4, export=True)  # each stage's experts joined by HF name
+
+
 @pytest.mark.parametrize("changes,world,flags,words", [
     ({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4}, 4, {"schedule": "dualpipev"},
      "--schedule dualpipev with \"expert_parallel\""),
     ({"tensor_parallel": {"autotp_size": 2}}, 4, {}, '"autotp_size" 2 with "expert_parallel" (ep 2)'),
     ({"sequence_parallel_size": 2}, 4, {}, '"sequence_parallel_size" 2 with "expert_parallel" (ep 2)'),
     ({}, 2, {"lora": True}, "--lora with \"expert_parallel\" (ep 2): peft wraps the model"),
-    ({"pipeline": {"stages": 2}}, 4, {"export": True}, "inside pipeline stages: each stage writes its experts"),
 ])
 def test_what_dstk_train_cannot_combine_with_ep_yet_is_refused_with_its_reason(tmp_path, changes, world, flags, words):
     with pytest.raises(ConfigError) as refused:
@@ -68,7 +71,8 @@ def resumable(tmp_path, saved: dict, now: dict):
     ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4, "zero_stage": 3}, "onto AutoEP"),
     ({"expert_parallel": 2, "zero_stage": 0, "param_groups": [["model.layers.0.mlp.experts.gate_up_proj"]]},
      {"zero_stage": 0}, "names its optimizer's parameters as they were before AutoEP"),
-    ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4}, "inside pipeline stages is not made by dstk yet")])
+    ({"pp": 2}, {"expert_parallel": 2, "pp": 2, "dp": 4}, "onto expert parallelism inside pipeline stages"),
+    ({"expert_parallel": 2, "pp": 2, "zero_stage": 0}, {"zero_stage": 0}, "of ep inside pipeline stages keeps torch's")])
 def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved, now, words):
     with pytest.raises(ConfigError, match=words):
         resumable(tmp_path, saved, now)
@@ -80,6 +84,7 @@ def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved,
                                        ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4}),
                                        ({"expert_parallel": 2, "zero_stage": 0,  # AutoEP's names, recorded after initialize
                                          "param_groups": [["model.layers.0.mlp.experts.w1"]]}, {"zero_stage": 0}),
-                                       ({"expert_parallel": 2, "zero_stage": 3}, {"zero_stage": 3})])
+                                       ({"expert_parallel": 2, "zero_stage": 3}, {"zero_stage": 3}),
+                                       ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4})])  # off ep in stages
 def test_an_ep_run_moves_by_hf_name(tmp_path, saved, now):
     assert "expert_parallel" in resumable(tmp_path, saved, now)  # toolkit.checkpoint.portable

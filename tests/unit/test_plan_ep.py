@@ -12,7 +12,6 @@ from toolkit.plan.arch import load_arch
 from toolkit.plan.layouts.estimate import Layout, ep_comm_bytes
 from toolkit.plan.cost.layers import layer_costs
 from toolkit.plan.layouts.planner import PlanRequest, candidate_layouts, make_plan, model_of
-from toolkit.plan.layouts.report import export_line, render_text
 from toolkit.plan.memory.rank import expert_states, model_state_bytes
 
 # Qwen3-30B-A3B's published config.json (the shape the planner reads)
@@ -107,17 +106,3 @@ def test_emitted_config_has_the_preset_and_validates(tmp_path, capsys):
     code, text = run(capsys, "validate", str(out), "--world-size", "8", "--model", model)
     assert code == 0, text
     assert load_arch(model).experts % cfg["expert_parallel"]["autoep_size"] == 0
-
-
-def test_the_plan_says_when_ep_needs_no_export(tmp_path):
-    """dstk train refuses the export of ep inside pipeline stages: the plan's layout says --no-export."""
-    assert export_line(Layout(pp=1, dp=8, zero=3, mbs=1, gas=1, ep=4)) == []
-    assert export_line(Layout(pp=2, dp=4, zero=1, mbs=1, gas=1, ep=1)) == []
-    assert "--no-export for ep inside pipeline stages" in export_line(Layout(pp=2, dp=4, zero=1, mbs=1, gas=1, ep=2))[0]
-    result = make_plan(PlanRequest(model=qwen_dir(tmp_path), gbs=8, gpu="h100", gpus_per_node=16, top=40))
-    staged = [e for e in result.best if e.layout.ep > 1 and e.layout.pp > 1]
-    assert staged, [e.layout.describe() for e in result.best]
-    blocks = render_text(result).split("\n#")  # one per layout shown
-    block = next(b for b in blocks if b.startswith(f"{result.best.index(staged[0]) + 1} "))
-    assert "\n   export: dstk train needs --no-export for ep inside pipeline stages" in block, block
-    assert all("--no-export" not in b for b, e in zip(blocks[1:], result.best) if e.layout.pp == 1), blocks

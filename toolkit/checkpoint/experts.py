@@ -1,24 +1,23 @@
-"""An expert-parallel run's checkpoint (DeepSpeed 0.19.8's AutoEP at pp 1) by HF name: its weights and Adam moments.
+"""An expert-parallel run's checkpoint (DeepSpeed 0.19.8's AutoEP) by HF name: its weights and Adam moments.
 
 AutoEP replaces each MoE block with its own layer (models.autoep): ep consecutive ranks each hold E / ep of every
-block's experts as experts.w1/w2/w3 [E / ep, ...]. What DeepSpeed writes (runtime/engine.py _save_moe_checkpoint):
-  mp_rank_00_model_states.pt      the module without the experts (the router as router.gate.weight)
-  layer_L_expert_E_mp_rank_00_model_states.pt   expert E of MoE block L: {BLOCK.experts.wN.E: [I, H] / [H, I]}
-  zero_pp_rank_R_mp_rank_00_optim_states.pt     ZeRO-1/2: rank R's partitions. The dense groups are cut over all dp
-      ranks, as without ep; the expert groups (the "moe" ones) over the expert-data-parallel group of R: the ranks
-      holding the same experts, R % ep = e, in rank order (R // ep), whose joined fragments are ep rank e's
-      experts.wN [E / ep, ...].
+block's experts as experts.w1/w2/w3 [E / ep, ...]. What DeepSpeed writes (runtime/engine.py _save_moe_checkpoint),
+per pipeline stage S (00 at pp 1; inside stages the names are the stage's, "1.layer.mlp.experts.w1", and L restarts
+at 0 in every stage):
+  mp_rank_S_model_states.pt      the module without the experts (the router as router.gate.weight)
+  layer_L_expert_E_mp_rank_S_model_states.pt   expert E of MoE block L: {BLOCK.experts.wN.E: [I, H] / [H, I]}
+  zero_pp_rank_R_mp_rank_S_optim_states.pt     ZeRO-1/2: rank R's partitions. The dense groups cut over all dp
+      ranks; the expert groups over R's expert-data-parallel group (the ranks holding the same experts, R % ep = e,
+      in rank order), whose joined fragments are ep rank e's experts.wN [E / ep, ...].
+  expp_rank_E_mp_rank_00_optim_states.pt       ZeRO-0: ep rank E's torch optimizer state, in the engine's order
+      after initialize (the manifest's param_groups)
+  ZeRO-3: each rank's zero_pp_rank_R files, each expert in ZeRO-3 shares of its expert-data-parallel group (_zero3).
 Here they become the fp32 masters and moments of the HF model's own tensors (every expert, fused as transformers
-holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep). ZeRO-0 holds each expert in its file (the weights) and each ep rank's torch optimizer state in
-expp_rank_E_mp_rank_00_optim_states.pt, in the engine's parameter order after initialize (the manifest's
-param_groups). ZeRO-3: each rank's zero_pp_rank_R files, the experts in ZeRO-3 shares of their expert-data-parallel
-group (`_zero3`).
+holds them), by models.autoep.to_hf; `onto_autoep` cuts them back into an AutoEP engine's (a move onto ep at pp 1).
 """
-
-import contextlib
-import functools
 from pathlib import Path
 
+from models.autoep import hf_shapes
 from toolkit.checkpoint.deepspeed_files import (fragments, join, model_states, param_shapes, partition_files,
                                                 torch_load, zero3_full, zero3_model_states, zero3_pieces, zero3_table)
 from toolkit.errors import UnusableInput
@@ -28,16 +27,18 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def autoep_weights(tag_dir: Path, manifest: dict, meta: Path) -> dict:
     """{HF name: fp32 master} of an AutoEP checkpoint (meta: the run's dstk/ folder, config.json)."""
-    saved = _model_states(tag_dir, manifest)
-    module = {k: v for k, v in (saved.get("module") or {}).items() if v.numel()}  # ZeRO-3: its buffers alone
-    if manifest.get("zero_stage") == 3:
-        module.update(_zero3(tag_dir, lambda opt: {"weights": list(opt["fp32_flat_groups"])})["weights"])
-    elif partition_files(tag_dir):
-        module.update(_partitioned(tag_dir, manifest, saved, lambda opt: [{"weights": f} for f in
-                                                                         opt["single_partition_of_fp32_groups"]]
-                                   )["weights"])
-    else:
-        module.update(_expert_files(tag_dir))
+    saved, module = _model_states(tag_dir, manifest), {}
+    for stage in range(manifest.get("pp", 1)):  # each pipeline stage's own files, its MoE layers numbered from 0
+        own = torch_load(tag_dir / model_states(stage)) if stage else saved
+        found = {k: v for k, v in (own.get("module") or {}).items() if v.numel()}  # ZeRO-3: its buffers alone
+        if manifest.get("zero_stage") == 3:
+            found.update(_zero3(tag_dir, lambda opt: {"weights": list(opt["fp32_flat_groups"])})["weights"])
+        elif partition_files(tag_dir):
+            found.update(_partitioned(tag_dir, manifest, own, lambda opt: [
+                {"weights": f} for f in opt["single_partition_of_fp32_groups"]], stage)["weights"])
+        else:
+            found.update(_expert_files(tag_dir, stage))
+        module.update(_stage_names(found, manifest))
     weights = _hf(module, saved, manifest, meta)
     missing = sorted(set(hf_shapes(meta, manifest.get("task") or "causal-lm")) - set(weights))
     if missing:
@@ -47,7 +48,8 @@ def autoep_weights(tag_dir: Path, manifest: dict, meta: Path) -> dict:
 
 
 def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int]:
-    """({"exp_avg" / "exp_avg_sq": {HF name: tensor}}, the optimizer step) of an AutoEP checkpoint at ZeRO-0/1/2."""
+    """({"exp_avg" / "exp_avg_sq": {HF name: tensor}}, the optimizer step) of an AutoEP checkpoint at ZeRO-0/1/2
+    (and ZeRO-1 inside pipeline stages), or ZeRO-3."""
     saved, steps = _model_states(tag_dir, manifest), []
     if manifest.get("zero_stage") == 3:
         def zero3_moments(opt):
@@ -58,6 +60,10 @@ def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int
         found = _zero3(tag_dir, zero3_moments)
         return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, max(steps)
     if not partition_files(tag_dir):
+        if manifest.get("pp", 1) > 1:
+            raise UnusableInput(f"{tag_dir}: ZeRO-0 inside pipeline stages keeps torch's optimizer state in the order "
+                                "DeepSpeed split each stage's groups into, which dstk does not record; resume it on its "
+                                "own layout")
         found, step = _torch_states(tag_dir, manifest)
         return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, step
 
@@ -67,14 +73,43 @@ def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int
         steps.extend(int(state["step"]) for state in groups)
         return [{key: state[key] for key in MOMENTS} for state in groups]
 
-    found = _partitioned(tag_dir, manifest, saved, moments)
+    found = {key: {} for key in MOMENTS}
+    for stage in range(manifest.get("pp", 1)):
+        own = torch_load(tag_dir / model_states(stage)) if stage else saved
+        for key, tensors in _partitioned(tag_dir, manifest, own, moments, stage).items():
+            found[key].update(_stage_names(tensors, manifest))
     return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, max(steps)
 
 
-def _partitioned(tag_dir: Path, manifest: dict, saved: dict, flats) -> dict:
+def _stage_names(tensors: dict, manifest: dict) -> dict:
+    """Inside pipeline stages, a stage's names ("1.layer.mlp.experts.w1", "<layer>.<key>") -> HF names, AutoEP's
+    under their block's HF name ("model.layers.0.mlp.experts.w1", found from the layer's map in the manifest's
+    hf_names); what neither names (AutoEP's router alias) is dropped. pp 1: the names are already these."""
+    if manifest.get("pp", 1) == 1:
+        return tensors
+    from models.autoep import EXPERT, ROUTER, ROUTER_BUFFER
+
+    from toolkit.checkpoint.manifest import hf_name_of, layer_of
+
+    out = {}
+    for name, tensor in tensors.items():
+        hf = hf_name_of(name, manifest)
+        index, key = layer_of(name, manifest) or (None, "")
+        match = EXPERT.fullmatch(key) or ROUTER.fullmatch(key) or ROUTER_BUFFER.fullmatch(key)
+        if hf is None and match:  # its block's HF prefix: from any key of the layer under the same block
+            block = match.group(1)
+            hf = next((v[: len(v) - len(k) + len(block)] + key[len(block):] for k, v in manifest["hf_names"][index].items()
+                       if k.startswith(block + ".") and v.endswith(k[len(block):])), None)
+        if hf is not None:
+            out[hf] = tensor
+    return out
+
+
+def _partitioned(tag_dir: Path, manifest: dict, saved: dict, flats, stage: int = 0) -> dict:
     """{kind: {AutoEP name: tensor}} from the ZeRO-1/2 partition files; flats(optimizer_state_dict) gives per
     group {kind: flat tensor}. Dense tensors joined over every rank, experts per ep rank, then ep ranks in order."""
-    ep, files = manifest.get("expert_parallel", 1), partition_files(tag_dir)  # (dp, 0) -> path, dp order
+    ep = manifest.get("expert_parallel", 1)
+    files = {key: path for key, path in partition_files(tag_dir).items() if key[1] == stage}  # (dp, stage): dp order
     shapes = dict(param_shapes(saved))  # this rank's (local) shapes: the experts' [E / ep, ...]
     pieces = {}
     for (rank, _), path in files.items():
@@ -167,14 +202,14 @@ def _check_owners(name: str, owners: dict, ep: int, tag_dir: Path) -> None:
                             "checkpoint is incomplete or from another layout")
 
 
-def _expert_files(tag_dir: Path) -> dict:
+def _expert_files(tag_dir: Path, stage: int = 0) -> dict:
     """{BLOCK.experts.wN: [E, ...]} from DeepSpeed's one file per expert (the module's weights)."""
     import re
 
     import torch
 
     per = {}
-    for path in tag_dir.glob("layer_*_expert_*_mp_rank_00_model_states.pt"):
+    for path in tag_dir.glob(f"layer_*_expert_*_mp_rank_{stage:02d}_model_states.pt"):
         for key, tensor in torch_load(path).items():
             match = re.fullmatch(r"(.+\.experts\.w[123])\.(\d+)", key)
             if match:
@@ -204,37 +239,6 @@ def _hf(tensors: dict, saved: dict, manifest: dict, meta: Path) -> dict:
     kept = {k: v for k, v in tensors.items()
             if k in shapes or ROUTER.fullmatch(k) or ROUTER_BUFFER.fullmatch(k) or _is_expert(k)}
     return to_hf(kept, preset_names(_preset(saved, meta)), shapes)
-
-
-@functools.lru_cache(maxsize=4)
-def hf_shapes(meta: Path, task: str) -> dict:
-    """{HF name: shape} of the model in META (config.json), built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoConfig
-
-    from models.api import auto_class
-
-    config = AutoConfig.from_pretrained(meta)
-    with torch.device("meta"), _no_zero_init():
-        model = auto_class(task, config)._from_config(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-@contextlib.contextmanager
-def _no_zero_init():
-    """transformers' HfDeepSpeedConfig off for the block: on a ZeRO-3 rank (a move onto ZeRO-3 reads the checkpoint
-    on rank 0 alone) it is alive, and _from_config would build inside deepspeed.zero.Init, whose collectives wait
-    for the other ranks forever. transformers holds it by weak reference (integrations/deepspeed.py); put back after."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
-    live = ref() if ref is not None else None
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        if live is not None:
-            hf_deepspeed.set_hf_deepspeed_config(live)
 
 
 def _preset(saved: dict, meta: Path) -> str:

@@ -429,10 +429,12 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
         why = (f"a move onto AutoEP ({EP} {now[EP]}) at ZeRO-3 is not made by dstk yet (each rank's experts would go "
                "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
                "the same ep")
-    elif moved and (saved.get(EP) or now.get(EP)) and max(saved.get("pp", 1), now.get("pp", 1)) > 1:
-        why = ("a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
-               "writes its experts per stage, layer_L_expert_E_mp_rank_<stage>, which toolkit/checkpoint/experts.py "
-               "does not join); move at pp 1, or resume on the same layout")
+    elif moved and now.get(EP) and now.get("pp", 1) > 1:
+        why = ("a move onto expert parallelism inside pipeline stages is not made by dstk yet (each stage's AutoEP "
+               "layers would be filled by their stage names); move onto ep at pp 1, or onto pipeline stages without ep")
+    elif moved and saved.get(EP) and saved.get("pp", 1) > 1 and not saved.get("zero_stage"):
+        why = ("a ZeRO-0 checkpoint of ep inside pipeline stages keeps torch's optimizer state in the order DeepSpeed "
+               "split each stage's groups into, which dstk does not record; only ZeRO-1 ones move")
     elif moved and saved.get(EP) and not saved.get("zero_stage") and not _autoep_names(saved):
         why = ("this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters as they were before AutoEP "
                "replaced them (written by an older dstk), so its torch optimizer state cannot be named")

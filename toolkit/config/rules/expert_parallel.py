@@ -204,9 +204,4 @@ def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) 
                    "splits nothing), and LoRA on the fused experts (peft's "
                    "target_parameters on gate_up_proj/down_proj) would be dropped when AutoEP replaces them; "
                    "train without --lora")
-    if export and pp > 1:
-        out.append(f"the end-of-run export with {named} inside pipeline stages: each stage writes its experts under "
-                   "its own stage number (layer_L_expert_E_mp_rank_<stage>), which dstk's checkpoint reader "
-                   "(toolkit/checkpoint/experts.py) does not join yet (pp 1 export); pass --no-export (DeepSpeed's own "
-                   "checkpoints are still written)")
     return out

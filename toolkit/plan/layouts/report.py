@@ -69,16 +69,7 @@ def _describe(e: Estimate, label: str) -> list:
                           subsequent_indent="     ") if e.flops_parts else []
     long = [f"   long sequences: {', '.join(e.features)} (dstk train's auto choices)"] if e.features else []
     return [f"{label} {e.layout.describe()}", memory, comm, f"   step ~ {e.step_time:.3g} s ({parts})", *long,
-            *export_line(e.layout), *_stage_lines(e), *split]
-
-
-def export_line(lay) -> list:
-    """What `dstk train` needs of a layout with ep inside pipeline stages: --no-export (its end-of-run export joins
-    experts at pp 1 only: toolkit/config/rules/expert_parallel.py train_refusals)."""
-    if lay.ep == 1 or lay.pp == 1:
-        return []
-    return ["   export: dstk train needs --no-export for ep inside pipeline stages (its end-of-run HF export is not "
-            "made there yet; DeepSpeed's checkpoints are written, and resume on this layout)"]
+            *_stage_lines(e), *split]
 
 
 def _experts(e: Estimate) -> str:
