@@ -139,8 +139,20 @@ def markdown(rows: dict, args) -> list:
               f"for pp 1 dp {RANKS} ZeRO-1 at that ep (hf: ep 1): model states and activations per rank, less the "
               f"{base['planner']['buckets_mib']:.0f} MiB of reduce buckets it counts as a GPU allocates them (the same at "
               f"every ep); its step time is an H100's, shown only as a ratio. "
-              f"1-minute load average after the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."]
+              f"1-minute load average after the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.", "", WHY]
     return lines
+
+
+WHY = ("Reading it: with the same global batch, ep 2 and ep 4 each run a rank's grouped GEMM over 8 / ep experts with "
+       "ep times the tokens each, and reduce the experts' gradients over dp / ep ranks instead of all 4, while the "
+       "all-to-all over gloo moves under 1 MiB per step: fewer, larger matmuls and less all-reduce. The planner says "
+       "the same direction (its step-time ratio, an H100's FLOPs and links: the experts' gradient all-reduce "
+       "shrinking), not this CPU's size of it. Memory: the planner's drop is the experts' weights and gradients x "
+       "(1 - 1/ep) (the Adam states are split over dp by ZeRO-1 already, at every ep); the measured drop is 3-4x "
+       "that, in every repetition: something else that scales with a rank's local experts is alive at the CPU peak "
+       "(not traced here; ZeRO-1's gradient copies and torch._grouped_mm's CPU path are candidates), so on this "
+       "machine the planner under-states what ep saves. The load average was far above the 2 cores (other work): the "
+       "tokens/s ranges are wide; compare the medians' ratios.")
 
 
 def expert_share() -> float:
