@@ -9,6 +9,11 @@ gives the same losses and norms (dstk replaces the stages' blocks itself). Heavy
 (4 ranks), pp 2 x dp 4 x ep 2 (8 ranks) and qwen3_moe at pp 2 x ep 2; runs resumed from their step 2 (pp 1 and
 pp 2) continue their losses. Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
 against one process without AutoEP.
+
+Checkpoints by HF name (toolkit/checkpoint/experts.py): the export joins every expert (pp 1; inside pipeline stages
+from every stage's files; at ZeRO-3 from its shares, heavy), and moves off AutoEP continue the losses from ZeRO-0
+(each ep rank's torch state, named after initialize), ZeRO-1, ZeRO-3 (experts in shares of their expert-data group)
+and pp 2 x ep 2; deepseek_v3's router bias goes through the export and a move unchanged.
 """
 
 import json
