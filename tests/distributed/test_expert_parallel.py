@@ -165,13 +165,15 @@ def test_ep_inside_pipeline_stages_trains_as_one_process_does(runs, run, ref_run
     assert "experts: ep 2 (DeepSpeed AutoEP)" in (runs.tmp / f"{run}.log").read_text()
 
 
-@pytest.mark.parametrize("moved", ["ep2_to_dp2", "dp2_to_ep2", pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
+@pytest.mark.parametrize("moved", ["ep2_to_dp2", "dp2_to_ep2", "dp2_to_pp2_ep2",
+                                   pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
                                    pytest.param("dp2_ep2_to_dp2", marks=pytest.mark.heavy),
                                    pytest.param("ep2_to_dp2_ep2", marks=pytest.mark.heavy)])
 def test_an_ep_run_moves_by_hf_name_and_continues(runs, moved):
     """ep 2 -> ep 1 by HF name (toolkit.checkpoint.experts): every expert's fp32 master and Adam moments joined
     from its ep ranks into the HF model's fused tensors; onto AutoEP each rank's experts cut from them
-    (models.autoep.from_hf). The step-3 loss is the source run's own."""
+    (models.autoep.from_hf), inside pipeline stages too (each stage's AutoEP layers under their block's HF name).
+    The step-3 loss is the source run's own."""
     source, layout = moved.split("_to_")
     assert_close(metrics(runs / moved)[0], metrics(runs / source)[0], tol=1e-4)
     manifest = json.loads((runs / moved / "checkpoints" / "dstk" / "manifest.json").read_text())

@@ -71,7 +71,6 @@ def resumable(tmp_path, saved: dict, now: dict):
     ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4, "zero_stage": 3}, "onto AutoEP"),
     ({"expert_parallel": 2, "zero_stage": 0, "param_groups": [["model.layers.0.mlp.experts.gate_up_proj"]]},
      {"zero_stage": 0}, "names its optimizer's parameters as they were before AutoEP"),
-    ({"pp": 2}, {"expert_parallel": 2, "pp": 2, "dp": 4}, "onto expert parallelism inside pipeline stages"),
     ({"expert_parallel": 2, "pp": 2, "zero_stage": 0}, {"zero_stage": 0}, "of ep inside pipeline stages keeps torch's")])
 def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved, now, words):
     with pytest.raises(ConfigError, match=words):
@@ -85,6 +84,7 @@ def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved,
                                        ({"expert_parallel": 2, "zero_stage": 0,  # AutoEP's names, recorded after initialize
                                          "param_groups": [["model.layers.0.mlp.experts.w1"]]}, {"zero_stage": 0}),
                                        ({"expert_parallel": 2, "zero_stage": 3}, {"zero_stage": 3}),
-                                       ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4})])  # off ep in stages
+                                       ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4}),  # off ep in stages
+                                       ({"pp": 2}, {"expert_parallel": 2, "pp": 2, "dp": 4})])  # onto it
 def test_an_ep_run_moves_by_hf_name(tmp_path, saved, now):
     assert "expert_parallel" in resumable(tmp_path, saved, now)  # toolkit.checkpoint.portable

@@ -82,27 +82,30 @@ def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int
 
 
 def _stage_names(tensors: dict, manifest: dict) -> dict:
-    """Inside pipeline stages, a stage's names ("1.layer.mlp.experts.w1", "<layer>.<key>") -> HF names, AutoEP's
-    under their block's HF name ("model.layers.0.mlp.experts.w1", found from the layer's map in the manifest's
-    hf_names); what neither names (AutoEP's router alias) is dropped. pp 1: the names are already these."""
+    """Inside pipeline stages, {a stage's name: tensor} -> {HF name: tensor} (stage_hf_name); what neither names
+    (AutoEP's router alias) is dropped. pp 1: the names are already these."""
     if manifest.get("pp", 1) == 1:
         return tensors
+    named = {stage_hf_name(name, manifest): tensor for name, tensor in tensors.items()}
+    return {hf: tensor for hf, tensor in named.items() if hf is not None}
+
+
+def stage_hf_name(name: str, manifest: dict) -> str | None:
+    """A pipeline stage's parameter name ("<layer>.<key>") -> its HF name (manifest.hf_name_of), or for AutoEP's own
+    tensors ("1.layer.mlp.experts.w1") the HF name of their block with AutoEP's tail ("model.layers.0.mlp.experts.w1"),
+    the block's found from any key of the layer's map under it; None where neither names it."""
     from models.autoep import EXPERT, ROUTER, ROUTER_BUFFER
 
     from toolkit.checkpoint.manifest import hf_name_of, layer_of
 
-    out = {}
-    for name, tensor in tensors.items():
-        hf = hf_name_of(name, manifest)
-        index, key = layer_of(name, manifest) or (None, "")
-        match = EXPERT.fullmatch(key) or ROUTER.fullmatch(key) or ROUTER_BUFFER.fullmatch(key)
-        if hf is None and match:  # its block's HF prefix: from any key of the layer under the same block
-            block = match.group(1)
-            hf = next((v[: len(v) - len(k) + len(block)] + key[len(block):] for k, v in manifest["hf_names"][index].items()
-                       if k.startswith(block + ".") and v.endswith(k[len(block):])), None)
-        if hf is not None:
-            out[hf] = tensor
-    return out
+    hf = hf_name_of(name, manifest)
+    index, key = layer_of(name, manifest) or (None, "")
+    match = EXPERT.fullmatch(key) or ROUTER.fullmatch(key) or ROUTER_BUFFER.fullmatch(key)
+    if hf is not None or not match:
+        return hf
+    block = match.group(1)
+    return next((v[: len(v) - len(k) + len(block)] + key[len(block):] for k, v in manifest["hf_names"][index].items()
+                 if k.startswith(block + ".") and v.endswith(k[len(block):])), None)
 
 
 def _partitioned(tag_dir: Path, manifest: dict, saved: dict, flats, stage: int = 0) -> dict:
@@ -257,9 +260,11 @@ def _preset(saved: dict, meta: Path) -> str:
     return found[0]
 
 
-def onto_autoep(module, weights: dict, moments: dict) -> tuple[dict, dict]:
+def onto_autoep(module, weights: dict, moments: dict, names: dict) -> tuple[dict, dict]:
     """(weights, moments) by HF name -> the same with every AutoEP layer's tensors of `module` (this rank's experts,
-    its router) by the layer's own names, as toolkit.checkpoint.portable.restore writes them into the engine."""
+    its router) under the layer's block's HF name ("model.layers.0.mlp.experts.w1"), as toolkit.checkpoint.portable.
+    restore writes them into the engine; `names` ({parameter: HF name}, portable.hf_names_of) gives each block's HF
+    name from its router's (inside pipeline stages a block is "1.layer.mlp")."""
     from models.autoep import from_hf, layers, preset_names
 
     found = layers(module)
@@ -267,8 +272,9 @@ def onto_autoep(module, weights: dict, moments: dict) -> tuple[dict, dict]:
     shaped = {key: {hf: t.reshape(weights[hf].shape) for hf, t in tensors.items() if hf in weights}
               for key, tensors in moments.items()}
     for block, layer in found.items():
-        names = preset_names(layer.model_family)
-        weights.update(from_hf(weights, block, layer, names))
+        hf_block = names.get(layer.router.gate.weight, f"{block}.router.gate.weight").removesuffix(".router.gate.weight")
+        preset = preset_names(layer.model_family)
+        weights.update(from_hf(weights, hf_block, layer, preset))
         for key in moments:
-            moments[key].update(from_hf(shaped[key], block, layer, names))
+            moments[key].update(from_hf(shaped[key], hf_block, layer, preset))
     return weights, moments

@@ -429,9 +429,6 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
         why = (f"a move onto AutoEP ({EP} {now[EP]}) at ZeRO-3 is not made by dstk yet (each rank's experts would go "
                "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
                "the same ep")
-    elif moved and now.get(EP) and now.get("pp", 1) > 1:
-        why = ("a move onto expert parallelism inside pipeline stages is not made by dstk yet (each stage's AutoEP "
-               "layers would be filled by their stage names); move onto ep at pp 1, or onto pipeline stages without ep")
     elif moved and saved.get(EP) and saved.get("pp", 1) > 1 and not saved.get("zero_stage"):
         why = ("a ZeRO-0 checkpoint of ep inside pipeline stages keeps torch's optimizer state in the order DeepSpeed "
                "split each stage's groups into, which dstk does not record; only ZeRO-1 ones move")
