@@ -286,8 +286,7 @@ def check_expert_parallel(args: TrainArgs, cfg: dict, pp) -> None:
     """"expert_parallel" (DeepSpeed's AutoEP): what dstk train does not combine with it yet, every reason at once."""
     from toolkit.config.rules.expert_parallel import train_refusals
 
-    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora,
-                              args.export)
+    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora)
     if refusals:
         raise ConfigError("; ".join(refusals))
 

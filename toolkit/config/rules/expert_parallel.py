@@ -174,13 +174,14 @@ def model_problems(cfg: dict, arch) -> list[Problem]:
     return problems
 
 
-def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) -> list[str]:
+def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool) -> list[str]:
     """What `dstk train` cannot combine with "expert_parallel" yet (checked by `dstk train --check`, before any
     rank starts), each with its reason. At pp 1 the whole HF model goes to deepspeed.initialize, which replaces its
     MoE blocks; at pp > 1 dstk replaces each stage's blocks itself (toolkit.distributed.tensor_parallel.
     shard_stage_experts) under the 1F1B schedule (tests/distributed/test_expert_parallel.py). A resume on
-    the same layout is DeepSpeed's own load; onto another layout toolkit.checkpoint.manifest.check_resumable
-    refuses it."""
+    the same layout is DeepSpeed's own load; onto another layout it goes by HF name (toolkit.checkpoint.experts),
+    and toolkit.checkpoint.manifest.check_resumable refuses the moves dstk does not make yet. The end-of-run export
+    joins every expert at any pp and ZeRO stage."""
     from toolkit.distributed.topology import sp_of, tp_of
 
     if _section(cfg, "expert_parallel").get("enabled") is not True:
