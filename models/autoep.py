@@ -155,7 +155,7 @@ def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
     from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
 
     local = autoep_experts_for_rank(layer.expert_placement_descriptor, layer.ep_rank)  # global ids, packed order
-    experts, w1_shape = f"{block}.{names['experts']}", tuple(layer.experts.w1.shape)  # [E_local, I, H]
+    experts, w1_shape = f"{block}.{names['experts']}", _shape(layer.experts.w1)  # [E_local, I, H]
 
     def ours(hf: str, want: tuple):  # [E, a, b] HF tensor -> this rank's experts in AutoEP's orientation
         full = tensors[hf]
@@ -173,8 +173,13 @@ def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
     else:
         out[f"{block}.experts.w1"] = ours(f"{experts}.{names['w1']}", w1_shape)
         out[f"{block}.experts.w3"] = ours(f"{experts}.{names['w3']}", w1_shape)
-    out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", tuple(layer.experts.w2.shape))
+    out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", _shape(layer.experts.w2))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _shape(param) -> tuple:
+    """A parameter's whole shape on this rank (under ZeRO-3 the tensor is an empty placeholder: ds_shape)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
 
 
 @functools.lru_cache(maxsize=4)

@@ -425,11 +425,7 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     moved = moved_keys(saved, now)
     was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
-    if moved and now.get(EP) and now.get("zero_stage") == 3:
-        why = (f"a move onto AutoEP ({EP} {now[EP]}) at ZeRO-3 is not made by dstk yet (each rank's experts would go "
-               "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
-               "the same ep")
-    elif moved and saved.get(EP) and saved.get("pp", 1) > 1 and not saved.get("zero_stage"):
+    if moved and saved.get(EP) and saved.get("pp", 1) > 1 and not saved.get("zero_stage"):
         why = ("a ZeRO-0 checkpoint of ep inside pipeline stages keeps torch's optimizer state in the order DeepSpeed "
                "split each stage's groups into, which dstk does not record; only ZeRO-1 ones move")
     elif moved and saved.get(EP) and not saved.get("zero_stage") and not _autoep_names(saved):
