@@ -35,10 +35,11 @@ RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes ever
     "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral"),
     "pp2_ep2": (4, 2, "mixtral"), "pp2_dp4_ep2": (8, 2, "mixtral"), "qwen_pp2_ep2": (4, 2, "qwen3_moe")}
 PP = {"pp2_ep2": 2, "pp2_dp4_ep2": 2, "qwen_pp2_ep2": 2}  # pipeline stages (else 1); per stage: dp / ep ep groups, ep expert-data groups
-RUNS.update({"ep2_z0": (2, 2, "mixtral"), "dp2_z0": (2, 0, "mixtral"), "dp4_ep2_z3": (4, 2, "mixtral"),
+RUNS.update({"ep2_z0": (2, 2, "mixtral"), "dp2_z0": (2, 0, "mixtral"), "pp2_ep2_z0": (4, 2, "mixtral"), "dp4_ep2_z3": (4, 2, "mixtral"),
              "dp2_z3": (2, 0, "mixtral"), "ds_ep2": (2, 2, "deepseek_v3"), "ds_dp2": (2, 0, "deepseek_v3")})
 # (ZeRO stage, steps) where not (1, STEPS); ZeRO-0 unclipped
-ZERO = {"ep2_z0": (0, 4), "dp2_z0": (0, 4), "dp4_ep2_z3": (3, 4), "dp2_z3": (3, 4)}
+PP["pp2_ep2_z0"] = 2
+ZERO = {"ep2_z0": (0, 4), "dp2_z0": (0, 4), "pp2_ep2_z0": (0, 4), "dp4_ep2_z3": (3, 4), "dp2_z3": (3, 4)}
 
 
 class Runs(LazyRuns):
@@ -184,10 +185,12 @@ def test_a_zero0_ep_run_moves_off_autoep_with_its_moments(runs):
     """ZeRO-0 ep 2 -> dp 2 (ep 1) from step 2: each ep rank's torch optimizer state (DeepSpeed's
     expp_rank_E_mp_rank_00_optim_states.pt) named by the parameters the engine's optimizer holds after AutoEP replaced
     them (the manifest's param_groups). Steps 3 and 4 are the source run's: step 4's loss comes after an Adam step
-    taken with the moved moments."""
-    moved, source = metrics(runs / "ep2_z0_to_dp2_z0")[0], metrics(runs / "ep2_z0")[0]
-    assert sorted(moved) == sorted(source) == [1, 2, 3, 4], (moved, source)
-    assert all(abs(moved[s] - source[s]) <= 1e-4 * abs(source[s]) for s in (3, 4)), (moved, source)
+    taken with the moved moments. Inside pipeline stages too (pp 2 x dp 2 x ep 2: each stage's own files and
+    parameter names)."""
+    for source_name in ("ep2_z0", "pp2_ep2_z0"):
+        moved, source = metrics(runs / f"{source_name}_to_dp2_z0")[0], metrics(runs / source_name)[0]
+        assert sorted(moved) == sorted(source) == [1, 2, 3, 4], (source_name, moved, source)
+        assert all(abs(moved[s] - source[s]) <= 1e-4 * abs(source[s]) for s in (3, 4)), (source_name, moved, source)
     manifest = json.loads((runs / "ep2_z0" / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert "model.layers.0.mlp.experts.w1" in {n for group in manifest["param_groups"] for n in group}
 

@@ -60,12 +60,15 @@ def autoep_moments(tag_dir: Path, manifest: dict, meta: Path) -> tuple[dict, int
         found = _zero3(tag_dir, zero3_moments)
         return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, max(steps)
     if not partition_files(tag_dir):
-        if manifest.get("pp", 1) > 1:
-            raise UnusableInput(f"{tag_dir}: ZeRO-0 inside pipeline stages keeps torch's optimizer state in the order "
-                                "DeepSpeed split each stage's groups into, which dstk does not record; resume it on its "
-                                "own layout")
-        found, step = _torch_states(tag_dir, manifest)
-        return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, step
+        found = {key: {} for key in MOMENTS}
+        for stage in range(manifest.get("pp", 1)):
+            names = (torch_load(tag_dir / model_states(stage)).get("param_names") if stage or manifest.get("pp", 1) > 1
+                     else manifest.get("param_groups"))
+            torch_states, step = _torch_states(tag_dir, manifest, names or [], stage)
+            for key in MOMENTS:
+                found[key].update(_stage_names(torch_states[key], manifest))
+            steps.append(step)
+        return {key: _hf(found[key], saved, manifest, meta) for key in MOMENTS}, max(steps)
 
     def moments(opt):
         states = opt["base_optimizer_state"]["state"]
@@ -171,25 +174,28 @@ def _zero3(tag_dir: Path, flats) -> dict:
     return out
 
 
-def _torch_states(tag_dir: Path, manifest: dict) -> tuple[dict, int]:
+def _torch_states(tag_dir: Path, manifest: dict, names: list, stage: int = 0) -> tuple[dict, int]:
     """ZeRO-0: ({kind: {AutoEP name: moment}}, step) from each ep rank's torch optimizer state (DeepSpeed's
-    expp_rank_E_mp_rank_00_optim_states.pt), state i being the i-th parameter of the optimizer's groups after
-    initialize (the manifest's param_groups: dstk records them from the engine for an AutoEP run). Experts joined
-    over the ep ranks in order; the dense parameters' moments are every rank's alike (ep rank 0's taken)."""
-    ep, names = manifest.get("expert_parallel", 1), manifest.get("param_groups") or []
+    expp_rank_E_mp_rank_S_optim_states.pt), state i being the i-th parameter of the optimizer's groups after
+    initialize (`names`: the manifest's param_groups at pp 1, a stage's param_names inside pipeline stages; dstk
+    records them from the engine for an AutoEP run). Experts joined over the ep ranks in order; the dense
+    parameters' moments are every rank's alike (ep rank 0's taken)."""
+    ep = manifest.get("expert_parallel", 1)
     order = [name for group in names for name in group]
     if not any(map(_is_expert, order)):
         raise UnusableInput(f"{tag_dir}: this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters "
                             "before AutoEP replaced them (a dstk older than the fix); resume it on its own layout")
     by_rank, steps = [], []
     for e in range(ep):
-        path = tag_dir / f"expp_rank_{e}_mp_rank_00_optim_states.pt"
+        path = tag_dir / f"expp_rank_{e}_mp_rank_{stage:02d}_optim_states.pt"
         if not path.is_file():
             raise UnusableInput(f"{tag_dir}: {path.name} is missing: the ZeRO-0 checkpoint of ep {ep} is incomplete")
-        states = (torch_load(path).get("optimizer") or {}).get("state") or {}
-        if sorted(states) != list(range(len(order))):
-            raise UnusableInput(f"{path}: {len(states)} optimizer states for the {len(order)} parameters training "
-                                "recorded; resume it on its own layout")
+        optimizer = torch_load(path).get("optimizer") or {}
+        states, sizes = optimizer.get("state") or {}, [len(g["params"]) for g in optimizer.get("param_groups") or []]
+        if sorted(states) != list(range(len(order))) or sizes != [len(group) for group in names]:
+            raise UnusableInput(f"{path}: optimizer groups of {sizes} parameters, not the {[len(g) for g in names]} "
+                                "training recorded (names taken before DeepSpeed split the groups: an older dstk); "
+                                "resume it on its own layout")
         steps.extend(int(state["step"]) for state in states.values())
         by_rank.append({order[i]: state for i, state in states.items()})
     out = {key: {} for key in MOMENTS}

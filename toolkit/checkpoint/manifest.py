@@ -425,10 +425,7 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     moved = moved_keys(saved, now)
     was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
-    if moved and saved.get(EP) and saved.get("pp", 1) > 1 and not saved.get("zero_stage"):
-        why = ("a ZeRO-0 checkpoint of ep inside pipeline stages keeps torch's optimizer state in the order DeepSpeed "
-               "split each stage's groups into, which dstk does not record; only ZeRO-1 ones move")
-    elif moved and saved.get(EP) and not saved.get("zero_stage") and not _autoep_names(saved):
+    if moved and saved.get(EP) and saved.get("pp", 1) == 1 and not saved.get("zero_stage") and not _autoep_names(saved):
         why = ("this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters as they were before AutoEP "
                "replaced them (written by an older dstk), so its torch optimizer state cannot be named")
     elif moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:

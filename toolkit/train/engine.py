@@ -185,8 +185,11 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
         for group, name in zip(groups, ("decay", "no_decay")):  # DeepSpeed splits named groups into expert and dense
             group["name"] = name  # ones (moe/utils.py:103 reads param_group["name"])
     engine = initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu)
-    if "expert_parallel" in record and topo.pp == 1:  # AutoEP replaced the experts' parameters and split the groups
-        param_names = record["param_groups"] = optimizer_param_names(engine) or param_names
+    named = optimizer_param_names(engine) if "expert_parallel" in record else None  # AutoEP replaced the experts'
+    if named:  # parameters (pp 1) and DeepSpeed split each group into dense and expert ones: the optimizer's order
+        param_names = named
+        if topo.pp == 1:
+            record["param_groups"] = named
     return engine, param_names
 
 
