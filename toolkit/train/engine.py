@@ -191,7 +191,22 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
         record["expert_parallel"] = ep_of(cfg)
         for group, name in zip(groups, ("decay", "no_decay")):  # DeepSpeed splits named groups into expert and dense
             group["name"] = name  # ones (moe/utils.py:103 reads param_group["name"])
-    return initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
+    engine = initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu)
+    named = optimizer_param_names(engine) if "expert_parallel" in record else None  # AutoEP replaced the experts'
+    if named:  # parameters (pp 1) and DeepSpeed split each group into dense and expert ones: the optimizer's order
+        param_names = named
+        if topo.pp == 1:
+            record["param_groups"] = named
+    return engine, param_names
+
+
+def optimizer_param_names(engine) -> list | None:
+    """The engine's optimizer parameters by module name, per group, in its order after initialize (under AutoEP:
+    the AutoEP layers' own parameters, each named group split into its dense and expert groups): how torch's state
+    at ZeRO-0 is named. None where the optimizer holds other tensors than the module's (ZeRO's flat partitions)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = [[names.get(id(p)) for p in group["params"]] for group in engine.optimizer.param_groups]
+    return None if any(name is None for group in groups for name in group) else groups
 
 
 def initialize(model, groups: list, config: dict, verbose: bool = False, mpu=None):

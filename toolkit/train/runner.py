@@ -289,8 +289,7 @@ def check_expert_parallel(args: TrainArgs, cfg: dict, pp) -> None:
     """"expert_parallel" (DeepSpeed's AutoEP): what dstk train does not combine with it yet, every reason at once."""
     from toolkit.config.rules.expert_parallel import train_refusals
 
-    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora,
-                              args.export)
+    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora)
     if refusals:
         raise ConfigError("; ".join(refusals))
 
@@ -361,8 +360,9 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
         folder = run_folder.RunFolder(args.out)
         latest = manifest.read_latest(folder.checkpoints)
-        manifest.check_resumable(folder.checkpoints, run_identity(local), latest,
-                                 new_data=args.resume_with_new_data, layout=False)
+        topo = None if world_size is None else Topology(world_size, pp, tp_of(cfg), sp_of(cfg))
+        manifest.check_resumable(folder.checkpoints, run_identity(local, topo, cfg), latest,  # a move it cannot
+                                 new_data=args.resume_with_new_data, layout=topo is not None)  # make: with the world
         safe_load.trust(args.trust_checkpoint)
         if latest is not None:
             safe_load.check_tag(folder.checkpoints / latest)
