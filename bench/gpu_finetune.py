@@ -22,6 +22,10 @@ no op is JIT-built):
     pp1-qlora  1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, --qlora (4-bit NF4 base: bitsandbytes; skipped without it)
     pp1-chat   1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, chat rows, --packing (loss on the assistant's tokens)
     pp1-zero3  1 GPU    pp 1, ZeRO 3, mbs 4 x gas 2
+    pp1-ep1    1 GPU    pp 1, ZeRO 1, mbs 4 x gas 2, DeepSpeed's AutoEP at ep 1 ("expert_parallel": autoep_size 1,
+                        preset qwen3_moe) on Qwen3-30B-A3B's widths with 2 blocks (MOE_MODEL, ~1.25B parameters with
+                        the byte vocabulary, its own saved directory; dry run: tiny-mixtral): AutoEP's router and
+                        grouped-GEMM experts timed on one GPU, no all-to-all
     pp2        2 GPUs   pp 2, ZeRO 1, mbs 2 x gas 4
     pp2-lora   2 GPUs   pp 2, ZeRO 1, mbs 2 x gas 4, --lora
     pp2-dp2    4 GPUs   pp 2 x dp 2, ZeRO 1, mbs 2 x gas 4
@@ -82,6 +86,12 @@ class Case:
     attention: str = "sdpa"  # dstk train --attention
     data: str = "text"  # "text" (the corpus, packed) or "chat" (chat rows, --packing)
     trainer: str = "dstk"  # or "hf": transformers' Trainer on the same config, model and rows (bench/hf_trainer.py)
+    ep: int = 0  # > 0: the MoE model (MOE_MODEL) under DeepSpeed's AutoEP at this autoep_size
+
+    @property
+    def model_key(self) -> str:
+        """Which saved model the case trains: "moe" (MOE_MODEL's directory) or "dense" (--model's)."""
+        return "moe" if self.ep else "dense"
 
     @property
     def world(self) -> int:
@@ -92,7 +102,10 @@ class Case:
         return self.mbs * self.gas * self.dp
 
 
-CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-zero1-hf", 1, 1, 1, 4, 2, trainer="hf"),
+MOE_MODEL = ("qwen3-30b-a3b", 2, "qwen3_moe")  # (built-in widths, blocks kept, AutoEP preset); dry run: DRY_MOE
+DRY_MOE = ("tiny-mixtral", None, "mixtral")
+CASES = [Case("pp1-zero1", 1, 1, 1, 4, 2), Case("pp1-ep1", 1, 1, 1, 4, 2, ep=1),
+         Case("pp1-zero1-hf", 1, 1, 1, 4, 2, trainer="hf"),
          Case("pp1-fa2", 1, 1, 1, 4, 2, attention="flash_attention_2"),
          Case("pp1-lora", 1, 1, 1, 4, 2, "lora"), Case("pp1-qlora", 1, 1, 1, 4, 2, "qlora"),
          Case("pp1-chat", 1, 1, 1, 4, 2, data="chat"), Case("pp1-zero3", 1, 1, 3, 4, 2),
@@ -106,13 +119,15 @@ def matmul_params(arch) -> int:
 
 def ds_config(case: Case, fused_adam: bool, cpu: bool) -> dict:
     """What `dstk generate-config --world-size W --pp P --mbs M --gas G --zero Z --precision bf16 [--fused-adam]
-    [--cpu]` writes: torch's AdamW (fused kernel on GPUs), or DeepSpeed's JIT-built FusedAdam with --fused-adam."""
+    [--cpu] [--ep N --ep-preset P]` writes: torch's AdamW (fused kernel on GPUs), or DeepSpeed's JIT-built FusedAdam
+    with --fused-adam."""
     from toolkit.config.generate import build_config
     from toolkit.config.options import GenerateOptions
 
+    preset = (DRY_MOE if cpu else MOE_MODEL)[2] if case.ep else None
     return build_config(GenerateOptions(world_size=case.world, pp=case.pp, mbs=case.mbs, gas=case.gas,
                                         zero=case.zero, precision="bf16", lr=LR, cpu=cpu, fused_adam=fused_adam,
-                                        steps_per_print=10**6))
+                                        steps_per_print=10**6, ep=max(case.ep, 1), ep_preset=preset))
 
 
 def plan_cases(names: list[str], gpus: int, dry_run: bool) -> list[tuple[Case, str | None]]:
@@ -147,7 +162,8 @@ def predicted_bytes(case: Case, seq: int, model_dir: Path, preset: str) -> int |
 
     req = PlanRequest(model=str(model_dir), gbs=case.gbs, gpus_per_node=case.world, gpu=preset, seq_len=seq,
                       precision="bf16", attention=case.attention, lora=LORA_R if case.adapters else None)
-    return estimate_layout(req, Layout(pp=case.pp, dp=case.dp, zero=case.zero, mbs=case.mbs, gas=case.gas)).allocated
+    return estimate_layout(req, Layout(pp=case.pp, dp=case.dp, zero=case.zero, mbs=case.mbs, gas=case.gas,
+                                       ep=max(case.ep, 1))).allocated
 
 
 def launch_command(case: Case, config: Path, data: Path, model: Path, out: Path, opts) -> list[str]:
@@ -213,7 +229,7 @@ def run_case(case: Case, ctx: dict, opts, timeout: float) -> dict:
     config = ctx["work"] / f"{case.name}.json"
     config.write_text(json.dumps(ds_config(case, opts.fused_adam, cpu=opts.dry_run), indent=2))
     out, log = ctx["work"] / case.name, ctx["work"] / f"{case.name}.log"
-    cmd = launch_command(case, config, ctx["data"][case.data], ctx["model_dir"], out, opts)
+    cmd = launch_command(case, config, ctx["data"][case.data], ctx["model_dir"][case.model_key], out, opts)
     env = child_env(opts.dry_run)
     if opts.dry_run and case.trainer == "hf":  # the CPU threads launch.sh gives a dstk rank (cores / processes)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // case.world)))
@@ -235,9 +251,9 @@ def figures(case: Case, records: list[dict], summary: dict, ctx: dict, opts) -> 
 
     rate = timed_rate(records, opts.warmup, case.gbs * opts.seq_len)
     steps, seconds = timed_seconds(records, opts.warmup, case.gbs * opts.seq_len)
-    flops = flops_per_token(ctx["arch"], opts.seq_len, LORA_R if case.adapters else None)
+    flops = flops_per_token(ctx["arch"][case.model_key], opts.seq_len, LORA_R if case.adapters else None)
     measured = _most(summary["peak_gpu_mib_per_rank"])
-    predicted = predicted_bytes(case, opts.seq_len, ctx["model_dir"], ctx["preset"] or "h100-sxm")
+    predicted = predicted_bytes(case, opts.seq_len, ctx["model_dir"][case.model_key], ctx["preset"] or "h100-sxm")
     counted = {key: [r[key] for r in records if r["step"] > opts.warmup and key in r] for key in ("targets", "padding")}
     return {"tokens_per_s": rate, "rows_per_s": rate / opts.seq_len if rate else None, "timed_steps": steps,
             "timed_seconds": seconds, **{f"timed_{key}": sum(v) if steps and len(v) == steps else None
@@ -328,10 +344,16 @@ def prepare(meta: dict, work: Path, opts, planned: list) -> dict:
     from toolkit.plan.arch import load_arch
 
     print(f"gpu_finetune: saving {opts.model} (random weights, bf16) with save_pretrained", flush=True)
-    model_dir = gpu_inputs.save_model(opts.model, work)
-    arch = load_arch(str(model_dir))
+    model_dir = {"dense": gpu_inputs.save_model(opts.model, work)}
+    if any(c.ep and why is None for c, why in planned):  # the MoE model, only where an AutoEP case runs
+        name, blocks, _ = DRY_MOE if opts.dry_run else MOE_MODEL
+        print(f"gpu_finetune: saving {name} widths, {blocks or 'all'} blocks (random weights, bf16)", flush=True)
+        model_dir["moe"] = gpu_inputs.save_model(name, work, blocks=blocks)
+    arch = {key: load_arch(str(path)) for key, path in model_dir.items()}
     most_tokens = max(c.gbs for c, _ in planned) * opts.seq_len * (opts.warmup + opts.steps)
-    meta.update(model_dir=str(model_dir), matmul_params=matmul_params(arch))
+    meta.update(model_dir=str(model_dir["dense"]), matmul_params=matmul_params(arch["dense"]),
+                moe_model_dir=str(model_dir.get("moe")), moe_matmul_params=matmul_params(arch["moe"]) if "moe" in arch
+                else None)
     return {"work": work, "model_dir": model_dir, "arch": arch, "preset": meta["preset"],
             "peak_tflops": meta["peak_tflops"], "data": {"text": gpu_inputs.text_file(most_tokens, work),
                                                          "chat": gpu_inputs.chat_file(most_tokens, work)}}

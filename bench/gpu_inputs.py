@@ -30,14 +30,19 @@ def config_and_tokenizer(model: str):
     return hf.builtin_config(model, tokenizer), tokenizer
 
 
-def save_model(model: str, work: Path, seed: int = 0) -> Path:
+def save_model(model: str, work: Path, seed: int = 0, blocks: int | None = None) -> Path:
     """WORK/MODEL: built-in `model` with random weights from `seed`, saved in bf16 (save_pretrained), and
-    its tokenizer. About 2.5 GB and 20-60 s on CPU for the ~1B model."""
+    its tokenizer. About 2.5 GB and 20-60 s on CPU for the ~1B model. `blocks`: its widths with that many decoder
+    blocks (WORK/MODEL-Nblocks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config, tokenizer = config_and_tokenizer(model)
     path = work / model
+    if blocks is not None:
+        config.num_hidden_layers, path = blocks, work / f"{model}-{blocks}blocks"
+        if isinstance(getattr(config, "layer_types", None), list):  # one entry per block: those kept
+            config.layer_types = config.layer_types[:blocks]
     torch.manual_seed(seed)
     built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     built.save_pretrained(path)

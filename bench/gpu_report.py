@@ -18,7 +18,8 @@ def markdown(meta: dict, cases: list) -> list[str]:
              "|---|---:|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
     for c in cases:
         head = (f"| {c['name']} | {c['pp'] * c['dp']} | {c['pp']} x {c['dp']} | {c['zero']} | {c['mbs']} x {c['gas']} "
-                f"| {c['attention']}{' + ' + c['adapters'] if c['adapters'] else ''} | {c['data']} |")
+                f"| {c['attention']}{' + ' + c['adapters'] if c['adapters'] else ''}"
+                f"{' + AutoEP ep ' + str(c['ep']) + ' (MoE model)' if c.get('ep') else ''} | {c['data']} |")
         if c["status"] != "ok":
             lines.append(f"{head} {c['status']}: {c['reason']} |" + " - |" * 5)
             continue

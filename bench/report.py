@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-ORDER = ["cli_startup", "launch_time", "partition", "wrapper_overhead", "train", "dualpipev", "lora", "plan", "data_pipeline",
+ORDER = ["cli_startup", "launch_time", "partition", "wrapper_overhead", "train", "dualpipev", "expert_parallel", "lora", "plan", "data_pipeline",
          "data_throughput", "long_context", "tiled_loss", "gpu"]
 INTRO = """# Benchmarks
 

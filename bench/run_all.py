@@ -28,6 +28,8 @@ SCRIPTS = {
     "wrapper_overhead": ("wrapper_overhead.py", [], ["--full"]),
     "train": ("train_scaling.py", ["--steps", "10", "--warmup", "2"], ["--steps", "60", "--warmup", "5"]),
     "dualpipev": ("dualpipev.py", ["--reps", "3", "--steps", "6"], ["--reps", "7", "--steps", "12"]),
+    "expert_parallel": ("expert_parallel.py", ["--reps", "3", "--steps", "6"],  # ~2 min on 2 cores
+                        ["--reps", "7", "--steps", "12"]),
     "plan": ("plan_accuracy.py", [], []),
     "lora": ("lora_vs_full.py", ["--repeats", "1", "--steps", "4", "--warmup", "1"],  # ~2 min on 2 cores
              ["--repeats", "5", "--steps", "20", "--warmup", "4"]),

@@ -12,9 +12,12 @@ at deepspeed.initialize, and a one-argument get with a string would silently fin
 `allow_string_keys()` gives the registry object both readings: a string key is a plain dict key (what DeepSpeed
 passes), anything else is transformers' model (what transformers passes). The keys are the same strings either way,
 so nothing either side stores changes.
+
+`hf_shapes` gives a saved model's parameter shapes by HF name (what a checkpoint of AutoEP's tensors becomes).
 """
 
 import contextlib
+import functools
 import logging
 import re
 
@@ -90,12 +93,16 @@ def _quiet(logger):
 # BLOCK.router.gate.weight [E, H] (+ .bias), and the experts BLOCK.experts.w1 / w3 [E_local, I, H] (gate, up) and
 # w2 [E_local, H, I] (down), E_local = E / ep experts of this rank (ep_repack.py repack_expert_weights). The router
 # is also reachable as BLOCK.<router name> (an alias AutoEP sets for HF's output recorders): one tensor, two names.
+# DeepSeek-V3's router also holds e_score_correction_bias [E] (a buffer: it shifts which experts are picked, is not
+# trained, and a pretrained model's is not zero), which AutoEP copies from HF's BLOCK.gate onto BLOCK.router
+# (auto_ep_layer.py:131 _copy_e_score_correction_bias).
 EXPERT = re.compile(r"(.+)\.experts\.(w[123])")
 ROUTER = re.compile(r"(.+)\.router\.gate\.(weight|bias)")
+ROUTER_BUFFER = re.compile(r"(.+)\.router\.(e_score_correction_bias)")
 
 
 def is_autoep_name(name: str) -> bool:
-    return bool(EXPERT.fullmatch(name) or ROUTER.fullmatch(name))
+    return bool(EXPERT.fullmatch(name) or ROUTER.fullmatch(name) or ROUTER_BUFFER.fullmatch(name))
 
 
 def preset_names(preset: str) -> dict:
@@ -117,10 +124,10 @@ def to_hf(tensors: dict, names: dict, shapes: dict) -> dict:
 
     out, blocks = {}, {}
     for name, tensor in tensors.items():
-        expert, router = EXPERT.fullmatch(name), ROUTER.fullmatch(name)
+        expert, router = EXPERT.fullmatch(name), ROUTER.fullmatch(name) or ROUTER_BUFFER.fullmatch(name)
         if expert:
             blocks.setdefault(expert.group(1), {})[expert.group(2)] = tensor
-        elif router:
+        elif router:  # BLOCK.router.gate.weight -> BLOCK.gate.weight, BLOCK.router.e_score_correction_bias -> BLOCK.gate.e_...
             out[f"{router.group(1)}.{names['router']}.{router.group(2)}"] = tensor
         else:
             out[name] = tensor
@@ -148,7 +155,7 @@ def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
     from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
 
     local = autoep_experts_for_rank(layer.expert_placement_descriptor, layer.ep_rank)  # global ids, packed order
-    experts, w1_shape = f"{block}.{names['experts']}", tuple(layer.experts.w1.shape)  # [E_local, I, H]
+    experts, w1_shape = f"{block}.{names['experts']}", _shape(layer.experts.w1)  # [E_local, I, H]
 
     def ours(hf: str, want: tuple):  # [E, a, b] HF tensor -> this rank's experts in AutoEP's orientation
         full = tensors[hf]
@@ -157,11 +164,50 @@ def from_hf(tensors: dict, block: str, layer, names: dict) -> dict:
 
     out = {f"{block}.router.gate.{kind}": tensors[f"{block}.{names['router']}.{kind}"]
            for kind in ("weight", "bias") if f"{block}.{names['router']}.{kind}" in tensors}
+    bias = f"{block}.{names['router']}.e_score_correction_bias"
+    if bias in tensors:  # DeepSeek's router buffer (the weights only: it has no moments)
+        out[f"{block}.router.e_score_correction_bias"] = tensors[bias]
     if names["w3"] is None:  # gate_up fused: [E, 2I, H] -> w1 = gate, w3 = up
         both = ours(f"{experts}.{names['w1']}", (w1_shape[0], 2 * w1_shape[1], w1_shape[2]))
         out[f"{block}.experts.w1"], out[f"{block}.experts.w3"] = both.split(w1_shape[1], dim=1)
     else:
         out[f"{block}.experts.w1"] = ours(f"{experts}.{names['w1']}", w1_shape)
         out[f"{block}.experts.w3"] = ours(f"{experts}.{names['w3']}", w1_shape)
-    out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", tuple(layer.experts.w2.shape))
+    out[f"{block}.experts.w2"] = ours(f"{experts}.{names['w2']}", _shape(layer.experts.w2))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _shape(param) -> tuple:
+    """A parameter's whole shape on this rank (under ZeRO-3 the tensor is an empty placeholder: ds_shape)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+@functools.lru_cache(maxsize=4)
+def hf_shapes(meta, task: str) -> dict:
+    """{HF name: shape} of the model in META (config.json), built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig
+
+    from models.api import auto_class
+
+    config = AutoConfig.from_pretrained(meta)
+    with torch.device("meta"), _no_zero_init():
+        model = auto_class(task, config)._from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _no_zero_init():
+    """transformers' HfDeepSpeedConfig off for the block: on a ZeRO-3 rank (a move onto ZeRO-3 reads the checkpoint
+    on rank 0 alone) it is alive, and _from_config would build inside deepspeed.zero.Init, whose collectives wait
+    for the other ranks forever. transformers holds it by weak reference (integrations/deepspeed.py); put back after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    live = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if live is not None:
+            hf_deepspeed.set_hf_deepspeed_config(live)

@@ -70,8 +70,8 @@ def test_cases_that_cannot_run_are_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(gpu_finetune.importlib.util, "find_spec",
                         lambda name: None if name in ("flash_attn", "bitsandbytes") else real(name))
     one = dict((c.name, why) for c, why in gpu_finetune.plan_cases(NAMES, 1, dry_run=False))
-    assert [name for name, why in one.items() if why is None] == ["pp1-zero1", "pp1-zero1-hf", "pp1-lora", "pp1-chat",
-                                                                   "pp1-zero3"]
+    assert [name for name, why in one.items() if why is None] == ["pp1-zero1", "pp1-ep1", "pp1-zero1-hf", "pp1-lora",
+                                                                   "pp1-chat", "pp1-zero3"]
     assert one["pp2"].startswith("needs 2 GPUs, 1 available") and "NCCL refuses two ranks on one GPU" in one["pp2"]
     assert one["pp2-dp2"].startswith("needs 4 GPUs, 1 available")
     assert "flash-attn package, which is not installed" in one["pp1-fa2"] and "bitsandbytes" in one["pp1-qlora"]
@@ -191,7 +191,7 @@ def test_figures_of_a_finished_run(monkeypatch):
     records = [{"step": s, "tokens_per_s": 10.0 if s <= 3 else 1e4, "loss": 6.0 - s / 10} for s in range(1, 34)]
     summary = {"peak_gpu_mib_per_rank": [1000.0, 2048.0], "first_loss": 5.9, "last_loss": 2.7, "mfu": 0.1}
     arch = load_arch("llama-3.2-1b")
-    ctx = {"peak_tflops": 1000, "arch": arch, "model_dir": None, "preset": "h200"}
+    ctx = {"peak_tflops": 1000, "arch": {"dense": arch}, "model_dir": {"dense": None}, "preset": "h200"}
     out = gpu_finetune.figures(case, records, summary, ctx, opts)
     flops = flops_per_token(arch, 2048)
     assert out["tokens_per_s"] == pytest.approx(1e4) and out["mfu"] == pytest.approx(1e4 * flops / 2e15)
@@ -250,7 +250,7 @@ def test_a_failed_case_is_reported_with_its_log(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_finetune.common, "launch", crash)
     opts = gpu_finetune.parse_args(["--dry-run"])
-    ctx = {"work": tmp_path, "data": {"text": tmp_path / "d.txt"}, "model_dir": tmp_path / "m"}
+    ctx = {"work": tmp_path, "data": {"text": tmp_path / "d.txt"}, "model_dir": {"dense": tmp_path / "m"}}
     entry = gpu_finetune.run_case(gpu_finetune.CASES[0], ctx, opts, 60)
     assert entry["status"] == "failed" and entry["reason"] == "exit code 1"
     assert entry["log_tail"].endswith("CUDA out of memory")
@@ -407,10 +407,14 @@ def test_gpu_finetune_dry_run_on_cpu(tmp_path):
         assert len(per_rank) == case["pp"] * case["dp"] and min(per_rank) > 0
         program = "hf_trainer.py" if case["trainer"] == "hf" else "launch.sh"
         assert case["config"]["pipeline"]["stages"] == case["pp"] and any(program in part for part in case["command"])
-        assert case["command"][case["command"].index("--model") + 1] == str(model)  # the saved directory, every case
+        saved = tmp_path / "work" / "tiny-mixtral" if case["ep"] else model  # the AutoEP case: the MoE model's
+        assert case["command"][case["command"].index("--model") + 1] == str(saved)  # the saved directory, every case
         assert len(case["losses"]) == 2 and case["first_loss"] == case["losses"][0]
         assert case["last_loss"] == case["losses"][-1] and case["tokens_per_s"] > 0 and case["predicted_bytes"] > 0
         assert case["flops_per_token"] > 0 and case["mfu"] is None and case["summary"]["mfu"] is None  # no GPU peak
+    ep = cases["pp1-ep1"]  # AutoEP's layers at ep 1 on one rank: the case the first GPU run times its kernels with
+    assert ep["config"]["expert_parallel"] == {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
+    assert "experts: ep 1 (DeepSpeed AutoEP)" in Path(ep["log"]).read_text() and result["moe_matmul_params"] > 0
     hf, ours = cases["pp1-zero1-hf"], cases["pp1-zero1"]
     assert hf["summary"]["trainer"] == "transformers.Trainer" and hf["timed_targets"] > 0 and hf["config"] == ours["config"]
     assert abs(hf["first_loss"] - ours["first_loss"]) < 0.01  # the same weights on the same first rows

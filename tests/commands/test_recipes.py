@@ -16,7 +16,7 @@ RECIPES = sorted((REPO / "ds_configs" / "recipes").glob("*.yaml"))
 
 
 def test_the_common_jobs_are_shipped():
-    assert [p.name for p in RECIPES] == ["3d.yaml", "full_finetune.yaml", "lora_chat_sft.yaml", "pretrain_pp_dp.yaml"]
+    assert [p.name for p in RECIPES] == ["3d.yaml", "dpo_lora.yaml", "full_finetune.yaml", "lora_chat_sft.yaml", "pretrain_pp_dp.yaml"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])

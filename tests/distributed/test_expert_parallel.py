@@ -9,6 +9,11 @@ gives the same losses and norms (dstk replaces the stages' blocks itself). Heavy
 (4 ranks), pp 2 x dp 4 x ep 2 (8 ranks) and qwen3_moe at pp 2 x ep 2; runs resumed from their step 2 (pp 1 and
 pp 2) continue their losses. Plain DeepSpeed (tests/distributed/scripts/ep_losses.py, no dstk in the engine's way): ZeRO 0-3 at ep 2
 against one process without AutoEP.
+
+Checkpoints by HF name (toolkit/checkpoint/experts.py): the export joins every expert (pp 1; inside pipeline stages
+from every stage's files; at ZeRO-3 from its shares, heavy), and moves off AutoEP continue the losses from ZeRO-0
+(each ep rank's torch state, named after initialize), ZeRO-1, ZeRO-3 (experts in shares of their expert-data group)
+and pp 2 x ep 2; deepseek_v3's router bias goes through the export and a move unchanged.
 """
 
 import json
@@ -30,6 +35,11 @@ RUNS = {  # processes, ep (0: no expert_parallel section), model; gas makes ever
     "qwen_ref": (1, 0, "qwen3_moe"), "qwen_ep2": (2, 2, "qwen3_moe"), "dp2_ep2": (4, 2, "mixtral"),
     "pp2_ep2": (4, 2, "mixtral"), "pp2_dp4_ep2": (8, 2, "mixtral"), "qwen_pp2_ep2": (4, 2, "qwen3_moe")}
 PP = {"pp2_ep2": 2, "pp2_dp4_ep2": 2, "qwen_pp2_ep2": 2}  # pipeline stages (else 1); per stage: dp / ep ep groups, ep expert-data groups
+RUNS.update({"ep2_z0": (2, 2, "mixtral"), "dp2_z0": (2, 0, "mixtral"), "pp2_ep2_z0": (4, 2, "mixtral"), "dp4_ep2_z3": (4, 2, "mixtral"),
+             "dp2_z3": (2, 0, "mixtral"), "ds_ep2": (2, 2, "deepseek_v3"), "ds_dp2": (2, 0, "deepseek_v3")})
+# (ZeRO stage, steps) where not (1, STEPS); ZeRO-0 unclipped
+PP["pp2_ep2_z0"] = 2
+ZERO = {"ep2_z0": (0, 4), "dp2_z0": (0, 4), "pp2_ep2_z0": (0, 4), "dp4_ep2_z3": (3, 4), "dp2_z3": (3, 4)}
 
 
 class Runs(LazyRuns):
@@ -46,21 +56,24 @@ class Runs(LazyRuns):
             resumed_from(self / source, 2, self.tmp / name)
             resume = ["--resume"]
         procs, ep, model = RUNS[layout]
-        pp = PP.get(layout, 1)
-        cfg = run_config(2, 4 * pp // procs, pp, clip=1.0)
-        cfg["zero_optimization"] = {"stage": 1}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
+        pp, (zero, steps) = PP.get(layout, 1), ZERO.get(layout, (1, STEPS))
+        cfg = run_config(2, 4 * pp // procs, pp, clip=1.0 if zero else 0.0)
+        cfg["zero_optimization"] = {"stage": zero}  # ZeRO-0 clips by a wrong norm under ep (rules/expert_parallel.py)
         if ep:
             cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": model}
         (self.tmp / f"{name}.json").write_text(json.dumps(cfg))
         rc, log = run_train(["--config", self.tmp / f"{name}.json", "--model", self.model(model), "--data",
-                             self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", STEPS, "--eval-fraction", "0.01",
-                             "--no-progress", "--attention", "eager", *([] if ep and pp == 1 else ["--no-export"]), "--save-every", 2, "--out",
+                             self.tmp / "docs.txt", "--seq-len", SEQ, "--steps", steps, "--eval-fraction", "0.01",
+                             "--no-progress", "--attention", "eager",
+                             *([] if ep else ["--no-export"]), "--save-every", 2, "--out",
                              self.tmp / name, *resume], procs)
         assert rc == 0, f"{name}:\n{log[-4000:]}"
         (self.tmp / f"{name}.log").write_text(log)
 
     def model(self, model_type: str) -> Path:
         """The corpus's sentences as documents (docs.txt) and `model_type` saved by save_pretrained, once."""
+        import torch
+
         from toolkit.train.hf import byte_tokenizer
         from toolkit.train.parity import small_model
 
@@ -69,8 +82,11 @@ class Runs(LazyRuns):
             text = (REPO / "toolkit" / "corpus" / "corpus.txt").read_text()
             sentences = [s.strip() for s in re.split(r"(?<=\.)\s+", text) if s.strip()]
             (self.tmp / "docs.txt").write_text("\n\n".join(sentences[:400]) + "\n")
-            small_model(model_type, attn_implementation="eager", vocab_size=320, **AUX,
-                        **SIX[model_type]).save_pretrained(folder)
+            model = small_model(model_type, attn_implementation="eager", vocab_size=320, **AUX, **SIX[model_type])
+            for name, bias in model.named_buffers():  # DeepSeek's router bias, as a pretrained model's: not zero
+                if name.endswith("e_score_correction_bias"):
+                    bias.copy_(torch.linspace(-0.5, 0.5, bias.numel()))
+            model.save_pretrained(folder)
             byte_tokenizer().save_pretrained(folder)
         return folder
 
@@ -150,17 +166,94 @@ def test_ep_inside_pipeline_stages_trains_as_one_process_does(runs, run, ref_run
     assert "experts: ep 2 (DeepSpeed AutoEP)" in (runs.tmp / f"{run}.log").read_text()
 
 
-@pytest.mark.parametrize("moved", ["ep2_to_dp2", "dp2_to_ep2", pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
+@pytest.mark.parametrize("moved", ["ep2_to_dp2", "dp2_to_ep2", "dp2_to_pp2_ep2",
+                                   pytest.param("ep2_to_ref", marks=pytest.mark.heavy),
                                    pytest.param("dp2_ep2_to_dp2", marks=pytest.mark.heavy),
                                    pytest.param("ep2_to_dp2_ep2", marks=pytest.mark.heavy)])
 def test_an_ep_run_moves_by_hf_name_and_continues(runs, moved):
     """ep 2 -> ep 1 by HF name (toolkit.checkpoint.experts): every expert's fp32 master and Adam moments joined
     from its ep ranks into the HF model's fused tensors; onto AutoEP each rank's experts cut from them
-    (models.autoep.from_hf). The step-3 loss is the source run's own."""
+    (models.autoep.from_hf), inside pipeline stages too (each stage's AutoEP layers under their block's HF name).
+    The step-3 loss is the source run's own."""
     source, layout = moved.split("_to_")
     assert_close(metrics(runs / moved)[0], metrics(runs / source)[0], tol=1e-4)
     manifest = json.loads((runs / moved / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert manifest.get("expert_parallel") == (RUNS[layout][1] or None)
+
+
+def test_a_zero0_ep_run_moves_off_autoep_with_its_moments(runs):
+    """ZeRO-0 ep 2 -> dp 2 (ep 1) from step 2: each ep rank's torch optimizer state (DeepSpeed's
+    expp_rank_E_mp_rank_00_optim_states.pt) named by the parameters the engine's optimizer holds after AutoEP replaced
+    them (the manifest's param_groups). Steps 3 and 4 are the source run's: step 4's loss comes after an Adam step
+    taken with the moved moments. Inside pipeline stages too (pp 2 x dp 2 x ep 2: each stage's own files and
+    parameter names)."""
+    for source_name in ("ep2_z0", "pp2_ep2_z0"):
+        moved, source = metrics(runs / f"{source_name}_to_dp2_z0")[0], metrics(runs / source_name)[0]
+        assert sorted(moved) == sorted(source) == [1, 2, 3, 4], (source_name, moved, source)
+        assert all(abs(moved[s] - source[s]) <= 1e-4 * abs(source[s]) for s in (3, 4)), (source_name, moved, source)
+    manifest = json.loads((runs / "ep2_z0" / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert "model.layers.0.mlp.experts.w1" in {n for group in manifest["param_groups"] for n in group}
+
+
+def test_a_zero3_ep_run_moves_off_and_onto_autoep_with_its_moments(runs):
+    """ZeRO-3 dp 4 x ep 2 -> dp 2 (ep 1, ZeRO-3) from step 2: the dense weights and moments from their shares on every
+    rank, each expert's from its shares on its expert-data-parallel group (2 ranks here), joined over the ep ranks;
+    and back, dp 2 -> dp 4 x ep 2 at ZeRO-3 (each rank's experts cut, then its share of them within its
+    expert-data-parallel group). Steps 3 and 4 are the source run's (step 4 after an Adam step on the moved moments)."""
+    for moved_name, source_name in (("dp4_ep2_z3_to_dp2_z3", "dp4_ep2_z3"), ("dp2_z3_to_dp4_ep2_z3", "dp2_z3")):
+        moved, source = metrics(runs / moved_name)[0], metrics(runs / source_name)[0]
+        assert sorted(moved) == sorted(source) == [1, 2, 3, 4], (moved_name, moved, source)
+        assert all(abs(moved[s] - source[s]) <= 1e-4 * abs(source[s]) for s in (3, 4)), (moved_name, moved, source)
+
+
+@pytest.mark.heavy
+def test_the_export_of_a_zero3_ep_run_is_the_same_training_without_ep(runs):
+    """The end-of-run export of dp 4 x ep 2 at ZeRO-3 loads with from_pretrained and holds every tensor of dp 2 at
+    ZeRO-3 without ep (the same batches; sums reduced in another order)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.checkpoint.state import load_state_dict
+
+    got = dict(AutoModelForCausalLM.from_pretrained(runs / "dp4_ep2_z3" / "hf", dtype=torch.float32).named_parameters())
+    want, _ = load_state_dict(runs / "dp2_z3" / "checkpoints")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, rtol=0, atol=2e-5), name
+
+
+def test_ep_inside_pipeline_stages_exports_and_moves_by_hf_name(runs):
+    """pp 2 x dp 2 x ep 2: each stage writes its experts under its own stage number (layer_L_expert_E_mp_rank_<stage>,
+    L counted from 0 in every stage) and its names ("1.layer.mlp.experts.w1"); the export joins them under HF names
+    through the manifest's per-layer map, equal to the one-process run's tensors, and a move off ep (-> dp 2 at pp 1)
+    continues the losses."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolkit.checkpoint.state import load_state_dict
+
+    tag = runs / "pp2_ep2" / "checkpoints" / f"global_step{STEPS}"
+    assert {p.name for p in tag.glob("layer_0_expert_0_mp_rank_*")} == {
+        "layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_0_mp_rank_01_model_states.pt"}
+    got = dict(AutoModelForCausalLM.from_pretrained(runs / "pp2_ep2" / "hf", dtype=torch.float32).named_parameters())
+    want, _ = load_state_dict(runs / "ref" / "checkpoints")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():  # the same training in one process (the sums reduce in another order)
+        assert torch.allclose(got[name], tensor, rtol=0, atol=2e-5), name
+    assert_close(metrics(runs / "pp2_ep2_to_dp2")[0], metrics(runs / "pp2_ep2")[0], tol=1e-4)
+
+
+def test_deepseeks_router_bias_goes_through_the_export_and_a_move(runs):
+    """deepseek_v3 at ep 2: AutoEP copies the gate's e_score_correction_bias (a buffer that picks the experts, not
+    trained) onto its router; the export writes it back under HF's name, equal to the model's own, and a move
+    ep 2 -> dp 2 (by HF name) continues the losses."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(next((runs / "ds_ep2" / "hf").glob("*.safetensors"))), framework="pt") as f:
+        exported = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert torch.equal(exported, torch.linspace(-0.5, 0.5, 4)), exported
+    assert_close(metrics(runs / "ds_ep2_to_ds_dp2")[0], metrics(runs / "ds_ep2")[0], tol=1e-4)
 
 
 def test_the_export_of_an_ep_run_joins_every_expert(runs):
@@ -192,14 +285,13 @@ def test_the_export_of_an_ep_run_joins_every_expert(runs):
 
 
 def test_dstk_reshard_takes_an_ep_run_off_autoep(runs, tmp_path):
-    """`dstk reshard --ep 1`: the tag's state by HF name, the manifest without "expert_parallel"; a move onto AutoEP
-    at ZeRO-3 is refused with its reason."""
+    """`dstk reshard --ep 1`: the tag's state by HF name, the manifest without "expert_parallel"; onto AutoEP at
+    ZeRO-3 (`--zero 3`, the same ep) the manifest says so."""
     import torch
 
     from toolkit.checkpoint import portable
     from toolkit.checkpoint.reshard import reshard_checkpoint
     from toolkit.checkpoint.state import load_state_dict
-    from toolkit.errors import ConfigError
 
     done = reshard_checkpoint(runs / "ep2", tmp_path / "ep1", ep=1)
     assert done["from"]["expert_parallel"] == 2 and not done["to"]["expert_parallel"]
@@ -208,5 +300,6 @@ def test_dstk_reshard_takes_an_ep_run_off_autoep(runs, tmp_path):
     moved, (want, _) = portable.read(ckpt), load_state_dict(runs / "ep2" / "checkpoints")
     assert sorted(moved.weights) == sorted(want) and all(torch.equal(moved.weights[k], want[k]) for k in want)
     assert moved.moments["exp_avg"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 256, 64)
-    with pytest.raises(ConfigError, match="onto AutoEP \\(expert_parallel 4\\) at ZeRO-3"):
-        reshard_checkpoint(runs / "ep2", tmp_path / "ep4", ep=4, zero=3)
+    reshard_checkpoint(runs / "ep2", tmp_path / "zero3", zero=3)
+    manifest = json.loads((tmp_path / "zero3" / "checkpoints" / "dstk" / "manifest.json").read_text())
+    assert (manifest["expert_parallel"], manifest["zero_stage"]) == (2, 3)

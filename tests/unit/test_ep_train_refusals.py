@@ -1,6 +1,6 @@
 """`dstk train --check` (toolkit.train.runner.check, before any rank starts) refuses what dstk train does not
-combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run passes (its export too, but at ZeRO-3), a pp 2
-run with --no-export. The runs that train:
+combine with DeepSpeed's AutoEP yet, each with its reason; a pp 1 run passes (its export too, ZeRO 0-3), and a pp 2
+run with its export. The runs that train:
 tests/distributed/test_expert_parallel.py."""
 
 import json
@@ -28,8 +28,13 @@ def test_ep_at_pp1_and_inside_pipeline_stages_without_export_passes_the_checks(t
     check_with(tmp_path, changes, world)
 
 
-def test_ep_at_pp1_passes_the_checks_with_its_export(tmp_path):
-    check_with(tmp_path, {}, export=True)  # the experts joined from their ep ranks (toolkit/checkpoint/experts.py)
+@pytest.mark.parametrize("zero", [1, 3])
+def test_ep_at_pp1_passes_the_checks_with_its_export(tmp_path, zero):
+    check_with(tmp_path, {"zero_optimization": {"stage": zero}}, export=True)  # the experts joined from their ep ranks
+
+
+def test_ep_inside_pipeline_stages_passes_the_checks_with_its_export(tmp_path):
+    check_with(tmp_path, {"pipeline": {"stages": 2}}, 4, export=True)  # each stage's experts joined by HF name
 
 
 @pytest.mark.parametrize("changes,world,flags,words", [
@@ -38,8 +43,6 @@ def test_ep_at_pp1_passes_the_checks_with_its_export(tmp_path):
     ({"tensor_parallel": {"autotp_size": 2}}, 4, {}, '"autotp_size" 2 with "expert_parallel" (ep 2)'),
     ({"sequence_parallel_size": 2}, 4, {}, '"sequence_parallel_size" 2 with "expert_parallel" (ep 2)'),
     ({}, 2, {"lora": True}, "--lora with \"expert_parallel\" (ep 2): peft wraps the model"),
-    ({"zero_optimization": {"stage": 3}}, 2, {"export": True}, "at ZeRO-3: each expert lies in ZeRO-3 shares"),
-    ({"pipeline": {"stages": 2}}, 4, {"export": True}, "inside pipeline stages: each stage writes its experts"),
 ])
 def test_what_dstk_train_cannot_combine_with_ep_yet_is_refused_with_its_reason(tmp_path, changes, world, flags, words):
     with pytest.raises(ConfigError) as refused:
@@ -64,10 +67,8 @@ def resumable(tmp_path, saved: dict, now: dict):
 
 
 @pytest.mark.parametrize("saved,now,words", [
-    ({}, {"expert_parallel": 2, "zero_stage": 3}, "onto AutoEP \\(expert_parallel 2\\) at ZeRO-3"),
-    ({"expert_parallel": 2}, {"expert_parallel": 2, "dp": 4, "zero_stage": 3}, "onto AutoEP"),
-    ({"expert_parallel": 2, "zero_stage": 0}, {"zero_stage": 0}, "at ZeRO 0 is not read by HF name yet"),
-    ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4}, "inside pipeline stages is not made by dstk yet")])
+    ({"expert_parallel": 2, "zero_stage": 0, "param_groups": [["model.layers.0.mlp.experts.gate_up_proj"]]},
+     {"zero_stage": 0}, "names its optimizer's parameters as they were before AutoEP")])
 def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved, now, words):
     with pytest.raises(ConfigError, match=words):
         resumable(tmp_path, saved, now)
@@ -76,6 +77,14 @@ def test_a_resume_onto_a_layout_the_move_cannot_fill_is_refused(tmp_path, saved,
 
 @pytest.mark.parametrize("saved,now", [({"expert_parallel": 2}, {}), ({"expert_parallel": 2}, {"dp": 1}),
                                        ({"expert_parallel": 2}, {"dp": 4, "zero_stage": 2}),
-                                       ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4})])
+                                       ({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"expert_parallel": 4}),
+                                       ({"expert_parallel": 2, "zero_stage": 0,  # AutoEP's names, recorded after initialize
+                                         "param_groups": [["model.layers.0.mlp.experts.w1"]]}, {"zero_stage": 0}),
+                                       ({"expert_parallel": 2, "zero_stage": 3}, {"zero_stage": 3}),
+                                       ({"expert_parallel": 2, "pp": 2}, {"pp": 2, "dp": 4}),  # off ep in stages
+                                       ({"expert_parallel": 2, "pp": 2, "zero_stage": 0}, {"zero_stage": 0}),
+                                       ({"pp": 2}, {"expert_parallel": 2, "pp": 2, "dp": 4}),  # onto it
+                                       ({}, {"expert_parallel": 2, "zero_stage": 3}),  # onto ZeRO-3 shares of it
+                                       ({"expert_parallel": 2}, {"expert_parallel": 4, "dp": 4, "zero_stage": 3})])
 def test_an_ep_run_moves_by_hf_name(tmp_path, saved, now):
     assert "expert_parallel" in resumable(tmp_path, saved, now)  # toolkit.checkpoint.portable

@@ -67,18 +67,18 @@ class Kind(enum.Enum):
     BF16_OPTIMIZER = "pp = 1, BF16_Optimizer's partitions (no zero_stage: zero_to_fp32 refuses them)"
     ZERO12 = "pp = 1, ZeRO-1/2 partitions"
     ZERO3 = "pp = 1, ZeRO-3 partitions"
-    EXPERT_PARALLEL = "pp = 1, DeepSpeed's AutoEP: experts per ep rank, one file per expert (checkpoint.experts)"
+    EXPERT_PARALLEL = "DeepSpeed's AutoEP (pp 1, or inside pipeline stages): experts per ep rank (checkpoint.experts)"
 
 
 def checkpoint_kind(tag_dir: Path, manifest: dict) -> Kind:
     """The one place that decides how a tag is read (state, stream and portable all ask)."""
     pp, tp = manifest.get("pp", 1), manifest.get("tp", 1)
+    if manifest.get("expert_parallel"):  # inside pipeline stages too: each stage's files
+        return Kind.EXPERT_PARALLEL
     if pp > 1:
         if tp > 1:
             return Kind.PIPELINE_TP
         return Kind.PIPELINE_PARTITIONED if partition_files(tag_dir) else Kind.PIPELINE
-    if manifest.get("expert_parallel"):
-        return Kind.EXPERT_PARALLEL
     if tp > 1:
         return Kind.ZERO3_TENSOR_PARALLEL if manifest.get("zero_stage") == 3 else Kind.TENSOR_PARALLEL
     optim = optim_files(tag_dir)

@@ -425,18 +425,9 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
     moved = moved_keys(saved, now)
     was = ", ".join(f"{k} {v}" for k, v in layout_of(saved).items() if v is not None)
     why = None
-    if moved and now.get(EP) and now.get("zero_stage") == 3:
-        why = (f"a move onto AutoEP ({EP} {now[EP]}) at ZeRO-3 is not made by dstk yet (each rank's experts would go "
-               "into ZeRO-3 shares of its expert-data-parallel group); move onto ZeRO-1/2, then change the stage on "
-               "the same ep")
-    elif moved and (saved.get(EP) or now.get(EP)) and max(saved.get("pp", 1), now.get("pp", 1)) > 1:
-        why = ("a move from or onto expert parallelism inside pipeline stages is not made by dstk yet (each stage "
-               "writes its experts per stage, layer_L_expert_E_mp_rank_<stage>, which toolkit/checkpoint/experts.py "
-               "does not join); move at pp 1, or resume on the same layout")
-    elif moved and saved.get(EP) and saved.get("zero_stage") not in (1, 2):
-        why = (f"an expert-parallel checkpoint at ZeRO {saved.get('zero_stage')} is not read by HF name yet (ZeRO-0 "
-               "keeps its optimizer state in AutoEP's parameter order, ZeRO-3 its experts in expert-data-parallel "
-               "shares); only ZeRO-1/2 ones move")
+    if moved and saved.get(EP) and saved.get("pp", 1) == 1 and not saved.get("zero_stage") and not _autoep_names(saved):
+        why = ("this ZeRO-0 expert-parallel checkpoint names its optimizer's parameters as they were before AutoEP "
+               "replaced them (written by an older dstk), so its torch optimizer state cannot be named")
     elif moved and max(saved.get("tp", 1), now.get("tp", 1)) > 1:
         why = ("a tensor-parallel checkpoint holds each tensor in tp shards, which only `dstk export` merges "
                "today; export it and start a new run from the HF directory")
@@ -447,6 +438,13 @@ def check_resumable(ckpt_dir: Path, now: dict, tag: str | None = None, new_data:
                           f"{', '.join(f'{k} {v}' for k, v in layout_of(now).items())}: {why}; resume with the "
                           "checkpoint's layout (its config), or start a fresh --out")
     return moved
+
+
+def _autoep_names(saved: dict) -> bool:
+    """Whether the manifest's param_groups are an AutoEP engine's (recorded after initialize: its experts named)."""
+    from models.autoep import EXPERT
+
+    return any(EXPERT.fullmatch(name) for group in saved.get("param_groups") or [] for name in group)
 
 
 def _diff(key: str, saved, now, skip=()) -> str:

@@ -241,7 +241,11 @@ def hf_names_of(module, manifest: dict) -> dict:
     through the manifest's per-layer map (manifest.hf_name_of)."""
     if manifest.get("pp", 1) == 1:
         return {p: name for name, p in module.named_parameters()}
-    named = {p: hf_name_of(name, manifest) for name, p in module.named_parameters()}
+    if manifest.get("expert_parallel"):  # AutoEP's layers in the stages: their tensors under their block's HF name
+        from toolkit.checkpoint.experts import stage_hf_name as named_as
+    else:
+        named_as = hf_name_of
+    named = {p: named_as(name, manifest) for name, p in module.named_parameters()}
     return {p: hf for p, hf in named.items() if hf is not None}
 
 
@@ -276,7 +280,7 @@ def restore(engine, state: PortableState, names: dict) -> None:
     if module is not None and layers(module):  # AutoEP: this rank's experts and routers cut from the HF tensors
         from toolkit.checkpoint.experts import onto_autoep
 
-        weights, moments = onto_autoep(engine.module, state.weights, state.moments)
+        weights, moments = onto_autoep(engine.module, state.weights, state.moments, names)
         state = PortableState(weights, moments, state.optimizer_step, state.engine)
     missing = [hf for p, hf in names.items() if p.requires_grad and hf not in state.weights]
     if missing:

@@ -24,8 +24,18 @@ COMMAND_LINE_ONLY = ("check_only", "world_size", "resume", "resume_with_new_data
 @click.option("--data", required=True, metavar="FILE|DIR", help="Local .txt (blank-line separated documents), "
               ".jsonl/.json, .parquet, .csv, .arrow, or a datasets.save_to_disk folder; see --format.")
 @click.option("--format", "format", type=click.Choice(["auto", "text", "prompt-completion", "chat", "alpaca",
-              "sharegpt"]), default="auto", show_default=True, help="Row format; auto: from the columns (text; "
-              "prompt + completion|response; messages; instruction + output; conversations), said in the log.")
+              "sharegpt", "preference"]), default="auto", show_default=True, help="Row format; auto: from the columns "
+              "(text; prompt + completion|response; messages; instruction + output; conversations; prompt + chosen + "
+              "rejected), said in the log.")
+@click.option("--objective", type=click.Choice(["lm", "dpo"]), default="lm", show_default=True, help="lm: the task's "
+              "own loss; dpo: preference training (DPO) on TRL's rows (prompt, chosen, rejected: strings, or message "
+              "lists continuing the prompt), the loss on the completions; a micro-batch of mbs rows holds mbs/2 pairs "
+              "(mbs even). The reference: the base with adapters off (--lora at pp 1), else the initial weights' "
+              "log-probs, computed once and cached with the data.")
+@click.option("--dpo-beta", type=click.FloatRange(min=0, min_open=True), default=0.1, show_default=True,
+              help="DPO's beta: how far the policy may move from the reference.")
+@click.option("--dpo-loss", type=click.Choice(["sigmoid"]), default="sigmoid", show_default=True,
+              help="DPO's loss of a pair (TRL's loss_type): sigmoid, -log sigmoid(beta x the log-ratio margin).")
 @click.option("--train-on", type=click.Choice(["assistant", "all"]), default="assistant", show_default=True,
               help="Loss on the assistant turns / completions only, or on every token.")
 @click.option("--chat-template", metavar="FILE", help="Jinja chat template for chat, alpaca and sharegpt rows "

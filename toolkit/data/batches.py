@@ -148,13 +148,17 @@ class ShardedBatches:
     """
 
     def __init__(self, data, mbs: int, gas: int, dp: int, dp_rank: int, seed: int):
-        self.data, self.mbs, self.gas, self.dp, self.dp_rank, self.seed = data, mbs, gas, dp, dp_rank, seed
-        self.gbs = mbs * gas * dp
+        unit = getattr(data, "rows_per_item", 1)  # preference pairs (toolkit.data.pairs): 2 rows an item
+        self.data, self.gas, self.dp, self.dp_rank, self.seed = data, gas, dp, dp_rank, seed
+        self.mbs = mbs // unit  # items (rows, or pairs) per micro-batch
+        self.gbs = self.mbs * gas * dp
         self.steps_per_epoch = len(data) // self.gbs  # drop_last: a step never mixes epochs
         if self.steps_per_epoch == 0:
+            what = "pairs" if unit == 2 else "rows"
             raise ConfigError(
-                f"the training split has {len(data)} rows, fewer than one global batch "
-                f"mbs({mbs}) * gas({gas}) * dp({dp}) = {self.gbs}; add data, lower --seq-len or the batch"
+                f"the training split has {len(data)} {what}, fewer than one global batch "
+                f"mbs({mbs}{' rows = ' + str(self.mbs) + ' pairs' if unit == 2 else ''}) * gas({gas}) * dp({dp}) = "
+                f"{self.gbs} {what}; add data, lower --seq-len or the batch"
             )
 
     def epoch_rows(self, epoch: int) -> torch.Tensor:
@@ -183,9 +187,10 @@ def eval_batch_count(n_rows: int, mbs: int, dp: int) -> int:
 
 
 def eval_micro_batches(data, mbs: int, dp: int, dp_rank: int, count: int | None = None):
-    """This rank's share of the eval split (rows r, r + dp, ...) in micro-batches of mbs rows; the last
-    ones are filled up with rows that carry no loss, so every rank runs eval_batch_count of them (or
-    `count`, when a schedule needs more: the extra ones are filler alone)."""
+    """This rank's share of the eval split (rows r, r + dp, ...) in micro-batches of mbs rows (preference data:
+    mbs pairs); the last ones are filled up with rows that carry no loss, so every rank runs eval_batch_count of them
+    (or `count`, when a schedule needs more: the extra ones are filler alone)."""
+    unit = getattr(data, "rows_per_item", 1)
     mine = list(range(dp_rank, len(data), dp))
     for k in range(count or eval_batch_count(len(data), mbs, dp)):
         idx = mine[k * mbs: (k + 1) * mbs]
@@ -193,13 +198,18 @@ def eval_micro_batches(data, mbs: int, dp: int, dp_rank: int, count: int | None 
             yield data.batch(idx)
             continue
         (ids, docs), labels = data.batch(idx + [0] * (mbs - len(idx)))  # row 0 stands in for the filler rows
-        filler = torch.arange(mbs) >= len(idx)
+        filler = (torch.arange(mbs) >= len(idx)).repeat_interleave(unit)
         ids[filler], docs[filler] = 0, 1  # one document each: no row is fully masked
-        labels[filler] = IGNORE_INDEX
+        (labels[0] if isinstance(labels, tuple) else labels)[filler] = IGNORE_INDEX
         yield (ids, docs), labels
 
 
 def loss_weight(labels: torch.Tensor) -> int:
     """How many targets a micro-batch's mean loss averages: tokens t whose labels[t + 1] is not -100
-    (the causal shift), or rows whose class label is not -100."""
+    (the causal shift), or rows whose class label is not -100; preference pairs ((labels, ref_logps)): the
+    pairs with a target (their loss is a mean over pairs)."""
+    if isinstance(labels, tuple):
+        from toolkit.data.pairs.rows import pair_weight
+
+        return pair_weight(labels[0])
     return int((labels[:, 1:] != IGNORE_INDEX).sum()) if labels.dim() == 2 else int((labels != IGNORE_INDEX).sum())

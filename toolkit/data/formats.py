@@ -6,6 +6,7 @@
     alpaca             {"instruction", "input"?, "output"} -> chat (user: instruction + input, assistant: output)
     sharegpt           {"conversations": [{from, value}]} -> chat (human/gpt/system -> user/assistant/system)
     classification     {"text", "label": int}             --task classification: one label per row
+    preference         {"prompt", "chosen", "rejected"}   --objective dpo: two rows per pair (toolkit.data.pairs)
 
 --train-on all puts the loss on every token instead (prompt and every turn). Labels are -100 where
 no loss is taken. An encoder works on a batch of rows (datasets .map(batched=True, with_indices=True))
@@ -20,12 +21,13 @@ import pyarrow as pa
 
 from models import task_named
 import toolkit.data.tokens as tokens
+from toolkit.data.pairs.encode import PAIR_FIELDS, encode_pairs, is_preference
 from toolkit.data.chat import (arrow_messages, chat_spans, describe, marks, pieces, plain_messages, renderer,
                                segments, template_errors, to_messages, token_spans, tokens_by_piece)
 from toolkit.errors import ConfigError
 
 IGNORE_INDEX = -100  # label value the loss skips (HF and torch cross_entropy convention)
-FORMATS = ("text", "prompt-completion", "chat", "alpaca", "sharegpt")
+FORMATS = ("text", "prompt-completion", "chat", "alpaca", "sharegpt", "preference")
 CHAT_CHUNK = 250  # chat rows rendered while the tokenizer encodes the rows rendered before them
 
 
@@ -38,6 +40,8 @@ def infer_format(columns, task: str, fmt: str, text_field: str = "text") -> tupl
     if fmt != "auto":
         _need(columns, _required(fmt, columns, text_field), fmt)
         return fmt, f"format {fmt} (--format)"
+    if is_preference(columns):  # before prompt-completion, whose "prompt" it also holds
+        return "preference", "format preference inferred from the columns 'prompt', 'chosen', 'rejected'"
     found = [(f, keys) for f, keys in (("chat", ("messages",)), ("sharegpt", ("conversations",)),
                                        ("alpaca", ("instruction", "output")), ("prompt-completion", ("prompt",)),
                                        ("text", (text_field,))) if all(k in columns for k in keys)]
@@ -54,7 +58,7 @@ def _required(fmt: str, columns: set, text_field: str) -> tuple:
     if fmt == "prompt-completion":
         return ("prompt", "response" if "response" in columns and "completion" not in columns else "completion")
     return {"text": (text_field,), "chat": ("messages",), "sharegpt": ("conversations",),
-            "alpaca": ("instruction", "output")}[fmt]
+            "alpaca": ("instruction", "output"), "preference": PAIR_FIELDS}[fmt]
 
 
 def _need(columns: set, keys, fmt: str) -> None:
@@ -72,8 +76,9 @@ class Encoder:
     encodes the rows rendered before them."""
 
     def __init__(self, fmt: str, tokenizer, source: str, train_on: str = "assistant", text_field: str = "text",
-                 strip: bool = False, threads: int = 1):
+                 strip: bool = False, threads: int = 1, seq_len: int | None = None):
         self.fmt, self.tok, self.source, self.train_on, self.text_field = fmt, tokenizer, source, train_on, text_field
+        self.seq_len = seq_len  # preference rows: a prompt must leave a completion token within it
         self.strip = strip  # plain-text files: a paragraph without its surrounding blank lines
         self.threads = threads
         self.eos = _eos(tokenizer)
@@ -111,6 +116,8 @@ class Encoder:
             return self._text(batch, indices)
         if self.fmt == "classification":
             return self._classification(batch, indices)
+        if self.fmt == "preference":  # 2 rows per pair: chosen, rejected
+            return encode_pairs(self.tok, batch, indices, self.source, self.seq_len)
         if self.fmt == "prompt-completion":
             ids, labels = self._prompt_completion(batch, indices)
             values, offsets = _flat(ids)

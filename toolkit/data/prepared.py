@@ -35,7 +35,7 @@ from toolkit.data.source import TEXT_SUFFIXES, cache_root, check_path, check_tex
 __all__ = ["DataOptions", "Prepared", "prepare", "prepare_once_per_node", "split_documents", "pad_id",  # the API
            "Rows", "TokenData", "ShardedBatches", "eval_batch_count", "eval_micro_batches", "loss_weight",
            "IGNORE_INDEX", "check_path", "check_text", "decode_text", "load"]
-VERSION = 5  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
+VERSION = 6  # bump when the tokenized or packed rows change for the same inputs (invalidates caches)
 CHAT_FORMATS = ("chat", "alpaca", "sharegpt")
 TOKENIZE_BATCH = 2000  # documents per tokenizer call (the rows do not depend on it)
 
@@ -71,6 +71,10 @@ class Prepared:
             return (f"data: --streaming {i['path']}: {i['how']}; rows read as the steps need them (dp rank r reads "
                     f"documents i % dp == r), {'packed' if i['packing'] else 'padded'} into rows of {i['seq_len']} "
                     f"tokens; eval: {i['eval_rows']} rows" + (" of --eval-data" if i["eval_rows"] else ""))
+        if i.get("pairs"):  # preference rows: 2 rows a pair
+            return (f"data: {i['how']}; {i['documents']} pairs -> {i['train_documents']} train / {i['eval_documents']} "
+                    f"eval ({i['split']}); 2 rows a pair (chosen, rejected) of {i['seq_len']} tokens, padded; "
+                    f"{i['long']} rows longer than --seq-len truncated")
         return (f"data: {i['how']}; {i['documents']} documents -> {i['train_documents']} train / "
                 f"{i['eval_documents']} eval ({i['split']}); {i['train_rows']} train / {i['eval_rows']} eval rows of "
                 f"{i['seq_len']} tokens ({'packed' if i['packing'] else 'padded'}); {i['long']} longer than --seq-len "
@@ -112,6 +116,8 @@ def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
         check_chat_template(tokenizer)
     packing = packing_on(opts, fmt)
     tokens = _tokenize(ds, fmt, opts, tokenizer, opts.path, quiet)
+    if fmt == "preference":
+        return _prepare_pairs(tokens, opts, tokenizer, how, quiet)
     if opts.eval_data:
         held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
         fingerprint.of_input(opts.eval_data, opts.cache_dir)
@@ -136,11 +142,44 @@ def _prepare(opts: DataOptions, tokenizer, quiet: bool) -> Prepared:
     return Prepared(Rows(train, opts.seq_len, pad_id(tokenizer)), Rows(eval_, opts.seq_len, pad_id(tokenizer)), info)
 
 
+def _prepare_pairs(tokens, opts: DataOptions, tokenizer, how: str, quiet: bool) -> Prepared:
+    """Preference rows (2 per pair: toolkit.data.pairs): split by pair (--eval-fraction, or --eval-data), each row
+    padded to seq_len as it is read (batches.Rows), every row kept (a pair is never cut in two)."""
+    from toolkit.data.pairs import Pairs
+
+    def rows(docs, pairs):
+        picked = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+        return Rows(docs.select(picked).select_columns(["input_ids", "labels"]), opts.seq_len, pad_id(tokenizer))
+
+    n = len(tokens) // 2
+    if opts.eval_data:
+        held = load(opts.eval_data, opts.encoding, opts.cache_dir, flag="--eval-data")
+        fingerprint.of_input(opts.eval_data, opts.cache_dir)
+        infer_format(held.column_names, opts.task, "preference", opts.text_field)
+        held = _tokenize(held, "preference", opts, tokenizer, opts.eval_data, quiet)
+        train, eval_ = rows(tokens, np.arange(n)), rows(held, np.arange(len(held) // 2))
+        split, held_pairs = "--eval-data", len(held) // 2
+    else:
+        train_idx, eval_idx = split_indices(n, opts.eval_fraction, opts.seed)
+        train, eval_ = rows(tokens, train_idx), rows(tokens, eval_idx)
+        split, held_pairs = f"--eval-fraction {opts.eval_fraction}, seed {opts.seed}", 0
+    info = {"how": how, "format": "preference", "packing": False, "seq_len": opts.seq_len, "documents": n + held_pairs,
+            "train_documents": len(train) // 2, "eval_documents": len(eval_) // 2, "split": split + " (by pair)",
+            "train_rows": len(train), "eval_rows": len(eval_), "pairs": True,
+            **_stats([tokens] + ([held] if opts.eval_data else []), opts, False, "preference")}
+    return Prepared(Pairs(train), Pairs(eval_), info)
+
+
 def check_seq_len(opts: DataOptions) -> None:
     seq_len_fits(opts.seq_len, opts.max_positions)
 
 
 def packing_on(opts: DataOptions, fmt: str) -> bool:
+    if fmt == "preference":
+        if opts.packing:
+            raise ConfigError("--packing with preference rows: each pair's rows are scored as whole sequences "
+                              "(--objective dpo); drop --packing")
+        return False
     if fmt == "classification":
         if opts.packing:
             raise ConfigError("--packing does not apply to --task classification (one label per row); drop it")
@@ -155,10 +194,12 @@ def _tokenize(ds, fmt: str, opts: DataOptions, tokenizer, source, quiet: bool = 
     import datasets
 
     encoder = Encoder(fmt, tokenizer, str(source), opts.train_on, opts.text_field,
-                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=workers(opts))
+                      strip=Path(str(source)).suffix.lower() in TEXT_SUFFIXES, threads=workers(opts),
+                      seq_len=opts.seq_len if fmt == "preference" else None)
     key = _fingerprint(ds._fingerprint, fmt, opts.train_on if fmt != "text" else None,
                        opts.text_field if fmt in ("text", "classification") else None,
-                       tokenizer_fingerprint(tokenizer, chat=fmt in CHAT_FORMATS))
+                       tokenizer_fingerprint(tokenizer, chat=fmt in CHAT_FORMATS or fmt == "preference"),
+                       *([opts.seq_len] if fmt == "preference" else []))  # its refusals depend on seq_len
     bars = datasets.utils.logging.is_progress_bar_enabled()
     if not quiet:
         encoder.progress = Progress(f"preparing --data: tokenizing {Path(str(source)).name}", len(ds))

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, config=None, verbose: bool = False,
                     lora=None, seed: int = 0, schedule: str = "1f1b", tiled_loss: str = "off",
-                    tiled_mlp: str = "off", offload_activations: str = "off"):
+                    tiled_mlp: str = "off", offload_activations: str = "off", objective=None):
     """(PipelineModule over PipeDataParallelTopology(pp, dp), or PipeModelDataParallelTopology(pp, tp, dp)
     with each stage's blocks sharded over its tp group (toolkit.distributed.tensor_parallel); the run's
     manifest entries: pp, parts, hf_names, tied (+ lora, tp), for checkpoint.manifest.save_meta).
@@ -41,7 +41,8 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     tokens (models.tiled.loss); the module's dstk_tiled_loss says (on, why). tiled_mlp: --tiled-mlp (auto, on, off):
     the stage's dense MLPs through TiledMLP (models.tiled.mlp); its dstk_tiled_mlp says (on, why, shards).
     offload_activations: --offload-activations (auto, on, off): the checkpointed layers' inputs to host memory
-    (models.tiled.offload); its dstk_offload_activations says (on, why)."""
+    (models.tiled.offload); its dstk_offload_activations says (on, why). objective: --objective dpo's DpoLoss
+    (models.objectives), the last stage's loss (each row's log-prob, then the pairs'), dropout off, the head untiled."""
     import torch
 
     import models
@@ -86,7 +87,12 @@ def pipeline_module(model, task: str, topo, cfg: dict, *, seq_len: int = 128, co
     if topo.sp > 1:
         _sequence_parallel(module, spec, topo, cfg)
         record["sp"] = topo.sp
-    _tile_loss(module, spec, topo, cfg, seq_len, tiled_loss, schedule)
+    if objective is not None:
+        from models.objectives import disable_dropout
+
+        module.loss_fn = objective  # reads (labels, ref_logps): the reference travels with the labels
+        disable_dropout(module)
+    _tile_loss(module, spec, topo, cfg, seq_len, tiled_loss, schedule, objective is not None)
     _tile_mlp(module, spec, topo, cfg, seq_len, tiled_mlp)
     _offload(module, spec, topo, cfg, seq_len, offload_activations)
     if plan is not None:
@@ -138,7 +144,7 @@ def _sequence_parallel(module, spec, topo, cfg: dict) -> None:
     module.loss_fn = PipelineLoss(topo.sp)
 
 
-def _tile_loss(module, spec, topo, cfg: dict, seq_len: int, mode: str, schedule: str) -> None:
+def _tile_loss(module, spec, topo, cfg: dict, seq_len: int, mode: str, schedule: str, dpo: bool = False) -> None:
     """--tiled-loss for a pipeline (models.tiled.loss.choose: the same answer on every rank): the head stage's
     loss tiled; module.dstk_tiled_loss = (on, why)."""
     from models.tiled.loss import choose, tile_pipeline_head
@@ -149,6 +155,8 @@ def _tile_loss(module, spec, topo, cfg: dict, seq_len: int, mode: str, schedule:
         blocker = f"--task {spec.task}: only the causal LM loss is tiled"
     elif schedule == "dualpipev":
         blocker = "--schedule dualpipev computes its loss on rank 0's head stage, which dstk does not tile"
+    elif dpo:
+        blocker = "--objective dpo scores each row from the whole logits"
     vocab = spec.config.get_text_config().vocab_size
     tokens = config_batch(cfg, topo.dp).mbs * seq_len // topo.sp
     module.dstk_tiled_loss = choose(mode, tokens, vocab, blocker)

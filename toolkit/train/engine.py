@@ -33,9 +33,10 @@ def rank_device():
     return torch.device("cpu") if chosen is None else torch.device("cuda", chosen.device_rank)
 
 
-def make_model(args, config, topo, cfg: dict):
+def make_model(args, config, topo, cfg: dict, objective=None):
     """(model for deepspeed.initialize, its part of the manifest). pp > 1 with a local directory: no rank builds the
-    whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline)."""
+    whole model; each stage reads its own layers' tensors (toolkit.distributed.pipeline). objective: --objective
+    dpo's DpoLoss (a pipeline's loss_fn), with dropout off (TRL's default) and the head untiled."""
     from models.lora import adapters
     from models.tiled.offload import decide
     from toolkit.train import lora
@@ -61,6 +62,10 @@ def make_model(args, config, topo, cfg: dict):
             record["lora"] = adapters.manifest_entry(settings, model, args.task)
             model = adapters.apply(model, settings, args.task, args.seed)
         model.dstk_tiled_loss, model.dstk_tiled_mlp, model.dstk_offload_activations = tiled, mlp, offload
+        if objective is not None:
+            from models.objectives import disable_dropout
+
+            disable_dropout(model)
         model.train()  # from_pretrained returns it in eval mode: no dropout, and HF checkpoints only in training mode
         return model, record
     from toolkit.distributed.pipeline import pipeline_module
@@ -74,7 +79,7 @@ def make_model(args, config, topo, cfg: dict):
             source = adapters.apply(source, settings, args.task, args.seed).base_model.model  # the HF model inside
     return pipeline_module(source, args.task, topo, cfg, seq_len=args.seq_len, config=config, verbose=args.verbose,
                            lora=settings, seed=args.seed, schedule=args.schedule, tiled_loss=args.tiled_loss,
-                           tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations)
+                           tiled_mlp=args.tiled_mlp, offload_activations=args.offload_activations, objective=objective)
 
 
 def tile_loss(args, model, config, topo, cfg: dict) -> tuple:
@@ -85,6 +90,8 @@ def tile_loss(args, model, config, topo, cfg: dict) -> tuple:
     from toolkit.distributed.topology import config_batch
 
     blocker = f"--task {args.task}: only the causal LM loss is tiled" if args.task != "causal-lm" else None
+    if getattr(args, "objective", "lm") != "lm":
+        blocker = f"--objective {args.objective} scores each row from the whole logits"
     blocker = blocker or generic_head(model, config)
     tokens = config_batch(cfg, topo.dp).mbs * args.seq_len // topo.sp
     on, why = choose(args.tiled_loss, tokens, config.get_text_config().vocab_size, blocker)
@@ -107,11 +114,11 @@ def tile_mlp(args, model, config, topo, cfg: dict) -> tuple:
     return on, why, shards
 
 
-def model_of_rank(args, config, topo, cfg: dict):
+def model_of_rank(args, config, topo, cfg: dict, objective=None):
     """make_model, with a refusal that names this rank: each stage reads its own tensors, so this rank
     may be the only one failing."""
     try:
-        return make_model(args, config, topo, cfg)
+        return make_model(args, config, topo, cfg, objective)
     except ConfigError as exc:
         stage = topo.coords(dist.get_rank())[0]
         failed = type(exc)(f"rank {dist.get_rank()} (pipeline stage {stage}): {exc}")
@@ -184,7 +191,22 @@ def start_engine(model, record: dict, cfg: dict, topo, verbose: bool = False) ->
         record["expert_parallel"] = ep_of(cfg)
         for group, name in zip(groups, ("decay", "no_decay")):  # DeepSpeed splits named groups into expert and dense
             group["name"] = name  # ones (moe/utils.py:103 reads param_group["name"])
-    return initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu), param_names
+    engine = initialize(model, groups, deepspeed_config(cfg, topo), verbose=verbose, mpu=mpu)
+    named = optimizer_param_names(engine) if "expert_parallel" in record else None  # AutoEP replaced the experts'
+    if named:  # parameters (pp 1) and DeepSpeed split each group into dense and expert ones: the optimizer's order
+        param_names = named
+        if topo.pp == 1:
+            record["param_groups"] = named
+    return engine, param_names
+
+
+def optimizer_param_names(engine) -> list | None:
+    """The engine's optimizer parameters by module name, per group, in its order after initialize (under AutoEP:
+    the AutoEP layers' own parameters, each named group split into its dense and expert groups): how torch's state
+    at ZeRO-0 is named. None where the optimizer holds other tensors than the module's (ZeRO's flat partitions)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = [[names.get(id(p)) for p in group["params"]] for group in engine.optimizer.param_groups]
+    return None if any(name is None for group in groups for name in group) else groups
 
 
 def initialize(model, groups: list, config: dict, verbose: bool = False, mpu=None):

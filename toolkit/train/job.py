@@ -9,6 +9,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from toolkit import data
 from toolkit.data.source import cache_root
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
-from toolkit.train import hf, tf32
+from toolkit.train import hf, preference, tf32
 from toolkit.train.engine import dtype_of, load, model_of_rank, quiet_packed_rows, rank_device, start_engine
 from toolkit.train.report.progress import describe, trust_notes
 
@@ -52,6 +53,7 @@ class Job:
     config: dict | None = None  # the DeepSpeed config (the trackers' hyperparameters)
     rows_per_step: int = 0  # gbs
     progress: bool = True  # rank 0's progress lines (--progress)
+    objective: object = None  # --objective dpo: its models.objectives.DpoLoss (a pipeline's loss_fn); None: the LM loss
 
 
 def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, clock=None) -> Job:
@@ -60,6 +62,8 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     mark = clock.mark if clock is not None else (lambda phase: None)
     tokenizer, config, prepared = read_inputs(args, cfg, topo)
     mark("data")
+    objective = preference.build(args, topo.pp, lora_on(args))
+    preference.check_prepared(objective, prepared.info)
     batch = config_batch(cfg, topo.dp)
     ckpt_dir = RunFolder(args.out).checkpoints
     with agree("setting up this rank's data"):  # each rank opens its own share of a stream, reads its own position
@@ -77,7 +81,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
             if args.streaming:  # the next unseen row of this rank's share
                 sampler.resume_from(stream_position(ckpt_dir / resume_tag, saved, topo, dist.get_rank()))
     tf32_on, tf32_line = tf32.apply(args.tf32, rank_device(), dtype_of(cfg))  # before the model's first matmul
-    model, record = model_of_rank(args, config, topo, cfg)
+    model, record = model_of_rank(args, config, topo, cfg, objective)
     mark("model")
     quiet_packed_rows()
     seed_streams(args.seed, dp_rank)
@@ -87,6 +91,12 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     with agree("writing the run's record", name_ranks=False):
         if dist.get_rank() == 0 and not resume_tag:
             manifest.save_meta(ckpt_dir, config, tokenizer, record)
+    # the reference log-probs: the initial weights', so before a checkpoint is loaded
+    staged = SimpleNamespace(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, dp=topo.dp,
+                             dp_rank=dp_rank, record=record, objective=objective)
+    reference_note = preference.attach_reference(staged, args, cfg)
+    if reference_note:
+        mark("reference")
     if resume_tag:
         _resume(engine, ckpt_dir, resume_tag, record, save_frozen, args.seed, dp_rank)
         mark("resume")
@@ -94,13 +104,20 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     about = describe(args, cfg, topo, batch, engine, record, start, steps,
                      {"tag": resume_tag, "saved": saved, "notes": manifest.resume_notes(
                          saved, record, args.resume_with_new_data) + trust_notes(args)} if resume_tag else None)
-    about.update(tf32=tf32_on, tf32_note=tf32_line, startup=clock.phases() if clock is not None else None)
-    return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval.head(args.max_eval_rows),
+    about.update(tf32=tf32_on, tf32_note=tf32_line, startup=clock.phases() if clock is not None else None,
+                 objective=preference.opening_line(objective, batch.mbs, reference_note))
+    return Job(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=staged.eval_set.head(args.max_eval_rows),
                start_step=start, steps=steps, tokens_per_step=batch.gbs * args.seq_len, sp=topo.sp,
                sp_rank=topo.sp_rank(dist.get_rank()), backward_scale=backward_scale(cfg, topo.sp),
                dp=topo.dp, dp_rank=dp_rank, ckpt_dir=ckpt_dir, save_frozen=save_frozen, data_info=prepared.info or stream_info(sampler, prepared),
                param_names=param_names, record=record, about=about, config=cfg, rows_per_step=batch.gbs,
-               progress=args.progress)
+               progress=args.progress, objective=objective)
+
+
+def lora_on(args) -> bool:
+    from toolkit.train.lora import settings_of
+
+    return settings_of(args) is not None
 
 
 def read_inputs(args, cfg: dict, topo) -> tuple:
@@ -186,6 +203,8 @@ def run_identity(args, topo=None, cfg: dict | None = None) -> dict:
                          if tokenizer_dir else None,
                          "content": {"--data": of_input(args.data, args.data_cache, args.streaming),
                                      "--eval-data": of_input(args.eval_data, args.data_cache)}}}
+    if preference.uses_preference(args):  # another objective trains toward other weights
+        identity["data"]["objective"] = {"objective": args.objective, "beta": args.dpo_beta, "loss": args.dpo_loss}
     if args.streaming:  # another order of rows (this rank's share, file order): not a non-streaming run's to resume
         identity["data"]["streaming"] = True
     if args.hub_ids:  # recorded, not compared: "model" and "tokenizer" are their snapshot folders (one commit)

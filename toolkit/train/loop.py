@@ -16,6 +16,7 @@ from toolkit.data.transfer import to_device
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
 from toolkit.train.job import Job
+from toolkit.train.preference import stage_metrics
 from toolkit.train.report import ProgressLog, memory, per_rank
 from toolkit.train.report.summary import throughput
 from toolkit.train.report.step_stats import StepStats
@@ -28,7 +29,7 @@ def train_step(job: Job, it) -> float:
     losses = []
     for _ in range(job.engine.gradient_accumulation_steps()):
         with around_micro_batch(job.engine.module):  # --offload-activations: the checkpoints' trip to the host
-            loss = forward_loss(job.engine, next(it), job.sp, job.sp_rank)
+            loss = forward_loss(job.engine, next(it), job.sp, job.sp_rank, job.objective)
             job.engine.backward(loss * job.backward_scale if job.backward_scale != 1 else loss)
         job.engine.step()
         losses.append(loss.detach().float())
@@ -52,14 +53,20 @@ def stage_batch(job: Job, batch):
     return to_device(batch, job.engine.device)
 
 
-def forward_loss(engine, batch, sp: int = 1, sp_rank: int = 0) -> torch.Tensor:
+def forward_loss(engine, batch, sp: int = 1, sp_rank: int = 0, objective=None) -> torch.Tensor:
     """pp = 1: the HF model on a batch whose second tensor holds document ids (packed rows: positions
     restart and attention stays inside each document, models.attention.model_inputs, built on the host:
     no device sync). DeepSpeedEngine.forward does not move inputs (only the PipelineEngine does).
     sp > 1: this rank's slice of the sequence; its loss is its share of the micro-batch's mean, the sp
     group's shares summing to it (toolkit.distributed.sequence_parallel). Every tensor reaches the device through
-    to_device: non-blocking, from pinned memory on CUDA, on the stream the forward then runs on."""
+    to_device: non-blocking, from pinned memory on CUDA, on the stream the forward then runs on. objective:
+    --objective dpo's (toolkit.train.preference.forward_loss)."""
     from models.attention import model_inputs
+
+    if objective is not None:
+        from toolkit.train.preference import forward_loss as preference_loss
+
+        return preference_loss(engine, batch, objective)
 
     if sp > 1:
         from toolkit.distributed.sequence_parallel import shard
@@ -104,7 +111,7 @@ def eval_loss(job: Job) -> float | None:
     else:
         job.engine.eval()
         with torch.no_grad():
-            losses = [float(forward_loss(job.engine, b, job.sp, job.sp_rank)) for b in batches()]
+            losses = [float(forward_loss(job.engine, b, job.sp, job.sp_rank, job.objective)) for b in batches()]
         job.engine.train()
     if progress is not None and progress.last != progress.start:  # it said something: say it ended
         progress.close()
@@ -153,11 +160,13 @@ def run_steps(args, job: Job, is_logger: bool, watchdog=None, signals=None) -> d
         seconds = time.perf_counter() - t0
         step_seconds.append(seconds)
         record = {"step": step, "loss": loss, "lr": job.engine.get_lr()[0], **stats.gather(),
-                  "tokens_per_s": job.tokens_per_step / seconds, "samples_per_s": job.rows_per_step / seconds}
+                  "tokens_per_s": job.tokens_per_step / seconds, "samples_per_s": job.rows_per_step / seconds,
+                  **stage_metrics(job.objective, job.engine.device)}  # DPO: TRL's rewards/..., logps/...
         if args.eval_every and step % args.eval_every == 0 and step != job.steps and len(job.eval_set) and not stopped_by:
             with section(watchdog, f"evaluating after step {step}"):
                 record["eval_loss"] = eval_loss(job)
-            record["eval_ppl"] = _perplexity(record["eval_loss"])
+                record.update(stage_metrics(job.objective, job.engine.device, "eval_"))
+            record["eval_ppl"] = _perplexity(record["eval_loss"]) if job.objective is None else None
         if step == job.steps or (args.save_every and step % args.save_every == 0) or stopped_by:
             with section(watchdog, f"saving global_step{step}"):
                 manifest.save(job.engine, job.ckpt_dir, step, frozen=job.save_frozen, param_names=job.param_names,
@@ -170,9 +179,10 @@ def run_steps(args, job: Job, is_logger: bool, watchdog=None, signals=None) -> d
             break
     with section(watchdog, "the final evaluation"):
         final_eval = eval_loss(job) if not stopped_by else None
+        final_metrics = stage_metrics(job.objective, job.engine.device, "eval_")
     summary = {"steps": job.steps, "start_step": job.start_step, "first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None, "eval_loss": final_eval,
-               "eval_ppl": _perplexity(final_eval), "data": _data_summary(job),
+               "last_loss": losses[-1] if losses else None, "eval_loss": final_eval, **final_metrics,
+               "eval_ppl": _perplexity(final_eval) if job.objective is None else None, "data": _data_summary(job),
                **throughput(step_seconds, job.tokens_per_step, job.rows_per_step),
                "seconds": time.perf_counter() - start, "run": job.about, **per_rank(job.engine, load_peaks)}
     if stopped_by:

@@ -30,6 +30,9 @@ class TrainArgs:
     revision: str = "main"  # of a hub id in --model / --tokenizer: a branch, tag or commit
     hub_ids: dict | None = None  # {"--model": "org/name", ...}: the ids local_inputs replaced by their folders
     task: str = "causal-lm"  # or "sequence-classification" (models.TASKS; "classification" is read as it)
+    objective: str = "lm"  # "lm": the task's own loss; "dpo": preference pairs (toolkit.train.preference)
+    dpo_beta: float = 0.1  # DPO's beta: the strength of the pull toward the reference
+    dpo_loss: str = "sigmoid"  # models.objectives.LOSSES
     pp: int | None = None  # pipeline stages; default: the config's pipeline.stages, else 1
     sp: int | None = None  # Ulysses sequence-parallel size; default: the config's sequence_parallel_size, else 1
     schedule: str = "1f1b"  # pipeline schedule at pp > 1: "1f1b" or "dualpipev" (toolkit.distributed.dualpipev)
@@ -286,8 +289,7 @@ def check_expert_parallel(args: TrainArgs, cfg: dict, pp) -> None:
     """"expert_parallel" (DeepSpeed's AutoEP): what dstk train does not combine with it yet, every reason at once."""
     from toolkit.config.rules.expert_parallel import train_refusals
 
-    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora,
-                              args.export)
+    refusals = train_refusals(cfg, pp if isinstance(pp, int) else 1, args.schedule, args.lora or args.qlora)
     if refusals:
         raise ConfigError("; ".join(refusals))
 
@@ -301,7 +303,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     from toolkit.data.source import check_path
     from toolkit.checkpoint import run_folder
     from toolkit.distributed import dualpipev
-    from toolkit.train import hf, lora
+    from toolkit.train import hf, lora, preference
 
     from toolkit.train.report.trackers import check_deepspeed_monitors, check_report_to, check_tracker_folders
 
@@ -313,6 +315,7 @@ def check(args: TrainArgs, world_size: int | None) -> None:
     dualpipev.check(args.schedule, cfg, pp, world_size)
     check_offload(args.offload_activations, cfg, pp)
     check_expert_parallel(args, cfg, pp)
+    preference.check(args, cfg, pp, sp_of(cfg), tp_of(cfg))
     local = local_inputs(args)
     if local is not None:
         check_model(local, cfg, world_size)
@@ -335,6 +338,17 @@ def check(args: TrainArgs, world_size: int | None) -> None:
         check_path(args.eval_data, "--eval-data", args.encoding)
     if args.chat_template:
         hf.read_chat_template(args.chat_template)
+    if local is not None and preference.uses_preference(args):  # every pair's refusals, before any rank starts
+        from toolkit.data.pairs.check import check_rows
+
+        if Path(local.model).is_dir() and _router_logits_on(Path(local.model)):
+            raise ConfigError(f"--objective dpo: {local.model}'s config.json turns output_router_logits on, and the "
+                              "router aux loss is not added to the DPO loss yet; set output_router_logits false there")
+
+        tok = hf.load_tokenizer(local.model, local.tokenizer, args.chat_template)
+        for path, flag in ((args.data, "--data"), (args.eval_data, "--eval-data")):
+            if path and not args.streaming:
+                check_rows(path, tok, args.seq_len, args.encoding, args.data_cache, args.format, flag)
     run_folder.check_out(args.out, args.resume, args.overwrite, out_inputs(local or args))
     if args.resume_with_new_data and not args.resume:
         raise ConfigError("--resume-with-new-data continues a run: pass it with --resume")
@@ -346,8 +360,9 @@ def check(args: TrainArgs, world_size: int | None) -> None:
 
         folder = run_folder.RunFolder(args.out)
         latest = manifest.read_latest(folder.checkpoints)
-        manifest.check_resumable(folder.checkpoints, run_identity(local), latest,
-                                 new_data=args.resume_with_new_data, layout=False)
+        topo = None if world_size is None else Topology(world_size, pp, tp_of(cfg), sp_of(cfg))
+        manifest.check_resumable(folder.checkpoints, run_identity(local, topo, cfg), latest,  # a move it cannot
+                                 new_data=args.resume_with_new_data, layout=topo is not None)  # make: with the world
         safe_load.trust(args.trust_checkpoint)
         if latest is not None:
             safe_load.check_tag(folder.checkpoints / latest)

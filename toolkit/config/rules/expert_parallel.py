@@ -174,13 +174,14 @@ def model_problems(cfg: dict, arch) -> list[Problem]:
     return problems
 
 
-def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) -> list[str]:
+def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool) -> list[str]:
     """What `dstk train` cannot combine with "expert_parallel" yet (checked by `dstk train --check`, before any
     rank starts), each with its reason. At pp 1 the whole HF model goes to deepspeed.initialize, which replaces its
     MoE blocks; at pp > 1 dstk replaces each stage's blocks itself (toolkit.distributed.tensor_parallel.
     shard_stage_experts) under the 1F1B schedule (tests/distributed/test_expert_parallel.py). A resume on
-    the same layout is DeepSpeed's own load; onto another layout toolkit.checkpoint.manifest.check_resumable
-    refuses it."""
+    the same layout is DeepSpeed's own load; onto another layout it goes by HF name (toolkit.checkpoint.experts),
+    and toolkit.checkpoint.manifest.check_resumable refuses the moves dstk does not make yet. The end-of-run export
+    joins every expert at any pp and ZeRO stage."""
     from toolkit.distributed.topology import sp_of, tp_of
 
     if _section(cfg, "expert_parallel").get("enabled") is not True:
@@ -204,13 +205,4 @@ def train_refusals(cfg: dict, pp: int, schedule: str, lora: bool, export: bool) 
                    "splits nothing), and LoRA on the fused experts (peft's "
                    "target_parameters on gate_up_proj/down_proj) would be dropped when AutoEP replaces them; "
                    "train without --lora")
-    if export and pp > 1:
-        out.append(f"the end-of-run export with {named} inside pipeline stages: each stage writes its experts under "
-                   "its own stage number (layer_L_expert_E_mp_rank_<stage>), which dstk's checkpoint reader "
-                   "(toolkit/checkpoint/experts.py) does not join yet (pp 1 export); pass --no-export (DeepSpeed's own "
-                   "checkpoints are still written)")
-    elif export and _section(cfg, "zero_optimization").get("stage") == 3:
-        out.append(f"the end-of-run export with {named} at ZeRO-3: each expert lies in ZeRO-3 shares within its "
-                   "expert-data-parallel group, which dstk's checkpoint reader (toolkit/checkpoint/experts.py) does not "
-                   "join yet (ZeRO 0-2 export); pass --no-export (DeepSpeed's own checkpoints are still written)")
     return out

@@ -100,6 +100,8 @@ def start_lines(about: dict) -> list:
             lines.append(f"LoRA: {lora['experts_frozen']}")
     else:
         lines.append(f"training: all {trains} trainable parameters")
+    if about.get("objective"):  # --objective dpo (toolkit.train.preference.opening_line)
+        lines.append(about["objective"])
     if about.get("tiled_loss"):  # (on, why): models.tiled.loss.choose
         on, why = about["tiled_loss"]
         lines.append(f"loss: {'tiled, the logits never whole' if on else 'whole logits'} ({why})")
