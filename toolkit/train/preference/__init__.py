@@ -8,7 +8,14 @@ reference log-probs (computed once before step 1 and cached beside the prepared 
 
 from toolkit.train.preference.objective import (build, check, check_prepared, forward_loss, opening_line,
                                                 stage_metrics, uses_preference)
-from toolkit.train.preference.reference import attach_reference
+
+
+def attach_reference(*args, **kwargs):
+    """reference.attach_reference, imported on first use: `dstk train --check` reads this package without torch."""
+    from toolkit.train.preference.reference import attach_reference as attach
+
+    return attach(*args, **kwargs)
+
 
 __all__ = ["build", "check", "check_prepared", "forward_loss", "opening_line", "stage_metrics", "uses_preference",
            "attach_reference"]

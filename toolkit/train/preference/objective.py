@@ -5,8 +5,6 @@ A micro-batch counts rows, as DeepSpeed's train_micro_batch_size_per_gpu does: m
 chosen and rejected rows adjacent in the same micro-batch (toolkit.data.pairs), so mbs must be even.
 """
 
-import torch
-
 from toolkit.errors import ConfigError
 
 
@@ -77,9 +75,12 @@ def opening_line(objective, mbs: int, reference_note: str = "") -> str | None:
             f"(chosen, rejected adjacent); reference: {reference}")
 
 
-def forward_loss(engine, batch, objective) -> torch.Tensor:
-    """pp 1: the micro-batch's DPO loss. batch ((input_ids, doc_ids), (labels, ref_logps)) on the host; the model's
-    logits whole (no tiled loss), each row's completion log-prob summed (models.objectives.sequence_logps)."""
+def forward_loss(engine, batch, objective):
+    """pp 1: the micro-batch's DPO loss (a 0-d tensor). batch ((input_ids, doc_ids), (labels, ref_logps)) on the host;
+    the model's logits whole (no tiled loss), each row's completion log-prob summed (models.objectives.sequence_logps).
+    torch is imported here, not with the module: `dstk train --check` reads this package's refusals without it."""
+    import torch
+
     from models.attention import model_inputs
     from models.objectives import sequence_logps
     from toolkit.data.transfer import to_device
