@@ -106,8 +106,8 @@ def test_other_layouts_give_pp1s_losses_and_rewards(runs, kind, layout):
 @HEAVY
 def test_the_reference_is_computed_once_and_read_on_resume(runs):
     first, again = log(runs, "full_pp2"), log(runs, "full_pp2_resumed")
-    assert "reference log-probs computed with the initial weights" in first
-    assert "reference log-probs read from dpo-reference-" in again and "computed with" not in again
+    assert "reference: the initial weights' log-probs, computed before step 1" in first
+    assert "log-probs, read from dpo-reference-" in again and "computed before" not in again
     assert "reference: the base with the adapters off" in log(runs, "lora_pp1")
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.errors import ConfigError
+
 from tests.configs import run_config
 from tests.distributed.launch import LazyRuns, run_script
 from tests.unit.test_moe_aux import AUX, SIX
@@ -303,3 +305,7 @@ def test_dstk_reshard_takes_an_ep_run_off_autoep(runs, tmp_path):
     reshard_checkpoint(runs / "ep2", tmp_path / "zero3", zero=3)
     manifest = json.loads((tmp_path / "zero3" / "checkpoints" / "dstk" / "manifest.json").read_text())
     assert (manifest["expert_parallel"], manifest["zero_stage"]) == (2, 3)
+    for dp, ep, words in ((None, 3, "does not divide the 2 data-parallel ranks"), (6, 3, "does not divide .*'s 4 experts")):
+        with pytest.raises(ConfigError, match=words):  # refused before anything is written
+            reshard_checkpoint(runs / "ep2", tmp_path / f"ep{ep}", dp=dp, ep=ep)
+        assert not (tmp_path / f"ep{ep}").exists()

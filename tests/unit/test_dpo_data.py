@@ -137,6 +137,7 @@ def test_check_refuses_an_odd_micro_batch_and_accepts_the_shipped_pairs(tmp_path
 
 @pytest.mark.parametrize("args, fragment", [
     (["--sp", "2"], "sp 1"), (["--tiled-loss", "on"], "--tiled-loss off"), (["--packing"], "drop --packing"),
+    (["--train-on", "all"], "drop --train-on"), (["--drop-long"], "drop --drop-long"),
 ])
 def test_check_refuses_what_dpo_does_not_combine_with(tmp_path, args, fragment):
     refused(dpo_check(tmp_path, None, *args), 1, "--objective dpo", fragment)
@@ -144,6 +145,8 @@ def test_check_refuses_what_dpo_does_not_combine_with(tmp_path, args, fragment):
 
 def test_preference_rows_without_dpo_are_refused(tmp_path):
     refused(train_cli(tmp_path, "--format", "preference", "--check", data=PAIRS), 1, "--objective dpo")
+    # --format auto: the first row's columns say so before any rank starts (the ranks would refuse after the launch)
+    refused(train_cli(tmp_path, "--check", data=PAIRS), 1, "the data holds preference rows", "add --objective dpo")
 
 
 def test_the_reference_cache_is_keyed_by_rows_and_model_and_refuses_a_wrong_shape(tmp_path):

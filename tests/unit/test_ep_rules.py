@@ -190,3 +190,16 @@ def test_validate_with_a_model_and_generate_config_refuse_in_one_line(capsys, tm
     code, _, err = dstk(capsys, "generate-config", "--world-size", "6", "--ep", "4", "--mbs", "1", "--gas", "1")
     assert code == 1 and "--ep 4 does not divide the ranks of a stage: world(6) / pp(1) = 6" in err, err
     assert "Traceback" not in err
+
+
+def test_validate_says_what_dstk_train_does_not_run_with_ep_yet(tmp_path):
+    """ep with tp or sp: DeepSpeed may take the file, dstk train --check refuses it; validate says so (a warning)."""
+    from toolkit.cli.validate import check_file
+
+    for key, value in (("tensor_parallel", {"autotp_size": 2}), ("sequence_parallel_size", 2)):
+        cfg = ep_config(ep=2, world=8)
+        cfg[key] = value
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps(cfg))
+        notes = [p for p in check_file(str(path), world_size=8)["problems"] if "dstk train refuses it" in p["message"]]
+        assert len(notes) == 1 and notes[0]["severity"] == "warning", notes

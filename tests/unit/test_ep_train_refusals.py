@@ -16,7 +16,7 @@ def check_with(tmp_path, changes: dict, world: int = 2, **flags):
     from tests.unit.test_launch import _args
     from toolkit.train.runner import check
 
-    args = _args(tmp_path, 1, **{"export": False, **flags})
+    args = _args(tmp_path, 1, **{"export": False, "model": "tiny-mixtral", **flags})
     cfg = {**json.loads(open(args.config).read()), **EP, **changes}
     (tmp_path / "ep.json").write_text(json.dumps(cfg))
     args.config = str(tmp_path / "ep.json")
@@ -26,6 +26,18 @@ def check_with(tmp_path, changes: dict, world: int = 2, **flags):
 @pytest.mark.parametrize("changes,world", [({}, 2), ({"pipeline": {"stages": 2}}, 4)])
 def test_ep_at_pp1_and_inside_pipeline_stages_without_export_passes_the_checks(tmp_path, changes, world):
     check_with(tmp_path, changes, world)
+
+
+@pytest.mark.parametrize("model,ep,world,words", [
+    ("tiny-gpt2", 2, 2, ["tiny-gpt2 (gpt2) has no experts", 'remove "expert_parallel"']),
+    ("tiny-mixtral", 3, 3, ["\"autoep_size\" 3 does not divide tiny-mixtral's 4 experts", "one of 1, 2, 4"]),
+])
+def test_ep_against_the_model_is_refused_before_any_rank(tmp_path, model, ep, world, words):
+    """What AutoEP raises on every rank after the launch (a model without experts; ep not dividing its experts),
+    refused at --check from config.json alone, as `dstk validate --model` does."""
+    with pytest.raises(ConfigError) as info:
+        check_with(tmp_path, {"expert_parallel": {"enabled": True, "autoep_size": ep}}, world, model=model)
+    assert all(w in str(info.value) for w in words), str(info.value)
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -49,6 +49,7 @@ def reshard_checkpoint(ckpt, out, tag=None, pp=None, dp=None, zero=None, sp=None
         target = {**target, **_expert_parallel(manifest, ep)}
         if target[EP] and target["pp"] > 1:
             raise ConfigError(f"--ep {ep} with --pp {target['pp']}: dstk trains AutoEP at pp 1 only; use --pp 1")
+        _check_experts(manifest, target)
         now = {k: v for k, v in {**now, **target}.items() if k != EP or v}
     positions = sorted((ckpt_dir / tag).glob(DATA_POSITION.format("*")))  # a --streaming run's places in its stream
     if positions and target["dp"] != source["dp"]:
@@ -122,6 +123,28 @@ def _recipe(source_recipe: Path, out: Path, was: dict, now: dict):
     return (f"# The flags of the run resharded from {source_recipe.parent} (dstk reshard), for its new layout.\n"
             f"# Continue it: --recipe {out / 'recipe.yaml'} --resume (--steps N for more)\n"
             + yaml.safe_dump(flags, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100))
+
+
+def _check_experts(manifest: dict, target: dict) -> None:
+    """The target's ep against its data-parallel ranks and the model's experts (the run's --model, read from its
+    config.json or a built-in's dimensions where it can be): what `dstk train --check` would refuse after the write."""
+    ep, ranks = target[EP], target["dp"] * target.get("sp", 1)
+    if not ep:
+        return
+    if ranks % ep:
+        fits = ", ".join(str(d) for d in range(1, ranks + 1) if ranks % d == 0)
+        raise ConfigError(f"--ep {ep} does not divide the {ranks} data-parallel ranks of --dp {target['dp']}: AutoEP "
+                          f"groups ep consecutive ranks; use --ep one of {fits}")
+    from toolkit.plan.arch import load_arch
+
+    try:
+        arch = load_arch(str(manifest.get("model")))
+    except ConfigError:
+        return  # a model the planner does not read: dstk train --check asks AutoEP's own rule
+    if arch.is_moe and arch.experts % ep:
+        fits = ", ".join(str(d) for d in range(1, arch.experts + 1) if arch.experts % d == 0)
+        raise ConfigError(f"--ep {ep} does not divide {arch.name}'s {arch.experts} experts per MoE block: each rank "
+                          f"holds experts / ep whole experts; use --ep one of {fits}")
 
 
 def _expert_parallel(manifest: dict, ep: int) -> dict:

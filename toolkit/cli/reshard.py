@@ -17,8 +17,9 @@ from toolkit.cli import echo_json, trust_checkpoints
 @click.option("--zero", type=int, metavar="Z", help="ZeRO stage of that layout, 0-3 (0-1 with pp > 1; default: unchanged).")
 @click.option("--schedule", type=click.Choice(["1f1b", "dualpipev"]), help="Pipeline schedule of that layout "
               "(dualpipev: 2 pp stages, `dstk train --schedule dualpipev`; default: unchanged).")
-@click.option("--ep", type=int, metavar="E", help="Expert-parallel (DeepSpeed AutoEP) size of that layout, pp 1, "
-              "ZeRO 0-2; 1: no AutoEP, every expert on every rank (default: unchanged).")
+@click.option("--ep", type=int, metavar="E", help="Expert-parallel (DeepSpeed AutoEP) size of that layout, ZeRO "
+              "0-3, from or to pp 1 (a pipeline's ep moves off it, not onto it); 1: no AutoEP, every expert on every "
+              "rank (default: unchanged).")
 @click.option("--tag", metavar="TAG", help="Checkpoint tag, e.g. global_step500 (default: the one `latest` names).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 @click.option("--trust-checkpoint", is_flag=True, help="Load the checkpoint's .pt files as pickles, unchecked "

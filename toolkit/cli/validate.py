@@ -36,6 +36,7 @@ def check_file(path: str, world_size=None, pp=None, strict=False, arch=None, sp=
             pass  # a bad autotp_size is already reported by the rules
         problems += _heads_problems(cfg, arch, sp)
         problems += _experts_problems(cfg, arch)
+    problems += _train_problems(cfg, pp)
     code = INVALID if has_errors(problems) else VALID
     return {"path": path, "code": code, "problems": [p.to_dict() for p in problems]}
 
@@ -63,6 +64,20 @@ def _experts_problems(cfg: dict, arch) -> list:
         return model_problems(cfg, arch)
     except ConfigError:
         return []  # a bad autoep_size is already reported by the rules
+
+
+def _train_problems(cfg: dict, pp) -> list:
+    """What `dstk train` does not run with "expert_parallel" yet (ep with tp, with sp): warnings, since DeepSpeed
+    itself may take the file; `dstk train --check` refuses them."""
+    from toolkit.config.problems import WARNING, Problem
+    from toolkit.config.rules.expert_parallel import train_refusals
+    from toolkit.errors import ConfigError
+
+    try:
+        refusals = train_refusals(cfg, pp or 1, "1f1b", False)
+    except ConfigError:  # a malformed size: the rules have reported it
+        return []
+    return [Problem("$.expert_parallel", f"dstk train refuses it: {why}", WARNING) for why in refusals]
 
 
 def _arch(model: str):

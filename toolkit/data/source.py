@@ -63,6 +63,11 @@ def check_path(path, flag: str = "--data", encoding: str = "utf-8") -> Path:
 
 def check_first_row(path: Path, flag: str, encoding: str) -> None:
     """A .jsonl file's first non-blank line is one JSON object (a row), else nothing after it is."""
+    first_row(path, flag, encoding)
+
+
+def first_row(path: Path, flag: str, encoding: str) -> dict:
+    """A .jsonl file's first row (its first non-blank line, one JSON object), or a refusal saying what it is."""
     utf8 = encoding.lower().replace("-", "") == "utf8"
     with open(path, encoding="utf-8-sig" if utf8 else encoding, errors="replace") as fh:
         for number, line in enumerate(fh, 1):
@@ -78,6 +83,7 @@ def check_first_row(path: Path, flag: str, encoding: str) -> None:
     if not isinstance(row, dict):
         raise UnusableInput(f"{flag} {path} line {number} is a JSON {type(row).__name__}, not an object; each line "
                             'of a .jsonl file is one row, e.g. {"text": "..."}')
+    return row
 
 
 def check_magic(path: Path, flag: str, magic: bytes, kind: str) -> None:

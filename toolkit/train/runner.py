@@ -170,6 +170,7 @@ def check_model(args: TrainArgs, cfg: dict, world_size: int | None) -> None:
     _check_dualpipev_layers(args, cfg)
     _check_fits_model(args, cfg)
     _check_router_aux(args, cfg)
+    _check_experts(args, cfg)
     if world_size is not None and args.qlora:  # known: the ranks run here (launch.sh on a login node passes none)
         from toolkit.train.lora import check_qlora_here
 
@@ -206,6 +207,24 @@ def _check_fits_model(args: TrainArgs, cfg: dict) -> None:
         raise UnusableInput(f"--model {args.model} holds no safetensors (pytorch_model.bin only?): pipeline stages "
                             f"(pp {pp}) each read their own layers from model.safetensors. Convert the folder once: "
                             "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR), then --model NEW_DIR")
+
+
+def _check_experts(args: TrainArgs, cfg: dict) -> None:
+    """"expert_parallel" against the model (`dstk validate --model`'s check, from config.json alone): a model with
+    experts, ep dividing them. Otherwise AutoEP raises on every rank after the launch."""
+    from toolkit.config.problems import ERROR
+    from toolkit.config.rules.expert_parallel import model_problems
+    from toolkit.plan.arch import load_arch
+
+    if (cfg.get("expert_parallel") or {}).get("enabled") is not True:
+        return
+    try:
+        arch = load_arch(args.model)
+    except ConfigError:  # a structure the planner does not read: AutoEP's own check on the ranks
+        return
+    errors = [p.message for p in model_problems(cfg, arch) if p.severity == ERROR]
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def _check_dualpipev_layers(args: TrainArgs, cfg: dict) -> None:

@@ -161,8 +161,9 @@ def model_problems(cfg: dict, arch) -> list[Problem]:
     fits = [name for name, types in PRESETS.items() if arch.model_type in types]
     if preset in PRESETS and arch.model_type not in PRESETS[preset]:
         fix = f'use "preset_model": "{fits[0]}"' if fits else 'remove "preset_model" (AutoEP then tries every preset)'
-        problems.append(Problem("$.expert_parallel.preset_model", f'"preset_model" "{preset}" matches model_type '
-                                f"{', '.join(PRESETS[preset])}, but {arch.name} is {arch.model_type}; {fix}"))
+        problems.append(Problem("$.expert_parallel.preset_model", f'"preset_model" "{preset}" is made for model_type '
+                                f"{', '.join(PRESETS[preset])}, but {arch.name} is {arch.model_type}: AutoEP matches "
+                                f"MoE blocks by module names, which may still fit; {fix}", WARNING))
     elif preset is None and not fits and not section.get("moe_layer_pattern"):
         problems.append(Problem("$.expert_parallel.preset_model", f"no AutoEP preset matches model_type "
                                 f"{arch.model_type} (presets: {', '.join(PRESETS)}); AutoEP will try each and may find "

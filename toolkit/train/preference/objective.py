@@ -12,12 +12,15 @@ def uses_preference(args) -> bool:
     return getattr(args, "objective", "lm") == "dpo"
 
 
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")  # toolkit.data.pairs.PAIR_FIELDS (that package imports torch)
+
+
 def check(args, cfg: dict, pp: int, sp: int, tp: int) -> None:
     """What --objective dpo refuses before any rank starts, every reason at once."""
     if not uses_preference(args):
-        if args.format == "preference":
-            raise ConfigError("--format preference trains with --objective dpo (pairs of chosen and rejected "
-                              "completions); add --objective dpo")
+        if args.format == "preference" or (args.format == "auto" and _preference_file(args.data, args.encoding)):
+            raise ConfigError("the data holds preference rows ('prompt', 'chosen', 'rejected'): they train with "
+                              "--objective dpo (pairs of chosen and rejected completions); add --objective dpo")
         return
     mbs = cfg.get("train_micro_batch_size_per_gpu")
     problems = []
@@ -38,11 +41,29 @@ def check(args, cfg: dict, pp: int, sp: int, tp: int) -> None:
                         "--objective dpo does not gather yet; use sp 1")
     if tp > 1:
         problems.append(f"tensor parallel (tp {tp}) with --objective dpo is not built yet; use tp 1")
+    if args.train_on != "assistant":
+        problems.append(f"--train-on {args.train_on}: DPO scores the completions only (the prompt is the same in both "
+                        "rows of a pair); drop --train-on")
+    if args.drop_long:
+        problems.append("--drop-long: a pair whose prompt leaves no completion token within --seq-len is refused by "
+                        "its row number instead (a dropped pair would change which pairs train); drop --drop-long")
     if args.tiled_loss == "on":
         problems.append("--tiled-loss on: --objective dpo scores each row from the whole logits (per-row sums, not "
                         "the tiled token mean); use --tiled-loss off or auto")
     if problems:
         raise ConfigError("--objective dpo: " + "; ".join(problems))
+
+
+def _preference_file(path, encoding: str) -> bool:
+    """Whether a .jsonl file's first row holds the preference columns (read before any rank starts, without torch)."""
+    from pathlib import Path
+
+    from toolkit.data.source import first_row
+
+    path = Path(path)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    return all(key in first_row(path, "--data", encoding) for key in PAIR_COLUMNS)
 
 
 def build(args, pp: int, lora: bool):

@@ -34,12 +34,12 @@ def attach_reference(job, args, cfg: dict) -> str:
     have = torch.tensor([0.0 if found is None else 1.0], device=job.engine.device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank runs the pass, or none
     if have.item():
-        how = f"reference log-probs read from {path.name}"
+        how = f"the initial weights' log-probs, read from {path.name}"
     else:
         found = {"train": scores(job, train), "eval": scores(job, held)}
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             write_cached(path, found)
-        how = f"reference log-probs computed with the initial weights, cached as {path.name}"
+        how = f"the initial weights' log-probs, computed before step 1 and cached as {path.name}"
     job.train.data = train.with_reference(found["train"])
     job.eval_set = held.with_reference(found["eval"])
     return how

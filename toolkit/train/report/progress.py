@@ -82,12 +82,12 @@ def start_lines(about: dict) -> list:
     lines.append(f"model: {about['model_name']}, {weights}, {about['dtype']}; {_count(about['params'])} parameters")
     ranks = lay["dp"] * lay["pp"] * lay["tp"] * lay.get("sp", 1)
     schedule = f", schedule {lay['schedule']}" if lay.get("schedule") else ""  # pp > 1 only
-    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} x sp {lay.get('sp', 1)} = {ranks} ranks"
+    lines.append(f"layout: dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} x sp {lay.get('sp', 1)} = {ranks} rank{'s' if ranks != 1 else ''}"
                  f"{schedule}, ZeRO {lay['zero_stage']}; batch: micro-batch {about['mbs']} x gas {about['gas']} x dp "
                  f"{lay['dp']} = {about['gbs']} rows of {about['seq_len']} tokens per step")
     if lay.get("ep"):  # DeepSpeed's AutoEP (toolkit.config.rules.expert_parallel)
         lines.append(f"experts: ep {lay['ep']} (DeepSpeed AutoEP): each group of {lay['ep']} data-parallel ranks "
-                     f"shares one copy of the experts, each rank holding 1/{lay['ep']} of every MoE block's")
+                     f"shares one copy of the experts, each rank holding 1/{lay['ep']} of every MoE block's experts")
     if about.get("tf32_note"):  # toolkit.train.tf32: an fp32 run on a GPU with TF32 left off, or what --tf32 did
         lines.append(about["tf32_note"])
     lora = about.get("lora")
