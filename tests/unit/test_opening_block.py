@@ -17,3 +17,16 @@ def test_the_layout_line_names_sp_and_the_schedule(layout, line):
              "from_dir": False, "seed": 1, "dtype": "bf16", "params": 1000, "trainable": 1000, "mbs": 2, "gas": 4,
              "gbs": 8 * layout["dp"], "seq_len": 32, "start_step": 0, "steps": 4}
     assert start_lines(about)[1].startswith(line), start_lines(about)[1]
+
+
+def test_one_rank_and_a_resume_written_under_sp_and_ep_say_so():
+    from toolkit.train.report.progress import start_lines
+
+    about = {"layout": {"dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1}, "model": "tiny-mixtral",
+             "model_name": "tiny-mixtral", "from_dir": False, "seed": 1, "dtype": "fp32", "params": 1000,
+             "trainable": 1000, "mbs": 2, "gas": 4, "gbs": 8, "seq_len": 32, "start_step": 4, "steps": 8,
+             "resume": {"tag": "global_step4", "saved": {"dp": 4, "pp": 1, "tp": 1, "sp": 2, "zero_stage": 1,
+                                                         "expert_parallel": 2}}}
+    lines = start_lines(about)
+    assert "= 1 rank," in lines[1], lines[1]
+    assert any("written on dp 4 x pp 1 x tp 1 x sp 2, ep 2, ZeRO 1; steps 5..8" in line for line in lines), lines

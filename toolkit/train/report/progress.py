@@ -118,8 +118,10 @@ def start_lines(about: dict) -> list:
     steps = f"steps {about['start_step'] + 1}..{about['steps']}"
     if resume:
         saved = resume["saved"]
+        extra = (f" x sp {saved['sp']}" if saved.get("sp", 1) > 1 else "") + (
+            f", ep {saved['expert_parallel']}" if saved.get("expert_parallel") else "")
         lines.append(f"resume: from {resume['tag']} (step {about['start_step']}), written on dp {saved.get('dp')} x pp "
-                     f"{saved.get('pp')} x tp {saved.get('tp', 1)}, ZeRO {saved.get('zero_stage')}; {steps}")
+                     f"{saved.get('pp')} x tp {saved.get('tp', 1)}{extra}, ZeRO {saved.get('zero_stage')}; {steps}")
         lines += [f"note: {note}" for note in resume.get("notes") or []]  # an input moved, or not checkable
     else:
         lines.append(f"fresh run: {steps}")
