@@ -5,7 +5,7 @@ A micro-batch counts rows, as DeepSpeed's train_micro_batch_size_per_gpu does: m
 chosen and rejected rows adjacent in the same micro-batch (toolkit.data.pairs), so mbs must be even.
 """
 
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, UnusableInput
 
 
 def uses_preference(args) -> bool:
@@ -63,7 +63,11 @@ def _preference_file(path, encoding: str) -> bool:
     path = Path(path)
     if path.suffix != ".jsonl" or not path.is_file():
         return False
-    return all(key in first_row(path, "--data", encoding) for key in PAIR_COLUMNS)
+    try:
+        row = first_row(path, "--data", encoding)
+    except UnusableInput:  # not JSON lines: the data's own check (source.check_path) says what it is
+        return False
+    return all(key in row for key in PAIR_COLUMNS)
 
 
 def build(args, pp: int, lora: bool):
