@@ -183,6 +183,7 @@ def test_an_ep_run_moves_by_hf_name_and_continues(runs, moved):
     assert manifest.get("expert_parallel") == (RUNS[layout][1] or None)
 
 
+@pytest.mark.heavy  # ZeRO-0's ep move: ~10 s (the default tier's move: test_dstk_reshard_takes_an_ep_run_off_autoep)
 def test_a_zero0_ep_run_moves_off_autoep_with_its_moments(runs):
     """ZeRO-0 ep 2 -> dp 2 (ep 1) from step 2: each ep rank's torch optimizer state (DeepSpeed's
     expp_rank_E_mp_rank_00_optim_states.pt) named by the parameters the engine's optimizer holds after AutoEP replaced
@@ -197,6 +198,7 @@ def test_a_zero0_ep_run_moves_off_autoep_with_its_moments(runs):
     assert "model.layers.0.mlp.experts.w1" in {n for group in manifest["param_groups"] for n in group}
 
 
+@pytest.mark.heavy  # ZeRO-3's ep moves: ~13 s (the default tier's move: test_dstk_reshard_takes_an_ep_run_off_autoep)
 def test_a_zero3_ep_run_moves_off_and_onto_autoep_with_its_moments(runs):
     """ZeRO-3 dp 4 x ep 2 -> dp 2 (ep 1, ZeRO-3) from step 2: the dense weights and moments from their shares on every
     rank, each expert's from its shares on its expert-data-parallel group (2 ranks here), joined over the ep ranks;
