@@ -128,23 +128,24 @@ def _recipe(source_recipe: Path, out: Path, was: dict, now: dict):
 def _check_experts(manifest: dict, target: dict) -> None:
     """The target's ep against its data-parallel ranks and the model's experts (the run's --model, read from its
     config.json or a built-in's dimensions where it can be): what `dstk train --check` would refuse after the write."""
+    from toolkit.config.problems import ERROR
+    from toolkit.config.rules.expert_parallel import divisors, expert_parallel_section, model_problems
+    from toolkit.plan.arch import load_arch
+
     ep, ranks = target[EP], target["dp"] * target.get("sp", 1)
     if not ep:
         return
     if ranks % ep:
-        fits = ", ".join(str(d) for d in range(1, ranks + 1) if ranks % d == 0)
         raise ConfigError(f"--ep {ep} does not divide the {ranks} data-parallel ranks of --dp {target['dp']}: AutoEP "
-                          f"groups ep consecutive ranks; use --ep one of {fits}")
-    from toolkit.plan.arch import load_arch
-
+                          f"groups ep consecutive ranks; use --ep one of {divisors(ranks)}")
     try:
         arch = load_arch(str(manifest.get("model")))
     except ConfigError:
         return  # a model the planner does not read: dstk train --check asks AutoEP's own rule
-    if arch.is_moe and arch.experts % ep:
-        fits = ", ".join(str(d) for d in range(1, arch.experts + 1) if arch.experts % d == 0)
-        raise ConfigError(f"--ep {ep} does not divide {arch.name}'s {arch.experts} experts per MoE block: each rank "
-                          f"holds experts / ep whole experts; use --ep one of {fits}")
+    cfg = {"expert_parallel": expert_parallel_section(ep)}
+    errors = [p.message for p in model_problems(cfg, arch) if p.severity == ERROR]
+    if errors:
+        raise ConfigError(f"--ep {ep}: " + "; ".join(errors))
 
 
 def _expert_parallel(manifest: dict, ep: int) -> dict:

@@ -24,6 +24,7 @@ from toolkit.data.source import cache_root
 from toolkit.checkpoint import manifest
 from toolkit.checkpoint.run_folder import RunFolder
 from toolkit.train import hf, preference, tf32
+from toolkit.train.preference.reference import attach_reference
 from toolkit.train.engine import dtype_of, load, model_of_rank, quiet_packed_rows, rank_device, start_engine
 from toolkit.train.report.progress import describe, trust_notes
 
@@ -94,7 +95,7 @@ def prepare(args, cfg: dict, topo, dp_rank: int, resume_tag: str | None = None, 
     # the reference log-probs: the initial weights', so before a checkpoint is loaded
     staged = SimpleNamespace(engine=engine, pipeline=topo.pp > 1, train=sampler, eval_set=prepared.eval, dp=topo.dp,
                              dp_rank=dp_rank, record=record, objective=objective)
-    reference_note = preference.attach_reference(staged, args, cfg)
+    reference_note = attach_reference(staged, args, cfg)
     if reference_note:
         mark("reference")
     if resume_tag:

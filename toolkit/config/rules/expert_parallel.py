@@ -31,7 +31,7 @@ def _section(cfg: dict, key: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _divisors(n: int) -> str:
+def divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
@@ -80,7 +80,7 @@ def _stage_fit(width: int, ctx) -> list[Problem]:
         return []
     return [Problem(EP, f'"autoep_size" {width} does not divide the ranks of a stage: world({ctx.world_size}) / '
                     f"pp({ctx.pp}) = {stage}; AutoEP groups {width} consecutive ranks of a stage "
-                    f'(auto_ep_folding.py:111); use "autoep_size" one of {_divisors(stage)}')]
+                    f'(auto_ep_folding.py:111); use "autoep_size" one of {divisors(stage)}')]
 
 
 def _clipping_at_zero0(cfg: dict, ep: int) -> list[Problem]:
@@ -171,7 +171,7 @@ def model_problems(cfg: dict, arch) -> list[Problem]:
     if arch.experts % ep:
         problems.append(Problem(EP, f'"autoep_size" {ep} does not divide {arch.name}\'s {arch.experts} experts per '
                                 f"MoE block: each rank holds experts / ep whole experts (auto_ep_config.py:369-383); "
-                                f'use "autoep_size" one of {_divisors(arch.experts)}'))
+                                f'use "autoep_size" one of {divisors(arch.experts)}'))
     return problems
 
 

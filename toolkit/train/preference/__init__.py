@@ -4,18 +4,11 @@ reference log-probs (computed once before step 1 and cached beside the prepared 
     objective.py  the DpoLoss a run trains with, the refusals, pp 1's forward (the LoRA reference with the adapters
                   off), TRL's metrics of a step or an evaluation gathered over the ranks
     reference.py  the reference pass over the training and eval pairs with the initial weights, and its cache
+                  (imported by the run itself, not here: it needs torch, and `dstk train --check` reads this package)
 """
 
 from toolkit.train.preference.objective import (build, check, check_prepared, forward_loss, opening_line,
                                                 stage_metrics, uses_preference)
 
 
-def attach_reference(*args, **kwargs):
-    """reference.attach_reference, imported on first use: `dstk train --check` reads this package without torch."""
-    from toolkit.train.preference.reference import attach_reference as attach
-
-    return attach(*args, **kwargs)
-
-
-__all__ = ["build", "check", "check_prepared", "forward_loss", "opening_line", "stage_metrics", "uses_preference",
-           "attach_reference"]
+__all__ = ["build", "check", "check_prepared", "forward_loss", "opening_line", "stage_metrics", "uses_preference"]
